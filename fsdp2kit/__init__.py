@@ -1,0 +1,25 @@
+"""fsdp2kit: PyTorch FSDP2 made easy to use well.
+
+The public face. Every helper takes a module (and a mesh) and changes it in place; see
+README.md for the order in which they compose.
+"""
+
+from fsdp2kit.blocks import find_blocks
+from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
+from fsdp2kit.grads import clip_grad_norm_, no_sync
+from fsdp2kit.plan import ShardPlan
+from fsdp2kit.shard import STRATEGIES, shard_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistInfo",
+    "STRATEGIES",
+    "ShardPlan",
+    "clip_grad_norm_",
+    "find_blocks",
+    "init_distributed",
+    "make_mesh",
+    "no_sync",
+    "shard_model",
+]

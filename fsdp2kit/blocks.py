@@ -1,0 +1,132 @@
+"""Finding the repeated blocks of a model, and the parameters that are shared between modules.
+
+FSDP's unit of communication is a module: one all-gather before it runs, one reduce-scatter
+after its backward. The natural unit in a transformer is the decoder block, so finding the
+blocks is the first step of sharding. We never match attribute names ("layers", "h", "blocks"):
+names differ in every model family and are easy to rename. We use what the model declares about
+itself, and otherwise its structure.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Union
+
+import torch.nn as nn
+
+__all__ = ["BlockSpec", "find_blocks", "shared_parameters"]
+
+BlockSpec = Union[str, type, Sequence[type], Callable[[nn.Module], bool]]
+
+
+def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """Modules that match, in registration order, skipping any nested inside a match."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if match(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def _declared_block_classes(model: nn.Module) -> set[str]:
+    """Class names the model itself says must not be split (transformers' ``_no_split_modules``).
+
+    Composite models (a language model inside a vision-language model) declare them on their
+    sub-models, so every module's declaration counts.
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if declared:
+            names.update(declared)
+    return names
+
+
+def _n_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _largest_repeated_children(model: nn.Module) -> list[nn.Module]:
+    """The largest set of same-class siblings (by parameter count): the trunk of a hand-written model.
+
+    Sizing by parameters rather than count is what picks the decoder layers over, say, the
+    experts inside each layer: the layers contain the experts, so they always weigh more.
+    """
+    best: list[nn.Module] = []
+    best_size = 0
+    for parent in model.modules():
+        by_class: dict[type, list[nn.Module]] = defaultdict(list)
+        for child in parent.children():
+            by_class[type(child)].append(child)
+        for siblings in by_class.values():
+            if len(siblings) < 2:
+                continue
+            size = sum(_n_params(m) for m in siblings)
+            if size > best_size:
+                best, best_size = siblings, size
+    return best
+
+
+def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[nn.Module]:
+    """The modules to shard as units, outermost first, in registration order.
+
+    ``blocks`` is one of:
+    - ``"auto"``: the classes the model declares in ``_no_split_modules`` (every Hugging Face
+      model does), else the largest group of same-class sibling modules (by parameter count);
+    - a class, or a list of classes: every outermost module that is an instance of one;
+    - a predicate ``fn(module) -> bool``: every outermost module for which it is true.
+
+    The root itself is never a block. Raises ``ValueError`` when nothing is found, because
+    sharding a transformer as one unit silently gives up FSDP's memory saving.
+    """
+    if isinstance(blocks, str):
+        if blocks != "auto":
+            raise ValueError(f"blocks={blocks!r}: the only string accepted is 'auto'; pass classes or a predicate")
+        declared = _declared_block_classes(model)
+        found = _outermost(model, lambda m: type(m).__name__ in declared) if declared else []
+        if not found:
+            found = _largest_repeated_children(model)
+        how = (
+            f"no module of the classes the model declares in _no_split_modules ({sorted(declared)})"
+            if declared
+            else "no _no_split_modules declaration"
+        ) + " and no group of two or more same-class sibling modules with parameters"
+    elif isinstance(blocks, type) or (
+        isinstance(blocks, Sequence) and blocks and all(isinstance(b, type) for b in blocks)
+    ):
+        classes = (blocks,) if isinstance(blocks, type) else tuple(blocks)
+        bad = [c for c in classes if not issubclass(c, nn.Module)]
+        if bad:
+            raise TypeError(f"blocks: {bad} are not nn.Module subclasses")
+        found = _outermost(model, lambda m: isinstance(m, classes))
+        how = f"no module is an instance of {[c.__name__ for c in classes]}"
+    elif callable(blocks):
+        predicate = blocks
+        found = _outermost(model, lambda m: bool(predicate(m)))
+        how = f"the predicate {getattr(predicate, '__name__', predicate)!r} matched no module"
+    else:
+        raise TypeError(
+            f"blocks must be 'auto', a module class, a list of module classes or a predicate; got {blocks!r}"
+        )
+    found = [m for m in found if any(True for _ in m.parameters())]
+    if not found:
+        raise ValueError(
+            f"found no blocks to shard in {type(model).__name__}: {how}. Pass the block class, "
+            "e.g. shard_model(model, mesh, blocks=[MyBlock]), or a predicate."
+        )
+    return found
+
+
+def shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """Parameters registered under more than one name (tied weights): id -> every qualified name."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return {pid: ns for pid, ns in names.items() if len(ns) > 1}

@@ -1,0 +1,142 @@
+"""Process-group start-up and device meshes.
+
+`init_distributed` turns torchrun's environment into a process group and a device;
+`make_mesh` turns "how many ways to shard, how many to replicate" into the DeviceMesh
+that `shard_model` expects (1-D FSDP or 2-D hybrid HSDP).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["DistInfo", "init_distributed", "make_mesh", "default_device_type"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def default_device_type() -> str:
+    """The accelerator type the process group runs on: "cuda" when there is one, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(
+    *,
+    timeout: timedelta | float = timedelta(minutes=10),
+    device: str | None = None,
+) -> DistInfo:
+    """Start (or join) the default process group from torchrun's environment.
+
+    - Under torchrun, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT come from the
+      environment. Started with plain ``python``, the process becomes a world of one, so the
+      same script runs unchanged on a laptop.
+    - The backend follows the device: NCCL for CUDA (with gloo beside it for CPU tensors, which
+      checkpointing and object collectives use), gloo on CPU. ``device="cpu"`` forces the CPU
+      path on a CUDA machine.
+    - On CUDA the current device is set from LOCAL_RANK before the group starts, so NCCL binds
+      each rank to its own GPU instead of piling all ranks onto GPU 0.
+    - ``timeout`` bounds every collective: a rank that dies or diverges turns into an error on
+      the others after this long instead of a hang (seconds, or a timedelta).
+    - Calling it again returns the same information without starting a second group.
+    """
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    dev_type = device or default_device_type()
+    if dev_type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
+
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if dev_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPU(s): "
+                "launch at most one process per GPU (torchrun --nproc_per_node)"
+            )
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if dev_type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(
+                backend=backend,
+                timeout=timeout,
+                device_id=dev if dev_type == "cuda" else None,
+            )
+        else:
+            # Plain `python script.py`: a world of one needs no rendezvous at all.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=dev,
+        backend=str(dist.get_backend()),
+    )
+
+
+def _factorizations(world: int) -> list[tuple[int, int]]:
+    return [(world // r, r) for r in range(1, world + 1) if world % r == 0]
+
+
+def make_mesh(shard: int = -1, replicate: int = 1, *, device_type: str | None = None) -> DeviceMesh:
+    """A DeviceMesh over every rank of the default group.
+
+    ``replicate == 1`` gives a 1-D mesh named ``("shard",)`` (plain FSDP); otherwise a 2-D mesh
+    named ``("replicate", "shard")`` (HSDP: parameters sharded within a group of ``shard`` ranks,
+    usually one node, and replicated across ``replicate`` groups). One of the two sizes may be
+    -1, meaning "whatever the world size leaves". Sizes whose product is not the world size are a
+    ``ValueError`` that lists the sizes that would work.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("make_mesh needs a process group: call fsdp2kit.init_distributed() first")
+    world = dist.get_world_size()
+    dev = device_type or default_device_type()
+    valid = ", ".join(f"(shard={s}, replicate={r})" for s, r in _factorizations(world))
+
+    for name, value in (("shard", shard), ("replicate", replicate)):
+        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+            raise ValueError(f"make_mesh: {name}={value!r} must be a positive int or -1 (infer)")
+    if shard == -1 and replicate == -1:
+        raise ValueError(f"make_mesh: at most one of shard and replicate may be -1; for world size {world}: {valid}")
+    given = f"shard={shard}, replicate={replicate}"
+    if shard == -1:
+        shard = world // replicate
+    elif replicate == -1:
+        replicate = world // shard
+    if shard * replicate != world or shard < 1 or replicate < 1:
+        raise ValueError(f"make_mesh: {given} does not fit the world size {world}; sizes that work: {valid}")
+    if replicate == 1:
+        return init_device_mesh(dev, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(dev, (replicate, shard), mesh_dim_names=("replicate", "shard"))

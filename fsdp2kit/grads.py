@@ -1,0 +1,86 @@
+"""Gradient clipping over sharded parameters, and gradient accumulation without communication."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_", "no_sync"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip gradients by their total norm over every rank's shards; returns that norm.
+
+    The norm is a plain tensor with the same value on every rank, also when parameters live on
+    different meshes (an FSDP mesh and a 2-D HSDP mesh, say) or are plain replicated tensors.
+    ``torch.nn.utils.clip_grad_norm_`` returns a DTensor for sharded gradients and cannot mix
+    meshes, so each mesh's gradients are reduced on their own mesh and the partial norms are
+    combined here.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        by_mesh.setdefault(key, []).append(g)
+
+    partial_norms = []
+    for key, group in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=None)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the reduction over the shards happens here
+        partial_norms.append(norm)
+    device = grads[0].device
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in partial_norms])
+    total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
+
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))
+    return total
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(f"no_sync: {type(model).__name__} has no FSDP units; call shard_model first")
+    return modules
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally: backward passes inside skip the reduce-scatter/all-reduce.
+
+    Use it for every micro-step but the last of a gradient-accumulation step; the last backward,
+    outside the context, reduces the accumulated gradients once. Gradients are held unsharded
+    between micro-steps (the price of skipping communication), so peak memory grows by one
+    unsharded gradient per unit. Scale each micro-step's loss by 1/N to average.
+    """
+    modules = _fsdp_modules(model)
+    for m in modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)

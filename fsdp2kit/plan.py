@@ -1,0 +1,136 @@
+"""ShardPlan: what each FSDP unit holds per rank, computed from shapes alone.
+
+The figures are analytic (from parameter shapes, the shard size and dtypes), so a plan can be
+printed for a model built on the meta device without allocating anything. They are the largest
+rank's figures: FSDP2 pads an uneven dim-0 to a multiple of the shard size, so rank 0 holds
+``ceil(dim0 / shard)`` rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["UnitPlan", "ShardPlan"]
+
+
+def _sharded_numel(shape: torch.Size, shard: int) -> int:
+    if len(shape) == 0:
+        return 1
+    return math.ceil(shape[0] / shard) * math.prod(shape[1:])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    name: str
+    n_params: int
+    bytes_per_rank: int  # sharded parameters, in their stored (master) dtype
+    bytes_gathered: int  # unsharded parameters while the unit runs, in the compute dtype
+    trainable_numel_per_rank: int
+    trainable_bytes_per_rank: int
+    reshard_after_forward: bool | int
+
+
+@dataclass
+class ShardPlan:
+    """Returned by `shard_model`; ``print(plan)`` shows one row per FSDP unit and per-rank totals."""
+
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    mixed_precision: str
+    cpu_offload: bool
+    units: list[UnitPlan] = field(default_factory=list)
+
+    @classmethod
+    def unit(
+        cls,
+        name: str,
+        params: list[torch.nn.Parameter],
+        shard: int,
+        compute_dtype: torch.dtype | None,
+        reshard_after_forward: bool | int,
+    ) -> UnitPlan:
+        per_rank = sum(_sharded_numel(p.shape, shard) * p.element_size() for p in params)
+        gathered = sum(
+            p.numel() * (compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size())
+            for p in params
+        )
+        trainable = [p for p in params if p.requires_grad]
+        return UnitPlan(
+            name=name,
+            n_params=sum(p.numel() for p in params),
+            bytes_per_rank=per_rank,
+            bytes_gathered=gathered,
+            trainable_numel_per_rank=sum(_sharded_numel(p.shape, shard) for p in trainable),
+            trainable_bytes_per_rank=sum(_sharded_numel(p.shape, shard) * p.element_size() for p in trainable),
+            reshard_after_forward=reshard_after_forward,
+        )
+
+    @property
+    def n_params(self) -> int:
+        return sum(u.n_params for u in self.units)
+
+    @property
+    def param_bytes_per_rank(self) -> int:
+        return sum(u.bytes_per_rank for u in self.units)
+
+    @property
+    def grad_bytes_per_rank(self) -> int:
+        # Reduced gradients land in the sharded parameters' dtype (fp32 master weights stay fp32).
+        return sum(u.trainable_bytes_per_rank for u in self.units)
+
+    @property
+    def adam_bytes_per_rank(self) -> int:
+        # exp_avg and exp_avg_sq, each shaped and typed like the sharded parameter.
+        return 2 * self.grad_bytes_per_rank
+
+    @property
+    def largest_gather_bytes(self) -> int:
+        return max((u.bytes_gathered for u in self.units), default=0)
+
+    @property
+    def state_bytes_per_rank(self) -> int:
+        """Parameters + gradients + Adam state per rank: the floor that activations come on top of."""
+        return self.param_bytes_per_rank + self.grad_bytes_per_rank + self.adam_bytes_per_rank
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        head = (
+            f"ShardPlan: {len(self.units)} FSDP units over mesh ({mesh}), strategy {self.strategy}, "
+            f"precision {self.mixed_precision}" + (", CPU offload" if self.cpu_offload else "")
+        )
+        rows = [("unit", "params", "per rank", "gathered", "reshard")]
+        for u in self.units:
+            reshard = {True: "yes", False: "no"}.get(u.reshard_after_forward, f"to {u.reshard_after_forward}")
+            rows.append((u.name, fmt_count(u.n_params), fmt_bytes(u.bytes_per_rank), fmt_bytes(u.bytes_gathered), reshard))
+        rows.append(("total", fmt_count(self.n_params), fmt_bytes(self.param_bytes_per_rank), "", ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [head]
+        for i, r in enumerate(rows):
+            if i == len(rows) - 1:
+                lines.append("  ".join("-" * w for w in widths))
+            lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        lines.append(
+            f"per rank: parameters {fmt_bytes(self.param_bytes_per_rank)}, gradients {fmt_bytes(self.grad_bytes_per_rank)}, "
+            f"Adam state {fmt_bytes(self.adam_bytes_per_rank)} (sum {fmt_bytes(self.state_bytes_per_rank)}); "
+            f"largest all-gather {fmt_bytes(self.largest_gather_bytes)}"
+        )
+        return "\n".join(lines)

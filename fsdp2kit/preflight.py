@@ -1,0 +1,104 @@
+"""Checks that run before any collective, so a bad model fails with a sentence instead of a hang.
+
+Each of these mistakes otherwise surfaces late and far from its cause: an AssertionError inside
+FSDP's lazy init on the first forward, a silent all-gather of the wrong tensor, or an optimizer
+that steps parameters nobody uses any more.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["check_not_sharded", "check_devices", "check_unit_dtypes", "mark_replaced", "install_optimizer_check"]
+
+
+def check_not_sharded(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            kind = "fully_shard (FSDP2)" if isinstance(module, FSDPModule) else "FullyShardedDataParallel (FSDP1)"
+            raise ValueError(
+                f"{name or type(model).__name__} is already sharded by {kind}; shard_model must be called once, "
+                "on an unsharded model"
+            )
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name} is already a DTensor (placements {param.placements}); shard_model expects plain "
+                "tensors (tensor parallelism before FSDP is not supported yet)"
+            )
+
+
+def check_devices(model: nn.Module, mesh: DeviceMesh, *, cpu_offload: bool) -> None:
+    """All parameters on one device, of the mesh's type (meta is fine: materialize fills it later)."""
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters():
+        if param.device.type != "meta":
+            by_device[param.device].append(name)
+    if len(by_device) > 1:
+        listing = "; ".join(f"{dev}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                            for dev, names in by_device.items())
+        raise ValueError(f"parameters are on different devices ({listing}); move the whole model to one device first")
+    for dev, names in by_device.items():
+        if dev.type == mesh.device_type or (cpu_offload and dev.type == "cpu"):
+            continue
+        raise ValueError(
+            f"parameters are on {dev} (e.g. {names[0]}) but the mesh is a {mesh.device_type!r} mesh; "
+            f"move the model with model.to({mesh.device_type!r}), build it on the meta device, or make the mesh "
+            f"with make_mesh(device_type={dev.type!r})"
+        )
+
+
+def check_unit_dtypes(unit: str, params: dict[str, nn.Parameter]) -> None:
+    """FSDP2 flattens a unit's trainable parameters into one buffer per collective: one dtype only."""
+    by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
+    for name, param in params.items():
+        if param.requires_grad:
+            by_dtype[param.dtype].append(name)
+    if len(by_dtype) > 1:
+        listing = "; ".join(f"{dt}: {', '.join(ns[:3])}" + (" ..." if len(ns) > 3 else "") for dt, ns in by_dtype.items())
+        raise ValueError(
+            f"FSDP unit {unit} mixes trainable parameter dtypes ({listing}). Cast the model to one dtype "
+            "(e.g. model.float()) and choose the compute dtype with mixed_precision=..., or freeze the odd ones"
+        )
+
+
+_REPLACED_ATTR = "_fsdp2kit_sharded_as"
+_hook_installed = False
+
+
+def mark_replaced(params: dict[str, nn.Parameter]) -> None:
+    """Tag the parameters that fully_shard is about to replace with DTensor parameters."""
+    for name, param in params.items():
+        setattr(param, _REPLACED_ATTR, name)
+
+
+def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = getattr(param, _REPLACED_ATTR, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter {name!r} as it was before shard_model replaced it; "
+                    "stepping it would not change the model. Build the optimizer after shard_model, from "
+                    "model.parameters()."
+                )
+
+
+def install_optimizer_check() -> None:
+    """Make any optimizer step that would update a pre-sharding parameter raise instead.
+
+    An optimizer built before ``shard_model`` keeps the old parameters, which no longer take part
+    in the model: training would run and the loss would simply not move. A check on every step is
+    the only place this can be caught, and it costs one attribute look-up per parameter.
+    """
+    global _hook_installed
+    if not _hook_installed:
+        register_optimizer_step_pre_hook(_refuse_replaced_params)
+        _hook_installed = True

@@ -1,0 +1,260 @@
+"""shard_model: FSDP2 on every block, then on the embeddings, then on the root.
+
+Units, bottom-up (FSDP2 requires children before parents):
+1. every block `find_blocks` returns: one all-gather and one reduce-scatter each, so memory
+   holds one unsharded block at a time (two with prefetch);
+2. every embedding table outside the blocks, with whatever module shares its weight (a tied
+   output head) in the same unit: a large-vocabulary embedding is the biggest single tensor of
+   a model, and in the root it would stay unsharded for the whole step;
+3. the root, which keeps what is left (final norm, an untied head): used last in forward and
+   first in backward, so it does not reshard in between.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from fsdp2kit.blocks import BlockSpec, find_blocks
+from fsdp2kit.plan import ShardPlan
+from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
+from fsdp2kit.preflight import (
+    check_devices,
+    check_not_sharded,
+    check_unit_dtypes,
+    install_optimizer_check,
+    mark_replaced,
+)
+
+__all__ = ["STRATEGIES", "Strategy", "resolve_strategy", "shard_model"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    mesh_ndim: int  # the mesh the user must pass: 1 (FSDP) or 2 (HSDP)
+    reshard_after_forward: bool
+    replicate_only: bool = False  # NO_SHARD: every rank holds everything, gradients all-reduced
+
+
+# FSDP1's sharding strategies, in FSDP2's terms: the mesh shape says whether there is a
+# replicate dimension, reshard_after_forward says whether parameters are freed after forward
+# (ZeRO-3) or kept until backward (ZeRO-2).
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("FULL_SHARD", 1, True),
+        Strategy("SHARD_GRAD_OP", 1, False),
+        Strategy("NO_SHARD", 1, False, replicate_only=True),
+        Strategy("HYBRID_SHARD", 2, True),
+        Strategy("HYBRID_SHARD_ZERO2", 2, False),
+    )
+}
+
+
+def resolve_strategy(strategy: str | None, mesh: DeviceMesh) -> Strategy:
+    """A strategy name (None: FULL_SHARD on a 1-D mesh, HYBRID_SHARD on a 2-D one), checked against the mesh."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"shard_model takes a 1-D (shard) or 2-D (replicate, shard) mesh, got a {mesh.ndim}-D mesh")
+    if strategy is None:
+        return STRATEGIES["FULL_SHARD" if mesh.ndim == 1 else "HYBRID_SHARD"]
+    key = strategy.upper() if isinstance(strategy, str) else strategy
+    if key not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {list(STRATEGIES)}")
+    resolved = STRATEGIES[key]
+    if resolved.mesh_ndim != mesh.ndim:
+        shape = tuple(mesh.shape)
+        if resolved.mesh_ndim == 2:
+            hint = "make the mesh with make_mesh(shard=..., replicate=...) and replicate > 1"
+        else:
+            hint = "use HYBRID_SHARD or HYBRID_SHARD_ZERO2 with a 2-D mesh, or make a 1-D mesh"
+        raise ValueError(
+            f"strategy {resolved.name} needs a {resolved.mesh_ndim}-D mesh but got a {mesh.ndim}-D mesh "
+            f"of shape {shape} ({mesh.mesh_dim_names}); {hint}"
+        )
+    return resolved
+
+
+def _check_reshard(value: bool | int | None, shard: int) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
+    divisors = [d for d in range(2, shard) if shard % d == 0]
+    if value not in divisors:
+        raise ValueError(
+            f"reshard_after_forward={value}: an int is the group size to reshard to after forward and must "
+            f"divide the shard size {shard} without being 1 or {shard}; valid here: {divisors or 'none'}"
+        )
+
+
+def _replicate_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """NO_SHARD as FSDP2 spells it: HSDP whose shard groups have one rank each."""
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
+
+
+def _direct_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters(recurse=False)}
+
+
+def _assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
+    """Embedding groups outside the blocks, and each parameter's unit (by id) for the checks.
+
+    Raises if a parameter shared between modules would end up in two units: FSDP would shard it
+    in one and the other unit would compute with the sharded (wrong-sized) tensor.
+    """
+    block_ids = {id(b) for b in blocks}
+    names = {id(m): n for n, m in model.named_modules()}
+
+    # Which block (or None for "outside every block") each module lives in.
+    owner_block: dict[int, nn.Module | None] = {}
+
+    def visit(module: nn.Module, block: nn.Module | None) -> None:
+        owner_block[id(module)] = block
+        for child in module.children():
+            visit(child, child if id(child) in block_ids else block)
+
+    visit(model, None)
+
+    # Which modules register each parameter (a tied weight is registered by several).
+    owners: dict[int, list[nn.Module]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for _, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+            params[id(p)] = p
+
+    unit_of: dict[int, str] = {}
+    for pid, mods in owners.items():
+        homes = {id(owner_block[id(m)]) if owner_block[id(m)] is not None else None for m in mods}
+        if len(homes) > 1:
+            where = [names[id(owner_block[id(m)])] if owner_block[id(m)] is not None else "(outside the blocks)" for m in mods]
+            who = [names[id(m)] for m in mods]
+            raise ValueError(
+                f"tied parameter shared by {who} would be split across FSDP units {where}; "
+                "choose blocks that keep every user of a shared weight in one unit"
+            )
+        block = owner_block[id(mods[0])]
+        unit_of[pid] = names[id(block)] if block is not None else ""
+
+    # Embedding groups: each nn.Embedding outside the blocks, with every module that shares a weight with it.
+    groups: list[list[nn.Module]] = []
+    grouped: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, nn.Embedding) or owner_block[id(module)] is not None or id(module) in grouped:
+            continue
+        group = [module]
+        for p in module.parameters(recurse=False):
+            for other in owners[id(p)]:
+                if all(other is not g for g in group):
+                    group.append(other)
+        if any(m is model for m in group):
+            continue  # the root owns it: it stays in the root unit
+        grouped.update(id(m) for m in group)
+        groups.append(group)
+        label = "+".join(names[id(m)] for m in group)
+        for m in group:
+            for p in m.parameters():
+                unit_of[id(p)] = label
+    return groups, unit_of
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    blocks: BlockSpec = "auto",
+    strategy: str | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mixed_precision: str | MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+) -> ShardPlan:
+    """Shard ``model`` in place with FSDP2 over ``mesh`` and return its `ShardPlan`.
+
+    Args:
+        model: the model, on the mesh's device, on CPU with ``cpu_offload``, or on the meta
+            device (then call `fsdp2kit.materialize` afterwards).
+        mesh: from `fsdp2kit.make_mesh`: 1-D ``("shard",)`` or 2-D ``("replicate", "shard")``.
+        blocks: which modules become FSDP units, see `fsdp2kit.blocks.find_blocks`.
+        strategy: FSDP1's names. ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh),
+            ``SHARD_GRAD_OP`` (ZeRO-2: keep gathered parameters from forward to backward, one
+            all-gather fewer per block for the memory of the whole unsharded model at the end
+            of forward), ``NO_SHARD`` (DDP-like, replicate everything), ``HYBRID_SHARD`` (the
+            default on a 2-D mesh: FULL_SHARD within a shard group, replicated across groups)
+            and ``HYBRID_SHARD_ZERO2``.
+        reshard_after_forward: overrides the strategy for every unit. ``True`` / ``False``, or
+            an int: reshard after forward to groups of that many ranks (e.g. GPUs per node), so
+            backward's all-gather stays inside a node. ``None`` keeps the strategy's default,
+            under which the last block does not reshard: backward starts with it, so freeing
+            and re-gathering it at once would cost an all-gather for nothing.
+        mixed_precision: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` (compute dtype; gradients
+            are reduced in fp32 and the sharded master weights stay fp32), or a
+            ``MixedPrecisionPolicy``.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
+            optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
+
+    Build the optimizer after this call: it must see the sharded DTensor parameters (an
+    optimizer built before raises on its first step).
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
+    resolved = resolve_strategy(strategy, mesh)
+    check_not_sharded(model)
+    check_devices(model, mesh, cpu_offload=cpu_offload)
+    found = find_blocks(model, blocks)
+    if any(b is model for b in found):
+        raise ValueError("the root module cannot be one of its own blocks")
+    groups, unit_of = _assign_units(model, found)
+
+    mp_policy = resolve_mixed_precision(mixed_precision)
+    fsdp_mesh = _replicate_mesh(mesh) if resolved.replicate_only else mesh
+    shard_size = fsdp_mesh.size(-1)
+    _check_reshard(reshard_after_forward, shard_size)
+
+    names = {id(m): n for n, m in model.named_modules()}
+    all_params = dict(model.named_parameters())
+    by_unit: dict[str, dict[str, nn.Parameter]] = defaultdict(dict)
+    for name, p in all_params.items():
+        by_unit[unit_of[id(p)]][name] = p
+    for unit, params in by_unit.items():
+        check_unit_dtypes(unit or "(root)", params)
+
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    common = dict(mesh=fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
+    default = resolved.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
+
+    plan = ShardPlan(
+        strategy=resolved.name,
+        mesh_shape=tuple(fsdp_mesh.shape),
+        mesh_dim_names=tuple(fsdp_mesh.mesh_dim_names or ()),
+        mixed_precision=next((k for k, v in MIXED_PRECISION.items() if v == mp_policy), "custom"),
+        cpu_offload=cpu_offload,
+    )
+    compute_dtype = mp_policy.param_dtype
+    mark_replaced(all_params)
+    # Units in the order FSDP2 needs them (children before parents): (label, modules, reshard).
+    root_reshard = False if reshard_after_forward is None else reshard_after_forward
+    units: list[tuple[str, list[nn.Module], bool | int]] = [
+        (names[id(b)], [b], False if (i == len(found) - 1 and reshard_after_forward is None) else default)
+        for i, b in enumerate(found)
+    ]
+    units += [(" + ".join(names[id(m)] for m in g), g, default) for g in groups]
+    units.append((f"(root) {type(model).__name__}", [model], root_reshard))
+
+    # The plan is computed before any fully_shard call replaces a parameter.
+    seen: set[int] = set()
+    for label, modules, reshard in units:
+        params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
+        plan.units.append(ShardPlan.unit(label, params, shard_size, compute_dtype, reshard))
+
+    for _, modules, reshard in units:
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **common)
+
+    install_optimizer_check()
+    model._fsdp2kit_blocks = found  # the forward order, for set_prefetch
+    return plan

@@ -1,0 +1,124 @@
+"""Run a function on a real multi-process gloo group, from a test or a notebook.
+
+Multi-process code is only tested for real when several processes talk over a real backend,
+and such tests fail in two annoying ways: one rank raises and the others hang in a collective
+forever, or the error that matters is printed by a rank nobody reads. `run_world` spawns the
+ranks, hands back every rank's return value, and turns both failures into one exception that
+quotes every rank's traceback, within a hard deadline.
+
+Starting processes is the slow part (each imports torch), so run many cases in one call.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_world", "WorldError"]
+
+
+class WorldError(RuntimeError):
+    """One or more ranks raised, or the world did not finish before its deadline."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, collective_timeout: float):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    # Several ranks share few cores: one thread each, as torchrun does, or they fight.
+    torch.set_num_threads(1)
+    try:
+        from fsdp2kit.dist import init_distributed
+
+        init_distributed(timeout=collective_timeout, device="cpu")
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    grace: float = 10.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes that form a gloo group on CPU.
+
+    ``fn`` must be importable by name (a module-level function). Each process has called
+    ``fsdp2kit.init_distributed()`` before ``fn`` runs. Returns the ranks' return values in rank
+    order. Raises `WorldError` if any rank raised (with every rank's traceback) or if the whole
+    world is not done within ``timeout`` seconds (naming the ranks that hung). Once one rank has
+    failed, the rest get ``grace`` seconds to report before they are killed, so an error on one
+    rank never turns into a hang on the others.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+
+    reports: dict[int, tuple[bool, Any]] = {}
+    exited_at: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(reports) < world_size:
+        if any(not ok for ok, _ in reports.values()):
+            deadline = min(deadline, time.monotonic() + grace)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            reports[rank] = (ok, value)
+        except queue_mod.Empty:
+            # A rank killed by a signal never reports: after a moment for a report still in
+            # flight, count it as failed rather than waiting for the deadline.
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in reports and p.exitcode is not None:
+                    if now - exited_at.setdefault(r, now) > 2.0:
+                        reports[r] = (False, f"process exited with code {p.exitcode} without reporting")
+
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)
+
+    failed = {r: v for r, (ok, v) in sorted(reports.items()) if not ok}
+    hung = [r for r in range(world_size) if r not in reports]
+    if failed or hung:
+        parts = [f"{fn.__qualname__} on {world_size} ranks failed"]
+        if hung:
+            parts.append(f"ranks {hung} did not finish within the deadline (killed)")
+        for r, tb in failed.items():
+            parts.append(f"--- rank {r} ---\n{tb}")
+        raise WorldError("\n".join(parts))
+    return [reports[r][1] for r in range(world_size)]

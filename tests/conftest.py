@@ -1,0 +1,24 @@
+import os
+import sys
+
+# Tests import the shared tiny models as `models`; spawned ranks inherit this sys.path.
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
+
+import pytest
+
+_PARITY: list[tuple[str, int, float, str]] = []
+
+
+@pytest.fixture(scope="session")
+def parity_table() -> list:
+    return _PARITY
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _PARITY:
+        return
+    terminalreporter.section("parity with single-process training (worst relative parameter difference)")
+    width = max(len(r[0]) for r in _PARITY)
+    for label, world, rel, name in sorted(_PARITY, key=lambda r: (r[1], r[0])):
+        terminalreporter.write_line(f"{label.ljust(width)}  world {world}  {rel:.1e}  ({name})")
