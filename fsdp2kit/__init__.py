@@ -4,6 +4,7 @@ The public face. Every helper takes a module (and a mesh) and changes it in plac
 README.md for the order in which they compose.
 """
 
+import fsdp2kit._quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
