@@ -5,10 +5,14 @@ README.md for the order in which they compose.
 """
 
 import fsdp2kit._quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
+from fsdp2kit.activation import apply_activation_checkpointing
 from fsdp2kit.blocks import find_blocks
+from fsdp2kit.compile import compile_blocks
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
+from fsdp2kit.float8 import enable_float8
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.plan import ShardPlan
+from fsdp2kit.prefetch import set_prefetch
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 
 __version__ = "0.1.0"
@@ -17,11 +21,15 @@ __all__ = [
     "DistInfo",
     "STRATEGIES",
     "ShardPlan",
+    "apply_activation_checkpointing",
     "clip_grad_norm_",
+    "compile_blocks",
+    "enable_float8",
     "estimate_plan",
     "find_blocks",
     "init_distributed",
     "make_mesh",
     "no_sync",
+    "set_prefetch",
     "shard_model",
 ]
