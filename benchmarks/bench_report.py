@@ -32,11 +32,15 @@ def _mib(x) -> str:
     return "-" if x is None else f"{x / MiB:.0f}"
 
 
+def _keys(size: dict) -> list[str]:
+    return [k for k in ORDER if k in size["variants"]]
+
+
 def size_rows(size: dict) -> list[list[str]]:
     vs = size["variants"]
-    ddp_tps = vs["ddp"]["tokens_per_s_per_rank"]
+    ref_tps = vs[_keys(size)[0]]["tokens_per_s_per_rank"]  # DDP when it ran
     rows = []
-    for key in ORDER:
+    for key in _keys(size):
         v = vs[key]
         parity = size["loss_parity"]["variants"][key]
         rows.append([
@@ -44,7 +48,8 @@ def size_rows(size: dict) -> list[list[str]]:
             f"{v['median_step_s'] * 1e3:.0f}",
             f"{v['p25_step_s'] * 1e3:.0f}-{v['p75_step_s'] * 1e3:.0f}",
             f"{v['tokens_per_s_per_rank']:.0f}",
-            f"{v['tokens_per_s_per_rank'] / ddp_tps:.3f}",
+            f"{v['tokens_per_s_per_rank'] / ref_tps:.3f}",
+            f"{v['median_cpu_s_per_step'] * 1e3:.0f}",
             "-" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%",
             _mib(v.get("peak_memory_bytes_per_rank")) + ("*" if v.get("memory_measured_eager") else ""),
             _mib(v.get("resident_bytes_per_rank")),
@@ -54,14 +59,16 @@ def size_rows(size: dict) -> list[list[str]]:
     return rows
 
 
-HEADER = ["variant", "median step ms", "p25-p75 ms", "tokens/s/rank", "vs DDP", "MFU", "peak MiB/rank",
-          "resident MiB/rank", "floor MiB/rank", "loss rel. diff vs DDP"]
+def header(size: dict) -> list[str]:
+    ref = "DDP" if "ddp" in size["variants"] else "row 1"
+    return ["variant", "median step ms", "p25-p75 ms", "tokens/s/rank", f"vs {ref}", "CPU ms/step", "MFU", "peak MiB/rank",
+            "resident MiB/rank", "floor MiB/rank", f"loss rel. diff vs {ref}"]
 
 
-def _text_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+def _text_table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([fmt(HEADER), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+    return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, rows)])
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -80,14 +87,15 @@ def _verdict_rows(result: dict) -> list[list[str]]:
     for key, v in result["verdict"].items():
         cells = [_ratio_cells(result["sizes"][s], key) for s in result["sizes"]]
         rows.append([RATIO_NAMES[key], f">= {v['target']:.2f}", *cells, "met" if v["met"] else "**missed**"])
-    rows.append([RATIO_NAMES["best_fsdp2_over_ddp"], "-", *[_ratio_cells(result["sizes"][s], "best_fsdp2_over_ddp") for s in result["sizes"]], ""])
+    if all("best_fsdp2_over_ddp" in s["ratios"] for s in result["sizes"].values()):
+        rows.append([RATIO_NAMES["best_fsdp2_over_ddp"], "-", *[_ratio_cells(result["sizes"][s], "best_fsdp2_over_ddp") for s in result["sizes"]], ""])
     return rows
 
 
 def _configs_line(result: dict) -> str:
-    vs = next(iter(result["sizes"].values()))["variants"]
-    return (f"best FSDP1: {vs['fsdp1_best']['label']}; best FSDP2: {vs['fsdp2_best']['label']} "
-            f"(chosen by `--search` from the same grid, {result['best_configs']['chosen_by']})")
+    b = result["best_configs"]
+    return (f"best configurations (`--search`, the same grid for both; {b['chosen_by']}): "
+            f"FSDP1 {b['fsdp1']}, FSDP2 {b['fsdp2']}")
 
 
 def write_bench(result: dict, out_dir: Path) -> Path:
@@ -101,15 +109,16 @@ def write_bench(result: dict, out_dir: Path) -> Path:
     print(_configs_line(result))
     for name, size in result["sizes"].items():
         print(f"\n{name}: {size['n_params'] / 1e6:.1f}M parameters, seq {size['seq']}, batch {size['batch_per_rank']}/rank, "
-              f"{len(size['variants']['ddp']['step_times_s'])} interleaved rounds")
-        print(_text_table(size_rows(size)))
+              f"{len(size['variants'][_keys(size)[0]]['step_times_s'])} interleaved rounds")
+        print(_text_table(header(size), size_rows(size)))
     print("\nthroughput ratios (ratio of medians; quartiles of the per-round ratios) against issue 6's targets:")
     sizes = list(result["sizes"])
     vrows = _verdict_rows(result)
     widths = [max(len(str(r[i])) for r in [["ratio", "target", *sizes, ""], *vrows]) for i in range(len(sizes) + 3)]
     for r in [["ratio", "target", *sizes, ""], *vrows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    print(f"loss parity (every variant vs DDP, every step, every rank): {'ok' if result['loss_parity_ok'] else 'FAILED'}")
+    print(f"loss parity (every variant vs {next(iter(result['sizes'].values()))['loss_parity']['reference']}, every step, every rank): "
+          f"{'ok' if result['loss_parity_ok'] else 'FAILED'}")
 
     # JSON
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -122,7 +131,7 @@ def write_bench(result: dict, out_dir: Path) -> Path:
           "## Verdict", "", _md_table(["ratio (tokens/s)", "target", *sizes, ""], vrows), ""]
     for name, size in result["sizes"].items():
         md += [f"## {name}: {size['n_params'] / 1e6:.1f}M parameters, seq {size['seq']}, batch {size['batch_per_rank']} per rank", "",
-               _md_table(HEADER, size_rows(size)), ""]
+               _md_table(header(size), size_rows(size)), ""]
     md += ["Peak and resident memory are live tensor bytes per rank (MemTracker), the worst rank; the floor is "
            "parameters + gradients + Adam state per rank from `estimate_plan` (DDP: the whole model). "
            "`*`: compiled variant, memory measured eager. Loss parity: largest relative difference from DDP's loss "
@@ -141,14 +150,16 @@ def _chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = list(result["sizes"])
+    keys = _keys(result["sizes"][sizes[0]])
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.8 / len(ORDER)
+    width = 0.8 / len(keys)
     colors = {"ddp": "#7f7f7f", "fsdp1": "#6baed6", "fsdp1_best": "#08519c", "fsdp2": "#fd8d3c", "fsdp2_best": "#a63603"}
-    for j, key in enumerate(ORDER):
-        xs = [i + (j - (len(ORDER) - 1) / 2) * width for i in range(len(sizes))]
+    for j, key in enumerate(keys):
+        xs = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(sizes))]
         vs = [result["sizes"][s]["variants"][key] for s in sizes]
-        # normalised to DDP per size, so sizes of very different speed share one axis
-        ddp = [result["sizes"][s]["variants"]["ddp"]["median_step_s"] for s in sizes]
+        # normalised to the first variant (DDP when it ran) per size, so sizes of very different
+        # speed share one axis
+        ddp = [result["sizes"][s]["variants"][keys[0]]["median_step_s"] for s in sizes]
         rel = [d / v["median_step_s"] for d, v in zip(ddp, vs)]
         lo = [r - d / v["p75_step_s"] for r, d, v in zip(rel, ddp, vs)]
         hi = [d / v["p25_step_s"] - r for r, d, v in zip(rel, ddp, vs)]
@@ -160,7 +171,7 @@ def _chart(result: dict, path: Path) -> None:
     for ax in (ax_t, ax_m):
         ax.set_xticks(range(len(sizes)), labels)
     ax_t.axhline(1.0, color="black", lw=0.6)
-    ax_t.set_ylabel("tokens/s per rank, relative to DDP")
+    ax_t.set_ylabel(f"tokens/s per rank, relative to {result['sizes'][sizes[0]]['variants'][keys[0]]['label']}")
     ax_t.set_title("throughput (median, bars: p25-p75)")
     ax_m.set_ylabel("MiB per rank")
     ax_m.set_title("peak live tensor memory (ticks: params+grads+Adam floor)")
