@@ -20,7 +20,8 @@ RATIO_NAMES = {
 
 
 def _stem(result: dict, kind: str) -> str:
-    return f"{kind}-{result['machine']['slug']}-{result['date']}"
+    tag = result["args"].get("tag")
+    return f"{kind}{'-' + tag if tag else ''}-{result['machine']['slug']}-{result['date']}"
 
 
 def _load(result: dict) -> str:

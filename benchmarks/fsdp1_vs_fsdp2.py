@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp2kit.fsdp1 import wrap_fsdp1
 from fsdp2kit.metrics import peak_flops, transformer_flops_per_token
-from fsdp2kit.models import build_causal_lm, llama_config
+from fsdp2kit.models import build_causal_lm
 
 HERE = Path(__file__).resolve().parent
 BEST_CONFIGS = HERE / "best_configs.json"
@@ -356,7 +356,7 @@ def run_size(name: str, seq: int, variants: list[Variant], mesh, info, args, *, 
     torch.manual_seed(args.seed)
     base = build_causal_lm(name, max_seq_len=seq, meta=False)  # on CPU; each variant copies it
     base.config.use_cache = False  # training: no KV cache for anyone to read (and one compiled graph for all blocks)
-    cfg = llama_config(name)
+    cfg = base.config  # a named config or a local directory's config.json
     batches = make_batches(args.warmup + args.repeats, cfg.vocab_size, seq, args.batch, info, args.seed)
     tokens_per_step = args.batch * seq
     fpt = transformer_flops_per_token(base, cfg.num_hidden_layers, cfg.hidden_size, seq)
@@ -389,6 +389,17 @@ def run_size(name: str, seq: int, variants: list[Variant], mesh, info, args, *, 
     return out
 
 
+def _recorded(args) -> dict:
+    """The arguments as the results record them: paths relative to the repository."""
+    out = dict(vars(args))
+    for key in ("out_dir", "best_configs"):
+        try:
+            out[key] = os.path.relpath(out[key], HERE.parent)
+        except ValueError:  # another drive
+            pass
+    return out
+
+
 def _log(info: fk.DistInfo, msg: str) -> None:
     if info.is_main:
         print(msg, flush=True)
@@ -414,7 +425,7 @@ def bench(args, info, mesh) -> dict:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(every)}")
     variants = [every[k] for k in VARIANT_KEYS if k in keys]
     result = {"benchmark": "fsdp1_vs_fsdp2", "date": time.strftime("%Y-%m-%d"), "machine": machine(info),
-              "world_size": info.world_size, "args": vars(args), "best_configs": best_meta, "targets": TARGETS,
+              "world_size": info.world_size, "args": _recorded(args), "best_configs": best_meta, "targets": TARGETS,
               "load_avg_start": os.getloadavg(), "sizes": {}}
     compiled = {v.key for v in variants if v.config.compile}
     for name, seq in parse_sizes(args.sizes):
@@ -454,7 +465,7 @@ def search(args, info, mesh) -> dict:
     the sizes, of its speed-up over that library's defaults in the same run (per size: the
     median of the per-round speed-ups)."""
     out = {"benchmark": "fsdp1_vs_fsdp2 --search", "date": time.strftime("%Y-%m-%d"), "machine": machine(info),
-           "world_size": info.world_size, "args": vars(args), "grid": [asdict(c) for c in GRID],
+           "world_size": info.world_size, "args": _recorded(args), "grid": [asdict(c) for c in GRID],
            "load_avg_start": os.getloadavg(), "sizes": {}}
     gains: dict[str, dict[Config, list[float]]] = {"fsdp1": {c: [] for c in GRID}, "fsdp2": {c: [] for c in GRID}}
     for name, seq in parse_sizes(args.sizes):
@@ -507,6 +518,7 @@ def main() -> None:
     p.add_argument("--search", action="store_true", help="choose the best configurations; writes benchmarks/best_configs.json")
     p.add_argument("--best-configs", default=str(BEST_CONFIGS), help="read (and with --search, written) best configurations")
     p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--tag", default="", help="added to the output file names, for runs off the default sweep")
     args = p.parse_args()
 
     info = fk.init_distributed()

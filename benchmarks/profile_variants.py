@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fsdp1_vs_fsdp2 import Variant, build_variant, load_best, make_batches, parse_sizes
-from fsdp2kit.models import build_causal_lm, llama_config
+from fsdp2kit.models import build_causal_lm
 
 # op or range name -> group, by prefix; the first match wins. The wrappers' own ranges come
 # first: FSDP1 waits for its all-gathers and reduce-scatters inside its hooks, and FSDP2 inside
@@ -68,7 +68,7 @@ def main() -> None:
     torch.manual_seed(0)
     base = build_causal_lm(name, max_seq_len=seq, meta=False)
     base.config.use_cache = False
-    batches = make_batches(args.warmup + args.steps, llama_config(name).vocab_size, seq, args.batch, info, 0)
+    batches = make_batches(args.warmup + args.steps, base.config.vocab_size, seq, args.batch, info, 0)
     keys = args.variants.split(",")
     known = {"ddp": Variant("ddp", "ddp"), "fsdp1": Variant("fsdp1", "fsdp1"), "fsdp2": Variant("fsdp2", "fsdp2")}
     if any(k.endswith("_best") for k in keys):
