@@ -4,6 +4,7 @@ The public face. Every helper takes a module (and a mesh) and changes it in plac
 README.md for the order in which they compose.
 """
 
+import fsdp2kit._quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
 from fsdp2kit.activation import apply_activation_checkpointing
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.compile import compile_blocks
@@ -12,7 +13,7 @@ from fsdp2kit.float8 import enable_float8
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.prefetch import set_prefetch
-from fsdp2kit.shard import STRATEGIES, shard_model
+from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "clip_grad_norm_",
     "compile_blocks",
     "enable_float8",
+    "estimate_plan",
     "find_blocks",
     "init_distributed",
     "make_mesh",

@@ -1,0 +1,10 @@
+import pytest
+
+import fsdp2kit as fk
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """A world of one in this very process: enough for every check that runs before a collective."""
+    fk.init_distributed(device="cpu")
+    return fk.make_mesh()
