@@ -197,6 +197,16 @@ def test_activation_checkpointing_lowers_peak_memory() -> None:
         for m in (full, every2, selective):
             assert m["Sharded Param"] == none["Sharded Param"]
             assert m["OptState"] == none["OptState"]
+        # transformers' layers, checkpointed through their own switch, after fully_shard swapped their class
+        llama = rank["memory_llama"]
+        assert llama["full"]["Total"] < llama["selective"]["Total"] < llama["None"]["Total"]
+
+
+@pytest.mark.timeout(450)
+def test_compiled_blocks_keep_their_checkpoint_after_shard_model() -> None:
+    # AC every 2 over 3 blocks: a checkpointed graph (blocks 0 and 2) and a plain one (block 1)
+    for kind, graphs in _world()[0]["compiled_regions"].items():
+        assert sorted(graphs) == [False, True], f"{kind}: traced graphs with a checkpoint: {graphs}"
 
 
 @pytest.mark.timeout(450)
@@ -207,6 +217,20 @@ def test_state_dict_keys_unchanged(kind: str) -> None:
     for wrapper, got in keys.items():
         for what in ("state_dict", "params", "dcp_model", "dcp_optim", "units"):
             assert got[what] == plain[what], f"{kind} with {wrapper}: {what} changed"
+
+
+@pytest.mark.timeout(450)
+def test_prefetch_targets_and_events() -> None:
+    res = _world()[0]["prefetch"]
+    on, off = res["2/1"], res["0/0"]
+    assert on["forward"] == [[1, 2], [2], []]
+    assert on["backward"] == [[], [0], [1]]
+    assert on["forward_events"] >= 3  # block 0 issues 1 and 2, block 1 issues 2 (a no-op if in flight)
+    assert on["backward_events"] >= 2
+    # 0: no explicit prefetch; backward keeps FSDP2's implicit one-block prefetch
+    assert off["forward"] == [[], [], []] and off["backward"] == [[], [], []]
+    assert off["forward_events"] == 0
+    assert off["backward_events"] >= 1
 
 
 @pytest.mark.timeout(450)

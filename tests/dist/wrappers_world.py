@@ -59,8 +59,12 @@ def state_dict_keys(kind: str, wrappers: list[str]) -> dict:
     return out
 
 
-def ac_memory(modes: list) -> dict:
-    """Peak memory per rank (FSDPMemTracker: every tensor storage a dispatched op creates, by category)."""
+def ac_memory(modes: list, kind: str = "tinygpt") -> dict:
+    """Peak memory per rank (FSDPMemTracker: every tensor storage a dispatched op creates, by category).
+
+    The tracker is a TorchDispatchMode, under which compiled regions run eagerly: it measures
+    eager memory only (the benchmark measures compiled variants by peak RSS instead).
+    """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,7 +72,11 @@ def ac_memory(modes: list) -> dict:
     for mode in modes:
         torch.manual_seed(0)
         # Activations must dominate for AC to matter: a long sequence, a narrow model.
-        model = TinyGPT(dim=64, depth=4, heads=4, seq=128)
+        if kind == "tinygpt":
+            model = TinyGPT(dim=64, depth=4, heads=4, seq=128)
+        else:  # transformers layers: checkpointed through their own switch
+            model = build(kind)
+            model.config.use_cache = False
         if mode is not None:
             fk.apply_activation_checkpointing(model, mode)
         fk.shard_model(model, _mesh(-1, 1))
@@ -121,6 +129,59 @@ def float8_scales() -> dict:
     return {"n_layers": len(layers), "worst_scale_rel": worst, "refreshed": refreshed, "kept": kept}
 
 
+_GRAPHS: list[bool] = []
+
+
+def recording_backend(gm, example_inputs):
+    """A torch.compile backend that notes whether each graph holds a checkpointed region, then runs it eagerly."""
+    _GRAPHS.append(any("checkpoint" in str(node.target) for node in gm.graph.nodes if node.op == "call_function"))
+    return gm.forward
+
+
+def compiled_regions() -> dict:
+    """What dynamo traced for each block after shard_model: checkpointed blocks must carry the checkpoint.
+
+    Activation checkpointing does not change numbers, so parity cannot tell whether it ran; the
+    traced graphs can. (A forward captured before fully_shard swaps the block's class would make
+    transformers' layers skip their checkpoint without a word.)
+    """
+    out = {}
+    for kind in ("llama", "tinygpt"):
+        model = build(kind)
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+        fk.compile_blocks(fk.apply_activation_checkpointing(model, 2), backend=recording_backend)
+        fk.shard_model(model, _mesh(-1, 1))
+        _GRAPHS.clear()
+        lm_loss(model, torch.randint(0, 96, (2, 9))).backward()
+        out[kind] = list(_GRAPHS)
+    return out
+
+
+def prefetch_targets() -> dict:
+    """Which blocks each block prefetches, and the prefetch events a training step records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build("tinygpt")
+    fk.shard_model(model, _mesh(-1, 1))
+    blocks = list(model.trunk)
+    index = {id(b._get_fsdp_state()): i for i, b in enumerate(blocks)}
+    out = {}
+    for forward, backward in ((2, 1), (0, 0)):
+        fk.set_prefetch(model, forward, backward)
+        states = [b._get_fsdp_state() for b in blocks]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            lm_loss(model, torch.randint(0, 96, (2, 9))).backward()
+        names = [e.name for e in prof.events()]
+        out[f"{forward}/{backward}"] = {
+            "forward": [[index[id(t)] for t in s._states_to_forward_prefetch] for s in states],
+            "backward": [[index[id(t)] for t in s._states_to_backward_prefetch] for s in states],
+            "forward_events": sum(n.startswith("FSDP::forward_prefetch") for n in names),
+            "backward_events": sum(n.startswith("FSDP::backward_prefetch") for n in names),
+        }
+    return out
+
+
 def order_errors() -> dict:
     """Each wrapper that must precede shard_model says so when called after it."""
     out = {}
@@ -155,9 +216,12 @@ def run_all(cases: list[Case], memory_modes: list, with_checks: bool, key_wrappe
     out = {"cases": [_run_counted(c) for c in cases]}
     if memory_modes:
         out["memory"] = ac_memory(memory_modes)
+        out["memory_llama"] = ac_memory([None, "full", "selective"], kind="llama")
     if with_checks:
         out["float8_scales"] = float8_scales()
         out["order_errors"] = order_errors()
+        out["prefetch"] = prefetch_targets()
+        out["compiled_regions"] = compiled_regions()
     out["keys"] = {kind: state_dict_keys(kind, wrappers) for kind, wrappers in key_wrappers.items()}
     # Only rank 0's parameters are needed by the test. They travel as numpy arrays: a tensor put
     # on a torch.multiprocessing queue is shared through a file descriptor of a process that is
