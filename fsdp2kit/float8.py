@@ -112,7 +112,7 @@ def enable_float8(
     if any(getattr(b, CHECKPOINTED, None) is not None or getattr(b, COMPILED, False) for b in found):
         raise ValueError(f"enable_float8 must be called before apply_activation_checkpointing and compile_blocks (the order is {ORDER})")
 
-    tied = {pid for pid in shared_parameters(model)}
+    tied = set(shared_parameters(model))
     names = {id(m): n for n, m in model.named_modules()}
     chosen: set[int] = set()
     skipped: list[str] = []
@@ -126,8 +126,13 @@ def enable_float8(
             elif filter_fn is None or filter_fn(module, name):
                 chosen.add(id(module))
     if not chosen:
-        why = f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} or a tied weight"
-        raise ValueError(f"enable_float8: no Linear layer is eligible for float8 ({why if skipped else 'no Linear layer in the blocks'})")
+        why = (
+            f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} "
+            f"or a tied weight (e.g. {skipped[0]})" if skipped else "there is no Linear layer in the blocks"
+        )
+        if filter_fn is not None:
+            why += "; filter_fn rejected the others"
+        raise ValueError(f"enable_float8: no Linear layer is eligible for float8: {why}")
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: id(m) in chosen, config=config)
