@@ -344,9 +344,10 @@ def write_markdown(res: dict, path: Path) -> None:
         "moment (n/a for compiled variants, which it would measure as eager).",
         "- warm-up: the first steps, including compilation for compiled variants; a variant whose blocks share "
         "a forward with an earlier compiled variant reuses its graphs (dynamo's cache is per process).",
-        "- profile: self CPU time of one step on rank 0. `aten::mm` calls count dispatches: the selective policy's "
-        "saved outputs are dispatched again on recompute and answered from its cache, so its self ms, not its "
-        "calls, is the matmul work.",
+        "- profile: self CPU time of one step on rank 0, to see where a variant's time goes; a single step on a "
+        "shared machine, so compare totals across variants with the interleaved figures above, not these. "
+        "`aten::mm` calls count dispatches: the selective policy's saved outputs are dispatched again on recompute "
+        "and answered from its cache, so its self ms, not its calls, is the matmul work.",
         "",
         "## Where the time goes (rank 0, one step, torch.profiler)",
         "",
@@ -435,8 +436,10 @@ def _reading(res: dict) -> list[str]:
     best = res.get("best_combination")
     if best:
         out.append(
-            f"- **Best combination here: {best}**, {speed(best)} speed at {mem(best)} step memory "
-            "(the fastest of the combinations measured; AC in it buys memory, not speed). "
+            f"- **Best combination here: {best}**, {speed(best)} speed at {mem(best)} step memory (the fastest of the "
+            "combinations measured; `compile + AC selective + prefetch` "
+            f"{speed('compile + AC selective + prefetch')} / {mem('compile + AC selective + prefetch')} is the one "
+            "to take when memory is what limits). "
             f"With float8 added: {speed('all: float8 + AC selective + compile + prefetch')} / "
             f"{mem('all: float8 + AC selective + compile + prefetch')} (float8's CPU cost, above)."
         )
@@ -456,7 +459,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--notes", help="a markdown file whose text is appended to the results under 'Reading the numbers'")
     p.add_argument("--only", nargs="*", help="run only these variants (plain is always kept)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/wrappers"))
+    p.add_argument("--render", metavar="JSON", help="only rewrite the markdown from a results JSON of an earlier run")
     args = p.parse_args(argv)
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+        write_markdown(res, Path(args.render).with_suffix(".md"))
+        return
     if args.only is not None and "plain" not in args.only:
         args.only.append("plain")
     uptime_start = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
