@@ -18,6 +18,9 @@ The DCP state dict has three top-level keys: ``model`` (`get_model_state_dict`: 
 rank writing only its shards), ``optimizer`` (`get_optimizer_state_dict`, flattened to one key
 per parameter and state so it reshards like the model) and ``extra``. Because DCP records the
 global shape and the offsets of every chunk, a checkpoint loads at any world size or mesh shape.
+Under ``extra``, ``shared.<name>`` holds rank 0's values and ``rank.<r>.<name>`` each rank's
+`PerRank` values and RNG states (``__rng__``); every value is ``json`` (a uint8 tensor of JSON
+text) plus ``tensors.<i>`` for the tensors it contains.
 
 Nothing from a checkpoint is ever unpickled with arbitrary globals: ``.metadata`` (a pickle, as
 DCP writes it) is read with an unpickler that admits only DCP's metadata classes, optimizer
@@ -524,14 +527,19 @@ class Checkpointer:
                 ck.save(step, model, optimizer=opt, extra={"scheduler": sched, "data": {"index": i}})
         ck.wait()
 
-    Every method is collective: call it on every rank, in the same order. Errors (a bad value in
-    ``extra``, a checkpoint of another model, a corrupt file, a failed write) are raised on every
-    rank as `CheckpointError` with the same message, never as a hang on the ranks that did not
-    see the problem.
+    Every method but `steps` is collective: call it on every rank, in the same order. Errors (a
+    bad value in ``extra``, a checkpoint of another model, a corrupt file, a failed write) are
+    raised on every rank as `CheckpointError` with the same message, never as a hang on the
+    ranks that did not see the problem. A rank that dies mid-save turns into a CheckpointError
+    on the others within the process group's timeout.
+
+    Each Checkpointer makes its own gloo process group on first use (see `_Comm` for why), so
+    make one per run, not one per save. Works without any process group too (one process).
 
     Args:
         root: directory that holds ``step_XXXXXXXX`` subdirectories; created on the first save.
-            Use one root per training run: a save deletes the leftovers of interrupted saves.
+            One training run (one Checkpointer) per root at a time: a save deletes the leftovers
+            of interrupted saves, which another writer's save in flight would look like.
         keep_last: how many complete steps to keep; older ones are deleted only after a newer
             one is complete, and the step just saved is never deleted. ``None`` keeps all.
         async_save: ``save`` copies the state to CPU memory and returns; a background thread
@@ -623,14 +631,19 @@ class Checkpointer:
         writer = FileSystemWriter(tmp, sync_files=True, overwrite=False)
         if self.async_save:
             _quiet_without_process_group(comm.active)
-            upload = dcp.async_save(
-                state,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                process_group=comm.group,
-                async_stager=_AlreadyStaged(),
-                no_dist=not comm.active,
-            )
+            try:
+                upload = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(),
+                    process_group=comm.group,
+                    async_stager=_AlreadyStaged(),
+                    no_dist=not comm.active,
+                )
+            except _FAILURES as e:  # before any collective: the other ranks' writers fail at wait()
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(f"asynchronous save of step {step} to {self.root} did not start: {_describe(e)}") from e
             self._pending = _Pending(step, tmp, self._chain_publish(upload, step, tmp, rank))
             return
 
@@ -757,6 +770,8 @@ class Checkpointer:
         final = step_dir(self.root, step)
         trash = None
         if final.exists():
+            # Replacing a step takes two renames; a crash between them loses this step number
+            # (older steps stay), never leaves a mix of old and new files under it.
             trash = self.root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, trash)
         os.rename(tmp, final)
@@ -766,16 +781,23 @@ class Checkpointer:
         self._prune(just_saved=step)
 
     def _prune(self, just_saved: int) -> None:
+        """Delete all but the newest ``keep_last`` steps, never the one just saved. A failure
+        here is a warning: the save itself is complete and published."""
         if self.keep_last is None:
             return
         steps = list_steps(self.root)
         keep = set(steps[-self.keep_last :]) | {just_saved}
         for old in steps:
-            if old not in keep:
-                # Renamed first: a crash mid-delete must not leave a half-deleted step_* behind.
-                trash = self.root / f"{_TRASH_PREFIX}step_{old:08d}-{uuid.uuid4().hex[:8]}"
+            if old in keep:
+                continue
+            # Renamed first: a crash mid-delete must not leave a half-deleted step_* behind.
+            trash = self.root / f"{_TRASH_PREFIX}step_{old:08d}-{uuid.uuid4().hex[:8]}"
+            try:
                 os.rename(step_dir(self.root, old), trash)
-                shutil.rmtree(trash, ignore_errors=True)
+            except OSError as e:
+                warnings.warn(f"keep_last={self.keep_last}: could not remove step {old}: {e}", stacklevel=2)
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -796,7 +818,7 @@ class Checkpointer:
 
         ``extra``: the same kind of dict as for `save`. Objects with ``load_state_dict`` are
         restored in place; other values are replaced in the dict. Every value of the checkpoint's
-        extra, asked for or not, is in ``self.loaded_extra`` afterwards.
+        extra, asked for or not, is in ``self.loaded_extra`` afterwards (tensors on the CPU).
 
         Before anything is read, every rank checks the checkpoint's metadata against the model:
         missing or unexpected keys, shapes, dtypes, missing or truncated files, and raises
