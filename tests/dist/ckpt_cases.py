@@ -14,6 +14,7 @@ import pickle
 import random
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -179,7 +180,20 @@ def world4(root: str) -> dict:
     fresh = sharded(shard=2, replicate=2, seed=5)
     fresh_opt = adamw(fresh)
     loaded = ck.load(fresh, optimizer=fresh_opt, step=7)
+    # A checkpoint saved by one process: ranks 1-3 have no per-rank values or RNG state in it.
+    extra = {"data": PerRank({"pos": -1}), "shared": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from_one = Checkpointer(root / "one").load(build("tinygpt", seed=5), extra=extra)
+    per_rank = {
+        "step": from_one,
+        "data": extra["data"].value,
+        "shared": extra["shared"],
+        "warnings": sorted(str(w.message) for w in caught if "saved by fewer ranks" in str(w.message)),
+    }
+
     out = {
+        "per_rank": per_rank,
         "steps": list_steps(root / "w4"),
         "waited": waited,
         "named": loaded,

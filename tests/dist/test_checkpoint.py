@@ -13,10 +13,11 @@ import json
 import pytest
 import torch
 
-from fsdp2kit.checkpoint import incomplete_dirs, list_steps
+from fsdp2kit.checkpoint import Checkpointer, PerRank, incomplete_dirs, list_steps
 from fsdp2kit.testing import WorldError, run_world
 
 import ckpt_cases
+from models import build
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,7 +41,12 @@ def _world(fn, world: int, *args, timeout: float) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def w4(root):
-    return _once("w4", lambda: _world(ckpt_cases.world4, 4, str(root), timeout=150))
+    def go():
+        # One process, no peers: the checkpoint world4 loads at 4 ranks, per-rank values and all.
+        Checkpointer(root / "one").save(1, build("tinygpt"), extra={"data": PerRank({"pos": 7}), "shared": 1})
+        return _world(ckpt_cases.world4, 4, str(root), timeout=150)
+
+    return _once("w4", go)
 
 
 def _then_killed(fn, world: int, root, timeout: float):
@@ -117,6 +123,20 @@ def test_hsdp_roundtrip_at_four(w4):
     assert r0["named"] == 7
     assert r0["note"] == "hsdp 2x2"
     assert_same(r0["named_snap"], r0["snap7"], "4 ranks 2x2 -> 4 ranks 2x2, named step 7")
+
+
+def test_per_rank_values_at_more_ranks_than_saved(w4):
+    for rank, res in enumerate(w4):
+        got = res["per_rank"]
+        assert got["step"] == 1 and got["shared"] == 1
+        if rank == 0:
+            assert got["data"] == {"pos": 7} and got["warnings"] == []
+        else:  # not in the checkpoint: kept, and said so
+            assert got["data"] == {"pos": -1}
+            assert len(got["warnings"]) == 2
+            text = "\n".join(got["warnings"])
+            assert f"rank {rank} has no saved value for per-rank extra ['data']" in text
+            assert f"rank {rank}: the checkpoint holds no RNG state for this rank" in text
 
 
 def test_async_save_took_state_at_save_time(w4, w3):
