@@ -54,7 +54,10 @@ def _then_killed(fn, world: int, root, timeout: float):
     and the WorldError it ended with."""
     with pytest.raises(WorldError) as info:
         run_world(fn, world, str(root), timeout=timeout)
-    return ckpt_cases.results_of(fn, root, world), str(info.value)
+    try:
+        return ckpt_cases.results_of(fn, root, world), str(info.value)
+    except FileNotFoundError:  # the cases failed before the kill: show why
+        pytest.fail(f"{fn.__name__} failed before its kill case:\n{info.value}")
 
 
 @pytest.fixture(scope="module")
