@@ -11,6 +11,8 @@ NPROC  ?= 2
 
 export OMP_NUM_THREADS ?= 1
 
+TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
+
 .PHONY: install test test-all demo bench clean
 
 install: $(VENV)/.installed
@@ -27,6 +29,15 @@ test: install
 
 test-all: install
 	$(PY) -m pytest
+
+# The main job: train on the embedded corpus, stop at step 120, then a second launch resumes
+# from the newest complete checkpoint and finishes at step 200.
+demo: install
+	rm -rf outputs/demo
+	$(TORCHRUN) recipes/train.py --config recipes/configs/demo.toml --train.steps 120
+	@echo "=== a second launch resumes from the newest complete checkpoint ==="
+	$(TORCHRUN) recipes/train.py --config recipes/configs/demo.toml
+	@$(PY) recipes/summary.py outputs/demo/train.jsonl
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -10,7 +10,7 @@ from fsdp2kit.checkpoint import Checkpointer
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.plan import ShardPlan
-from fsdp2kit.shard import STRATEGIES, shard_model
+from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "STRATEGIES",
     "ShardPlan",
     "clip_grad_norm_",
+    "estimate_plan",
     "find_blocks",
     "init_distributed",
     "make_mesh",

@@ -12,6 +12,7 @@ Units, bottom-up (FSDP2 requires children before parents):
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from fsdp2kit.preflight import (
     mark_replaced,
 )
 
-__all__ = ["STRATEGIES", "Strategy", "resolve_strategy", "shard_model"]
+__all__ = ["STRATEGIES", "Strategy", "estimate_plan", "resolve_strategy", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -57,25 +58,25 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def resolve_strategy(strategy: str | None, mesh: DeviceMesh) -> Strategy:
-    """A strategy name (None: FULL_SHARD on a 1-D mesh, HYBRID_SHARD on a 2-D one), checked against the mesh."""
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"shard_model takes a 1-D (shard) or 2-D (replicate, shard) mesh, got a {mesh.ndim}-D mesh")
+def resolve_strategy(strategy: str | None, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None = None) -> Strategy:
+    """A strategy name (None: FULL_SHARD on a 1-D mesh, HYBRID_SHARD on a 2-D one), checked against the mesh shape."""
+    ndim = len(mesh_shape)
+    if ndim not in (1, 2):
+        raise ValueError(f"shard_model takes a 1-D (shard) or 2-D (replicate, shard) mesh, got a {ndim}-D mesh")
     if strategy is None:
-        return STRATEGIES["FULL_SHARD" if mesh.ndim == 1 else "HYBRID_SHARD"]
+        return STRATEGIES["FULL_SHARD" if ndim == 1 else "HYBRID_SHARD"]
     key = strategy.upper() if isinstance(strategy, str) else strategy
     if key not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {list(STRATEGIES)}")
     resolved = STRATEGIES[key]
-    if resolved.mesh_ndim != mesh.ndim:
-        shape = tuple(mesh.shape)
+    if resolved.mesh_ndim != ndim:
         if resolved.mesh_ndim == 2:
             hint = "make the mesh with make_mesh(shard=..., replicate=...) and replicate > 1"
         else:
             hint = "use HYBRID_SHARD or HYBRID_SHARD_ZERO2 with a 2-D mesh, or make a 1-D mesh"
         raise ValueError(
-            f"strategy {resolved.name} needs a {resolved.mesh_ndim}-D mesh but got a {mesh.ndim}-D mesh "
-            f"of shape {shape} ({mesh.mesh_dim_names}); {hint}"
+            f"strategy {resolved.name} needs a {resolved.mesh_ndim}-D mesh but got a {ndim}-D mesh "
+            f"of shape {tuple(mesh_shape)} ({mesh_dim_names}); {hint}"
         )
     return resolved
 
@@ -203,41 +204,87 @@ def shard_model(
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
-    resolved = resolve_strategy(strategy, mesh)
-    check_not_sharded(model)
+    layout = _layout(model, tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()), blocks=blocks, strategy=strategy,
+                     reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     check_devices(model, mesh, cpu_offload=cpu_offload)
+
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    fsdp_mesh = _replicate_mesh(mesh) if layout.strategy.replicate_only else mesh
+    mark_replaced(dict(model.named_parameters()))
+    for _, modules, reshard in layout.units:
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=fsdp_mesh, reshard_after_forward=reshard,
+                    mp_policy=layout.mp_policy, offload_policy=offload)
+
+    install_optimizer_check()
+    model._fsdp2kit_blocks = layout.blocks  # the forward order, for set_prefetch
+    return layout.plan
+
+
+def estimate_plan(
+    model: nn.Module,
+    *,
+    shard: int,
+    replicate: int = 1,
+    blocks: BlockSpec = "auto",
+    strategy: str | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mixed_precision: str | MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+) -> ShardPlan:
+    """The `ShardPlan` that `shard_model` would return on a (replicate, shard) mesh, without one.
+
+    Needs no process group and changes nothing, so a model built on the meta device can be
+    planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines.
+    """
+    shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
+    return _layout(model, shape, names, blocks=blocks, strategy=strategy, reshard_after_forward=reshard_after_forward,
+                   mixed_precision=mixed_precision, cpu_offload=cpu_offload).plan
+
+
+@dataclass
+class _Layout:
+    """Everything shard_model decides before it touches the model."""
+
+    strategy: Strategy
+    blocks: list[nn.Module]
+    units: list[tuple[str, list[nn.Module], bool | int]]  # (label, modules, reshard_after_forward), children first
+    mp_policy: MixedPrecisionPolicy
+    plan: ShardPlan
+
+
+def _layout(
+    model: nn.Module,
+    mesh_shape: tuple[int, ...],
+    mesh_dim_names: tuple[str, ...],
+    *,
+    blocks: BlockSpec,
+    strategy: str | None,
+    reshard_after_forward: bool | int | None,
+    mixed_precision: str | MixedPrecisionPolicy | None,
+    cpu_offload: bool,
+) -> _Layout:
+    resolved = resolve_strategy(strategy, mesh_shape, mesh_dim_names)
+    check_not_sharded(model)
     found = find_blocks(model, blocks)
     if any(b is model for b in found):
         raise ValueError("the root module cannot be one of its own blocks")
     groups, unit_of = _assign_units(model, found)
 
     mp_policy = resolve_mixed_precision(mixed_precision)
-    fsdp_mesh = _replicate_mesh(mesh) if resolved.replicate_only else mesh
-    shard_size = fsdp_mesh.size(-1)
+    if resolved.replicate_only:
+        mesh_shape, mesh_dim_names = (math.prod(mesh_shape), 1), ("replicate", "shard")
+    shard_size = mesh_shape[-1]
     _check_reshard(reshard_after_forward, shard_size)
 
-    names = {id(m): n for n, m in model.named_modules()}
-    all_params = dict(model.named_parameters())
     by_unit: dict[str, dict[str, nn.Parameter]] = defaultdict(dict)
-    for name, p in all_params.items():
+    for name, p in model.named_parameters():
         by_unit[unit_of[id(p)]][name] = p
     for unit, params in by_unit.items():
         check_unit_dtypes(unit or "(root)", params)
 
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    common = dict(mesh=fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
+    # Units in the order FSDP2 needs them (children before parents).
+    names = {id(m): n for n, m in model.named_modules()}
     default = resolved.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
-
-    plan = ShardPlan(
-        strategy=resolved.name,
-        mesh_shape=tuple(fsdp_mesh.shape),
-        mesh_dim_names=tuple(fsdp_mesh.mesh_dim_names or ()),
-        mixed_precision=next((k for k, v in MIXED_PRECISION.items() if v == mp_policy), "custom"),
-        cpu_offload=cpu_offload,
-    )
-    compute_dtype = mp_policy.param_dtype
-    mark_replaced(all_params)
-    # Units in the order FSDP2 needs them (children before parents): (label, modules, reshard).
     root_reshard = False if reshard_after_forward is None else reshard_after_forward
     units: list[tuple[str, list[nn.Module], bool | int]] = [
         (names[id(b)], [b], False if (i == len(found) - 1 and reshard_after_forward is None) else default)
@@ -246,15 +293,15 @@ def shard_model(
     units += [(" + ".join(names[id(m)] for m in g), g, default) for g in groups]
     units.append((f"(root) {type(model).__name__}", [model], root_reshard))
 
-    # The plan is computed before any fully_shard call replaces a parameter.
-    seen: set[int] = set()
+    plan = ShardPlan(
+        strategy=resolved.name,
+        mesh_shape=tuple(mesh_shape),
+        mesh_dim_names=tuple(mesh_dim_names),
+        mixed_precision=next((k for k, v in MIXED_PRECISION.items() if v == mp_policy), "custom"),
+        cpu_offload=cpu_offload,
+    )
+    seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
-        plan.units.append(ShardPlan.unit(label, params, shard_size, compute_dtype, reshard))
-
-    for _, modules, reshard in units:
-        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **common)
-
-    install_optimizer_check()
-    model._fsdp2kit_blocks = found  # the forward order, for set_prefetch
-    return plan
+        plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard))
+    return _Layout(resolved, found, units, mp_policy, plan)

@@ -19,17 +19,20 @@ from models import TinyGPT, build, lm_loss
 
 
 def test_strategy_names_and_mesh_shapes(mesh):
-    assert resolve_strategy(None, mesh).name == "FULL_SHARD"
-    assert resolve_strategy("shard_grad_op", mesh).reshard_after_forward is False
-    mesh2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
-    assert resolve_strategy(None, mesh2d).name == "HYBRID_SHARD"
-    assert resolve_strategy("HYBRID_SHARD_ZERO2", mesh2d).reshard_after_forward is False
+    assert resolve_strategy(None, (4,)).name == "FULL_SHARD"
+    assert resolve_strategy("shard_grad_op", (4,)).reshard_after_forward is False
+    assert resolve_strategy(None, (2, 4)).name == "HYBRID_SHARD"
+    assert resolve_strategy("HYBRID_SHARD_ZERO2", (2, 4)).reshard_after_forward is False
     with pytest.raises(ValueError, match="strategy='ZERO3': expected one of \\['FULL_SHARD'"):
-        resolve_strategy("ZERO3", mesh)
+        resolve_strategy("ZERO3", (4,))
     with pytest.raises(ValueError, match="HYBRID_SHARD needs a 2-D mesh but got a 1-D mesh.*replicate > 1"):
-        resolve_strategy("HYBRID_SHARD", mesh)
+        resolve_strategy("HYBRID_SHARD", (4,))
     with pytest.raises(ValueError, match="FULL_SHARD needs a 1-D mesh but got a 2-D mesh"):
-        resolve_strategy("FULL_SHARD", mesh2d)
+        resolve_strategy("FULL_SHARD", (2, 2))
+    # and through shard_model, with a real 2-D mesh
+    mesh2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match="FULL_SHARD needs a 1-D mesh but got a 2-D mesh of shape \\(1, 1\\)"):
+        fk.shard_model(TinyGPT(), mesh2d, strategy="FULL_SHARD")
 
 
 def test_make_mesh_sizes(mesh):
@@ -146,3 +149,19 @@ def test_world_of_one_trains_like_plain_pytorch(mesh):
         o.step()
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), r, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_estimate_plan_matches_shard_model_without_a_mesh(mesh):
+    with torch.device("meta"):
+        a, b = build("llama"), build("llama")
+    estimate = fk.estimate_plan(a, shard=1)
+    assert str(estimate) == str(fk.shard_model(b, mesh))
+    with torch.device("meta"):
+        big = build("llama")
+    hsdp = fk.estimate_plan(big, shard=3, replicate=2, mixed_precision="bf16")
+    n = sum(p.numel() for p in big.parameters())
+    assert hsdp.mesh_shape == (2, 3) and hsdp.strategy == "HYBRID_SHARD"
+    assert n * 4 / 3 <= hsdp.param_bytes_per_rank < n * 4 / 3 + 4 * 3 * 200  # padding of uneven rows
+    assert hsdp.units[0].bytes_gathered == sum(p.numel() for p in big.model.layers[0].parameters()) * 2  # bf16
+    no_shard = fk.estimate_plan(big, shard=4, strategy="NO_SHARD")
+    assert no_shard.mesh_shape == (4, 1) and no_shard.param_bytes_per_rank == n * 4

@@ -1,0 +1,74 @@
+"""Named Llama-style configs for recipes and benchmarks, and building a causal LM without weights.
+
+Only configs live here (numbers from the models' published config.json files); nothing is
+downloaded. A local directory with a Hugging Face config.json works the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+__all__ = ["NAMED_CONFIGS", "llama_config", "build_causal_lm"]
+
+# name -> LlamaConfig arguments.
+NAMED_CONFIGS: dict[str, dict] = {
+    # A few hundred thousand parameters: trains visibly on a CPU in a minute (`make demo`).
+    "demo": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=256, max_position_embeddings=512),
+    # Benchmark sizes (issue: FSDP1 vs FSDP2): hidden x layers.
+    "bench-256x4": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048),
+    "bench-512x8": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                        num_key_value_heads=8, vocab_size=8192, max_position_embeddings=2048),
+    "bench-768x6": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
+                        num_key_value_heads=12, vocab_size=8192, max_position_embeddings=2048),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                      rms_norm_eps=1e-5),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                       rms_norm_eps=1e-5),
+}
+
+
+def llama_config(name: str, **overrides):
+    from transformers import LlamaConfig
+
+    if name not in NAMED_CONFIGS:
+        raise ValueError(f"unknown model name {name!r}: use one of {sorted(NAMED_CONFIGS)} or a local directory")
+    return LlamaConfig(**{**NAMED_CONFIGS[name], **overrides})
+
+
+def build_causal_lm(
+    name: str,
+    *,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    meta: bool = True,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """A randomly initialised causal LM from a named config or a local HF directory's config.json.
+
+    With ``meta=True`` no memory is allocated: shard it, then `fsdp2kit.materialize` or
+    `fsdp2kit.load_pretrained`. Otherwise it is built on ``device`` with the current torch seed.
+    ``vocab_size``/``max_seq_len`` adapt a named config to the data (ignored for a directory,
+    whose weights fix them).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if Path(name).is_dir():
+        if not (Path(name) / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {name} has no config.json")
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    else:
+        overrides = {}
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        if max_seq_len is not None:
+            overrides["max_position_embeddings"] = max(max_seq_len, NAMED_CONFIGS.get(name, {}).get("max_position_embeddings", 0))
+        config = llama_config(name, **overrides)
+    with torch.device("meta" if meta else device):
+        return AutoModelForCausalLM.from_config(config)
