@@ -6,7 +6,7 @@ README.md for the order in which they compose.
 
 import fsdp2kit._quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
 from fsdp2kit.blocks import find_blocks
-from fsdp2kit.checkpoint import Checkpointer
+from fsdp2kit.checkpoint import Checkpointer, PerRank, RNGState
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.plan import ShardPlan
@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
     "DistInfo",
+    "PerRank",
+    "RNGState",
     "STRATEGIES",
     "ShardPlan",
     "clip_grad_norm_",

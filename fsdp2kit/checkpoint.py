@@ -240,6 +240,7 @@ class PerRank:
     Plain ``extra`` values are taken from rank 0 (they are meant to be the same everywhere);
     a ``PerRank`` value is stored once per rank and each rank loads its own. At a different world
     size, ranks that did not exist at save time keep their current value, with a warning.
+    An `RNGState` is always per rank, wrapped or not.
     """
 
     __slots__ = ("value",)
@@ -256,7 +257,8 @@ class RNGState:
     (when CUDA is initialised), Python's ``random`` and NumPy's global generator.
 
     `Checkpointer` saves one per rank by default (``rng=True``), so a resumed run draws the same
-    dropout masks and random data as one that was never interrupted.
+    dropout masks and random data as one that was never interrupted. Put one in ``extra`` (it is
+    stored per rank, like a `PerRank` value) to also save it with ``rng=False`` or to name it.
     """
 
     def state_dict(self) -> dict:
@@ -692,8 +694,8 @@ class Checkpointer:
         rank = self._comm.rank
         shared, mine = {}, {}
         for key, value in (extra or {}).items():
-            if isinstance(value, PerRank):
-                mine[key] = _encode(value.value, f"extra[{key!r}]")
+            if isinstance(value, (PerRank, RNGState)):
+                mine[key] = _encode(value.value if isinstance(value, PerRank) else value, f"extra[{key!r}]")
             else:
                 # Encoded on every rank so that a bad value fails on every rank alike, but stored
                 # from rank 0 only: DCP would otherwise keep an arbitrary rank's copy.
@@ -730,8 +732,8 @@ class Checkpointer:
             "torch": torch.__version__,
             "async": self.async_save,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-            "extra": sorted(k for k, v in (extra or {}).items() if not isinstance(v, PerRank)),
-            "extra_per_rank": sorted(k for k, v in (extra or {}).items() if isinstance(v, PerRank)),
+            "extra": sorted(k for k, v in (extra or {}).items() if not isinstance(v, (PerRank, RNGState))),
+            "extra_per_rank": sorted(k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))),
             "rng": self.rng,
         }
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
@@ -1012,7 +1014,7 @@ def _check_extra_keys(extra: dict | None, metadata: Metadata) -> list[str]:
             shared.add(path[2])
         elif path[:2] == ("extra", "rank") and len(path) > 3 and path[3] != _RNG_KEY:
             per_rank.add(path[3])
-    missing = [k for k, v in extra.items() if k not in (per_rank | shared if isinstance(v, PerRank) else shared)]
+    missing = [k for k, v in extra.items() if k not in (per_rank | shared if isinstance(v, (PerRank, RNGState)) else shared)]
     if missing:
         have = sorted(shared) + [f"{k} (per rank)" for k in sorted(per_rank)]
         return [f"extra key(s) {missing} not in the checkpoint, which has {have or 'no extra'}"]

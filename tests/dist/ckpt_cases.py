@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
-from fsdp2kit.checkpoint import CheckpointError, Checkpointer, PerRank, list_steps, step_dir
+from fsdp2kit.checkpoint import CheckpointError, Checkpointer, PerRank, RNGState, list_steps, step_dir
 from models import TinyGPT, build, lm_loss
 
 VOCAB, SEQ, BATCH = 96, 12, 2
@@ -247,16 +247,19 @@ def _resume(root: Path, async_save: bool) -> tuple[list[float], list[float], dic
         np.random.seed(300 + rank + seed)
         return model, opt, sched
 
+    # Synchronous: the Checkpointer's own per-rank RNG states (rng=True). Asynchronous: rng=False
+    # and an RNGState in extra instead, as recipes/train.py does; it must be stored per rank too.
+    rng = {} if not async_save else {"rng": RNGState()}
     model, opt, sched = run(0)
-    ck = Checkpointer(root, async_save=async_save)
+    ck = Checkpointer(root, async_save=async_save, rng=not async_save)
     first = train(model, opt, 3, sched)
-    ck.save(3, model, optimizer=opt, extra={"scheduler": sched, "data": PerRank({"consumed": 3 * BATCH, "rank": rank})})
+    ck.save(3, model, optimizer=opt, extra={"scheduler": sched, "data": PerRank({"consumed": 3 * BATCH, "rank": rank}), **rng})
     uninterrupted = first + train(model, opt, 3, sched)  # in flight, if asynchronous
     ck.wait()
 
     model, opt, sched = run(1)  # other weights and other generator states: all must be overwritten
-    extra = {"scheduler": sched, "data": PerRank(None)}
-    step = Checkpointer(root).load(model, optimizer=opt, extra=extra)
+    extra = {"scheduler": sched, "data": PerRank(None), **rng}
+    step = Checkpointer(root, rng=not async_save).load(model, optimizer=opt, extra=extra)
     resumed = train(model, opt, 3, sched)
     return uninterrupted[3:], resumed, {"step": step, "data": extra["data"].value, "lr": opt.param_groups[0]["lr"]}
 

@@ -192,6 +192,11 @@ def test_world_of_one_in_process(mesh, tmp_path):
     assert ck.loaded_extra == {"epoch": 2}
     assert ck.steps == [3]
 
+    # An RNGState in extra is per rank whether wrapped in PerRank or not.
+    ck.save(4, model, extra={"rng": RNGState()})
+    keys = set(read_metadata(step_dir(tmp_path, 4)).state_dict_metadata)
+    assert "extra.rank.0.rng.json" in keys and not any(k.startswith("extra.shared.") for k in keys)
+
 
 _NO_GROUP = textwrap.dedent(
     """
