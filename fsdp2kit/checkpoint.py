@@ -401,17 +401,21 @@ def _paths(metadata: Metadata) -> dict[str, tuple]:
 
 
 class _Comm:
-    """Object collectives on a gloo group of the checkpointer's own.
+    """The checkpointer's object collectives, and the group DCP coordinates on.
 
-    Own group: an asynchronous save runs DCP's collectives on a background thread while training
-    runs FSDP's on the default group; one group used by two threads at once would interleave
-    their messages. Gloo: DCP exchanges only plans (Python objects) and async_save requires a CPU
-    backend, so this also works when the default group is NCCL. The group inherits the default
-    group's timeout, so a dead rank becomes an error within that time, not a hang.
+    Synchronous saves and loads use the default group: everything runs on the calling thread,
+    between training steps. Asynchronous saves get a gloo group of their own: DCP's collectives
+    then run on a background thread while training runs FSDP's on the default group, and one
+    group used by two threads at once would interleave their messages. Gloo, because DCP
+    exchanges only plans (Python objects) and async_save requires a CPU backend, so this also
+    works when the default group is NCCL. It inherits the default group's timeout, so a dead
+    rank becomes an error within that time, not a hang.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, own_group: bool) -> None:
+        self.own_group = own_group
         self.group = None
+        self._ready = False
 
     @property
     def active(self) -> bool:
@@ -426,8 +430,11 @@ class _Comm:
         return dist.get_world_size() if self.active else 1
 
     def setup(self) -> None:
-        if self.active and self.group is None:
-            self.group = dist.new_group(backend="gloo", timeout=_default_timeout())
+        """Collective the first time (it may create a group): every rank calls it at the same point."""
+        if self.active and not self._ready:
+            if self.own_group:
+                self.group = dist.new_group(backend="gloo", timeout=_default_timeout())
+            self._ready = True
 
     def gather(self, obj: Any, what: str, local_error: Any = None) -> list[Any]:
         """Every rank's ``obj``; a rank that died or timed out becomes a CheckpointError here."""
@@ -535,8 +542,9 @@ class Checkpointer:
     ranks that did not see the problem. A rank that dies mid-save turns into a CheckpointError
     on the others within the process group's timeout.
 
-    Each Checkpointer makes its own gloo process group on first use (see `_Comm` for why), so
-    make one per run, not one per save. Works without any process group too (one process).
+    Synchronous saves and loads coordinate on the default process group; an asynchronous
+    Checkpointer makes a gloo group of its own on first use (see `_Comm` for why), so make one
+    per run, not one per save. Works without any process group too (one process).
 
     Args:
         root: directory that holds ``step_XXXXXXXX`` subdirectories; created on the first save.
@@ -565,7 +573,7 @@ class Checkpointer:
         self.rng = bool(rng)
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
-        self._comm = _Comm()
+        self._comm = _Comm(own_group=self.async_save)
         self._pending: _Pending | None = None
         self._stager: DefaultStager | None = None
 
