@@ -148,21 +148,28 @@ def bench_rank(workdir: str, repeats: int) -> dict:
     # ---- stall: the step that saves, and the ones after, sync against async --------------------
     stall: dict[str, list[list[float]]] = {"sync": [], "async": []}
     waits: list[float] = []
+    # One Checkpointer per mode for the whole run, as in training: the asynchronous one creates
+    # its gloo group and its staging buffers on its first save, which is a warm-up, not measured.
+    checkpointers = {mode: Checkpointer(work / f"stall_{mode}", keep_last=1, async_save=mode == "async") for mode in ("sync", "async")}
+    for sck in checkpointers.values():
+        sck.save(0, model, optimizer=opt)
+        sck.wait()
     for rep in range(repeats):
         for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
-            sck = Checkpointer(work / f"stall_{mode}", keep_last=1, async_save=mode == "async")
+            sck = checkpointers[mode]
             steps = []
             for i in range(STEPS):
                 dist.barrier()
                 start = time.perf_counter()
                 _step(model, opt, gen)
                 if i == SAVE_AT:
-                    sck.save(1000 * rep + i, model, optimizer=opt)
+                    sck.save(1000 * (rep + 1) + i, model, optimizer=opt)
                 steps.append(time.perf_counter() - start)
             if mode == "async":
                 waits.append(_timed(sck.wait))
-            sck.close()
             stall[mode].append(steps)
+    for sck in checkpointers.values():
+        sck.close()
 
     return {
         "rank": rank,
