@@ -8,6 +8,7 @@ thread count and logits can be compared bit for bit), and models built the ordin
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -288,6 +289,7 @@ def run_cases(cases: list[Case], refs: str, out: str) -> list[dict]:
     refs_path, out_path = Path(refs), Path(out)
     results = []
     for case in cases:
+        start = time.perf_counter()
         if case.op == "load":
             results.append(run_load(case, refs_path, out_path))
         elif case.op == "materialize":
@@ -296,4 +298,5 @@ def run_cases(cases: list[Case], refs: str, out: str) -> list[dict]:
             results.append(run_errors(case, refs_path))
         else:
             raise ValueError(case.op)
+        results[-1]["seconds"] = time.perf_counter() - start
     return results
