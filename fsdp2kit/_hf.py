@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,10 +73,33 @@ def natural_key(key: str) -> list:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
+_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _as_built(model: nn.Module) -> nn.Module:
+    """The model as transformers knows it: a meta-device twin if FSDP renamed any of its classes.
+
+    transformers finds a model's conversions by class name (then model_type), and FSDP2 turns
+    ``MixtralForCausalLM`` into ``FSDPMixtralForCausalLM``: asked about the sharded model it
+    would find none of the class-keyed ones. A twin built on the meta device from the config
+    costs nothing and has the original classes and the same structure.
+    """
+    if all(type(m) is original_class(m) for m in model.modules()):
+        return model
+    if model not in _twins:
+        with torch.device("meta"):
+            twin = original_class(model)(copy.deepcopy(model.config))
+        if getattr(model, "_weight_conversions", None) is not None:  # set by from_pretrained
+            twin._weight_conversions = model._weight_conversions
+        _twins[model] = twin
+    return _twins[model]
+
+
 def _conversions(model: nn.Module, *, for_saving: bool) -> list:
     """transformers' renamings and converters for ``model``; empty for anything else."""
     if not is_pretrained(model):
         return []
+    model = _as_built(model)
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
@@ -290,4 +314,4 @@ def to_hf_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str
         return tensors
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, tensors)
+    return revert_weight_conversion(_as_built(model), tensors)

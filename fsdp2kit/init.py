@@ -285,12 +285,10 @@ def _fail() -> nn.Module:
     raise LookupError
 
 
-def _fill_buffers(model: nn.Module, names: set[str], *, missing_ok: bool) -> list[str]:
-    """Copy construction values into the buffers ``names``; returns those that could not be found."""
+def _fill_buffers(model: nn.Module, names: set[str], *, missing_ok: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Copy construction values into the buffers ``names``; returns them, and the names not found."""
     values = _construction_buffers(model, names)
-    with torch.no_grad():
-        for n, value in values.items():
-            model.get_buffer(n).copy_(value)
+    _copy_buffers(model, values)
     unfound = sorted(set(names) - set(values))
     if unfound and not missing_ok:
         raise ValueError(
@@ -298,7 +296,13 @@ def _fill_buffers(model: nn.Module, names: set[str], *, missing_ok: bool) -> lis
             "transformers model, and constructor arguments not kept as attributes of the same name). "
             "Pass materialize(model, init_fn=...) and fill them there, or build those modules on a real device."
         )
-    return unfound
+    return values, unfound
+
+
+def _copy_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, value in values.items():
+            model.get_buffer(n).copy_(value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,7 +548,9 @@ def materialize(
         return model
     _sync_rng(model, device)
     with _all_ranks_or_none(model, "materialize"):
-        unfound = _fill_buffers(model, buffers, missing_ok=init_fn is not None)
+        # Buffers before the init (init code may read them) and again after (it may write them):
+        # what stays is the construction's value.
+        values, unfound = _fill_buffers(model, buffers, missing_ok=init_fn is not None)
         with torch.no_grad():
             for name in unfound:  # init_fn must fill these: NaN shows if it did not
                 if model.get_buffer(name).is_floating_point():
@@ -557,6 +563,7 @@ def materialize(
                     calls = ((m, n or "(root)", functools.partial(init_fn, m)) for n, m in model.named_modules())
                 for module, label, fn in calls:
                     replay.call(module, label, fn)
+            _copy_buffers(model, values)
         undone = replay.undone()
         if undone:
             how = "init_fn" if init_fn is not None else "the model's initialisation (_init_weights / reset_parameters)"
@@ -608,14 +615,8 @@ def _checkpoint_files(hf_dir: Path) -> dict[str, Path]:
             f"load_pretrained: no model.safetensors, model.safetensors.index.json or *.safetensors in {hf_dir} "
             f"(found {found}); .bin / .pt checkpoints are not read (they unpickle code): convert them first"
         )
-    from safetensors import safe_open
-
-    files = {}
-    for path in candidates:
-        with safe_open(path, framework="pt") as f:
-            for k in f.keys():
-                files[k] = path
-    return files
+    probe = _Reader({})
+    return {k: path for path in candidates for k in probe.header(path)[1] if k != "__metadata__"}
 
 
 def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -645,36 +646,98 @@ def _listing(keys: list[str], limit: int = 12) -> str:
     return f"{shown}, ... ({len(keys)} in all)" if len(keys) > limit else shown
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
+}  # fmt: skip
+
+
 class _Reader:
-    """Open checkpoint files once each and read tensors, or only the rows a rank needs."""
+    """Reads tensors, or only the rows a rank needs, from safetensors files with plain file reads.
+
+    A safetensors file is an 8-byte header length, a JSON header (dtype, shape and byte range of
+    every tensor) and the raw row-major data, so rows ``[a, b)`` of a tensor are one contiguous
+    byte range: we read exactly that, straight into the destination when the dtypes agree.
+    Reading with ``readinto`` rather than through a memory map keeps the checkpoint's page-cache
+    pages out of the process (a mapped file counts in its resident set for as long as it is
+    mapped), so a rank's memory during the load is its shards and one tensor's rows, no more.
+    """
 
     def __init__(self, files: dict[str, Path]):
-        from safetensors import safe_open
-
-        self._open = safe_open
         self.files = files
+        self.headers: dict[Path, tuple[int, dict]] = {}
         self.handles: dict[Path, object] = {}
         self.bytes = 0
 
-    def _handle(self, key: str):
+    def header(self, path: Path) -> tuple[int, dict]:
+        """(byte offset of the data, the JSON header) of one file."""
+        if path not in self.headers:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) != 8:
+                    raise ValueError(f"{path} is not a safetensors file (shorter than its header)")
+                n = int.from_bytes(head, "little")
+                if n > 100_000_000 or n > path.stat().st_size - 8:
+                    raise ValueError(f"{path} is not a safetensors file (header length {n})")
+                self.headers[path] = (8 + n, json.loads(f.read(n)))
+        return self.headers[path]
+
+    def _entry(self, key: str) -> tuple[Path, int, dict]:
         path = self.files[key]
-        if path not in self.handles:
-            self.handles[path] = self._open(path, framework="pt", device="cpu")
-        return self.handles[path]
+        start, header = self.header(path)
+        if key not in header:
+            raise KeyError(f"{key} is not in {path} (the index says it is)")
+        return path, start, header[key]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(key).get_slice(key).get_shape())
+        return tuple(self._entry(key)[2]["shape"])
 
-    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        sl = self._handle(key).get_slice(key)
-        if index is None or not index or all(s == slice(None) for s in index):
-            t = self._handle(key).get_tensor(key)
-        else:
-            t = sl[index]
-        self.bytes += t.numel() * t.element_size()
-        return t
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._entry(key)[2]["dtype"]
+        if name not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{key}: safetensors dtype {name} is not supported")
+        return _SAFETENSORS_DTYPES[name]
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None, *, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``key``, or ``key[index]``; with ``into``, copied into that tensor (returned)."""
+        path, data_start, entry = self._entry(key)
+        shape, dtype = self.shape(key), self.dtype(key)
+        begin, end = entry["data_offsets"]
+        rows = index[0].indices(shape[0]) if index and shape else (0, shape[0] if shape else 1, 1)
+        row_bytes = (end - begin) // max(shape[0], 1) if shape else end - begin
+        first, last = rows[0], max(rows[0], rows[1])
+        part_shape = (last - first, *shape[1:]) if shape else ()
+        rest = tuple(index[1:]) if index else ()
+        whole_rows = all(s.indices(n) == (0, n, 1) for s, n in zip(rest, shape[1:]))
+        direct = into is not None and whole_rows and into.dtype == dtype and into.is_contiguous() and into.device.type == "cpu"
+        buf = into if direct else torch.empty(part_shape, dtype=dtype)
+        nbytes = (last - first) * row_bytes
+        if tuple(buf.shape) != part_shape:
+            raise RuntimeError(f"internal: {key} rows {first}:{last} have shape {part_shape}, destination {tuple(buf.shape)}")
+        if nbytes:
+            view = memoryview(buf.view(torch.uint8).reshape(-1).numpy()) if buf.dim() else memoryview(buf.reshape(1).view(torch.uint8).numpy())
+            if path not in self.handles:
+                self.handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+            f = self.handles[path]
+            f.seek(data_start + begin + first * row_bytes)
+            done = 0
+            while done < nbytes:
+                got = f.readinto(view[done:])
+                if not got:
+                    raise ValueError(f"{path} ends inside {key}: the file is truncated")
+                done += got
+        self.bytes += nbytes
+        part = buf if whole_rows else buf[(slice(None), *rest)]
+        if into is not None and not direct:
+            into.copy_(part)
+            return into
+        return part
 
     def close(self) -> None:
+        for f in self.handles.values():
+            f.close()
         self.handles.clear()
 
 
@@ -682,11 +745,14 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     """Read a local Hugging Face safetensors checkpoint straight into each rank's shards.
 
     Call it after `shard_model`, on every rank (the model may still be on the meta device: its
-    storage is allocated here). Each rank opens the files and reads, for every tensor, only
-    the part its shard holds (``safe_open(...).get_slice``), as the DTensor's placements say:
-    rows ``[a, b)`` with FSDP's ``torch.chunk`` split on the "shard" mesh dimension, everything
-    along "replicate". No rank ever holds the full model; at most one tensor's rows at a time,
-    plus, for a checkpoint whose layout differs from the model's, one converted tensor.
+    storage is allocated here). Each rank reads, for every tensor, only the part its shard
+    holds, as the DTensor's placements say: rows ``[a, b)`` of FSDP's ``torch.chunk`` split on
+    the "shard" mesh dimension, everything along "replicate" (every replica group reads its
+    own copy). Rows are one contiguous byte range of a safetensors file: they are read with
+    plain file reads, straight into the shard when the dtypes agree, and never memory-mapped,
+    so a rank's memory is its shards plus one tensor's rows in the file's dtype when they do not
+    (benchmarks/results/load_pretrained.md). No rank ever holds the full model; a checkpoint
+    whose layout differs from the model's adds one converted tensor at a time.
 
     Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
     one per key but held fused) are mapped with transformers' own renamings and weight
@@ -755,9 +821,13 @@ def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
 def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reader: _Reader) -> None:
     if group.converter is None:
         target = tensors[group.targets[0]]
-        if _local(target).numel() == 0:
+        local = _local(target)
+        if local.numel() == 0:
             return
-        _copy_into(target, reader.read(group.source_keys[0], _local_index(target)))
+        if local.device.type == "cpu":  # straight from the file into the shard when dtypes agree
+            reader.read(group.source_keys[0], _local_index(target), into=local)
+        else:
+            _copy_into(target, reader.read(group.source_keys[0], _local_index(target)))
         return
     target = tensors[group.targets[0]]
     index = _local_index(target)

@@ -26,7 +26,7 @@ def hf_config(kind: str):
 
     common = dict(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     common.update(max_position_embeddings=64, attn_implementation="eager")
-    if kind in ("llama", "llama-tied"):
+    if kind in ("llama", "llama-tied", "llama-fused"):
         return t.LlamaConfig(intermediate_size=56, tie_word_embeddings=kind == "llama-tied", **common)
     if kind == "qwen2":
         return t.Qwen2Config(intermediate_size=56, **common)
@@ -46,14 +46,42 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
+_fused = []
+
+
+def fused_llama_class():
+    """A Llama whose checkpoints store gate and up projections as one tensor per layer.
+
+    Registered with transformers the way a model with its own on-disk layout is (class-name
+    conversion mapping), it exercises a conversion that is not dim-0 sharding safe: one fused
+    tensor on disk split into two sharded parameters, and concatenated back on export.
+    """
+    if not _fused:
+        from transformers import LlamaForCausalLM
+        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Chunk, WeightConverter
+
+        class FusedGateUpLlama(LlamaForCausalLM):
+            pass
+
+        register_checkpoint_conversion_mapping(
+            "FusedGateUpLlama",
+            [WeightConverter("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)])],
+            overwrite=True,
+        )
+        _fused.append(FusedGateUpLlama)
+    return _fused[0]
+
+
 def hf_model(kind: str, *, meta: bool = False):
     from transformers import AutoModelForCausalLM
 
     config = hf_config(kind)
+    build = fused_llama_class() if kind == "llama-fused" else AutoModelForCausalLM.from_config
     if meta:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    return AutoModelForCausalLM.from_config(config)
+            return build(config)
+    return build(config)
 
 
 KINDS = ("llama", "llama-tied", "gpt2", "gemma2", "qwen2", "mixtral", "qwen3_moe")
@@ -66,6 +94,20 @@ def save_references(root: Path) -> None:
         hf_model(kind).save_pretrained(root / kind)
     torch.manual_seed(0)
     hf_model("llama").save_pretrained(root / "llama-sharded", max_shard_size="20KB")
+    # The llama weights with gate and up fused on disk, for the FusedGateUpLlama layout.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(root / "llama" / "model.safetensors")
+    fused = {}
+    for key, value in weights.items():
+        if ".mlp.gate_proj." in key:
+            up = weights[key.replace("gate_proj", "up_proj")]
+            fused[key.replace("gate_proj", "gate_up_proj")] = torch.cat([value, up])
+        elif ".mlp.up_proj." not in key:
+            fused[key] = value
+    (root / "llama-fused").mkdir()
+    save_file(fused, root / "llama-fused" / "model.safetensors", metadata={"format": "pt"})
+    hf_config("llama").save_pretrained(root / "llama-fused")
 
 
 def pretrained(path, **kwargs):
@@ -163,7 +205,8 @@ def run_load(case: Case, refs: Path, out: Path) -> dict:
     source = refs / (case.checkpoint or case.kind)
     model = _sharded_meta(case)
     result = fk.load_pretrained(model, source)
-    ref = pretrained(source)
+    fused = case.kind == "llama-fused"
+    ref = pretrained(refs / "llama" if fused else source)  # the same weights in the usual layout
     x = tokens()
     logits, ref_logits = _logits(model, x), _logits(ref, x)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
@@ -187,7 +230,7 @@ def run_load(case: Case, refs: Path, out: Path) -> dict:
         fk.export_hf(model, target, dtype=dtype, max_shard_size=case.max_shard_size)
         dist.barrier()
         if rank == 0:
-            back = pretrained(target)
+            back = fused_llama_class().from_pretrained(target, attn_implementation="eager") if fused else pretrained(target)
             compare = ref if dtype is None else pretrained(source, dtype=dtype)
             res["export_logits_equal"] = torch.equal(_logits(back, x), _logits(compare, x))
             res["export_keys_equal"] = _file_keys(target) == _file_keys(source)
