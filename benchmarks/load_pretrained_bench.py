@@ -164,9 +164,9 @@ def main() -> None:
         for dtype in dtypes:
             model.to(getattr(torch, dtype)).save_pretrained(Path(tmp) / dtype, max_shard_size="200MB")
         del model
-        files = sorted(p.name for p in (Path(tmp) / dtypes[0]).glob("*.safetensors"))
+        files = {d: sorted(p.name for p in (Path(tmp) / d).glob("*.safetensors")) for d in dtypes}
         results["model"] = {"parameters": n_params, "fp32_bytes": n_params * 4, "files": files}
-        print(f"model: {n_params / 1e6:.1f}M parameters, {n_params * 4 / MB:.0f} MB fp32, {len(files)} files")
+        print(f"model: {n_params / 1e6:.1f}M parameters, {n_params * 4 / MB:.0f} MB fp32, files {files}")
         for dtype, world in runs:
             t0 = time.perf_counter()
             ranks = run_world(measure, world, str(Path(tmp) / dtype), timeout=300)
@@ -193,8 +193,9 @@ def _markdown(results: dict) -> str:
         "# Peak memory per rank during `load_pretrained` vs a naive full load then shard",
         "",
         f"Model: Llama-style, {model['parameters'] / 1e6:.1f}M parameters, {model['fp32_bytes'] / MB:.0f} MB in fp32, "
-        f"saved by `save_pretrained` as {len(model['files'])} safetensors files, once in fp32 and once in bf16 (the "
-        "usual dtype of published checkpoints); both are loaded into fp32 parameters (the master dtype).",
+        "saved by `save_pretrained` with max_shard_size=200MB ("
+        + ", ".join(f"{d}: {len(f)} file{'s' if len(f) > 1 else ''}" for d, f in model["files"].items())
+        + "); bf16 is the usual dtype of published checkpoints. Both are loaded into fp32 parameters (the master dtype).",
         "",
         "Per rank, increase of the resident set's high-water mark (VmHWM, reset before each phase) over the",
         "resident set when the phase began; `shard` is the bytes of that rank's parameter shards, the floor.",
@@ -211,6 +212,20 @@ def _markdown(results: dict) -> str:
                 f"{b['peak_increase'] / MB:.0f} | {b['peak_increase'] / s:.2f} | {b['peak_increase'] / a['peak_increase']:.1f} |"
             )
     lines += [
+        "",
+        "Reading the table:",
+        "",
+        "- `load_pretrained` reads each tensor's rows with plain file reads, straight into the shard when",
+        "  the file's dtype is the parameter's: the peak is the shards themselves. From a bf16 file each",
+        "  tensor's rows pass through one bf16 buffer before the cast, so the largest tensor's rows",
+        "  (the embedding) come on top.",
+        "- naive, fp32 file: transformers memory-maps the file and, with nothing to convert, its tensors",
+        "  stay backed by the page cache; `shard_model` then copies each rank's rows, so only those",
+        "  pages become resident (counted while mapped, beside the copies: about 2x the shard). This is the friendliest",
+        "  case for the naive way, and it holds only on CPU: on GPUs every rank would first move the",
+        "  whole model to its device.",
+        "- naive, bf16 file into fp32: every rank converts the whole model (the fp32 model plus the",
+        "  mapped bf16 file: 1.5x the fp32 model), whatever the world size, so the gap grows with it.",
         "",
         "Load times (informational only: one run on a shared CPU machine is not a timing result):",
         "",

@@ -223,7 +223,7 @@ def plan_load(
             plan.unexpected.append(key)
             continue
         if pattern is None:
-            if target in groups:  # two checkpoint keys for one model key (e.g. both tied names)
+            if target in groups:  # a second checkpoint key for the same model key (e.g. legacy and new names)
                 plan.unexpected.append(key)
                 continue
             groups[target] = Group([target], {key: [key]})

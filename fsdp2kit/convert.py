@@ -257,7 +257,7 @@ def export_hf(
     if _agree_failed(error is not None, model):
         if error is not None:
             raise error
-        raise RuntimeError("export_hf failed on the writing rank (see its error); nothing was written")
+        raise RuntimeError("export_hf failed on another rank (see its error)")
     return out_dir if writer_rank else None
 
 

@@ -183,6 +183,7 @@ def _parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
         register(self, name, param)
 
     previous = torch.get_default_dtype()
+    rng = torch.get_rng_state()  # a constructor may draw (nn.Parameter(torch.randn(...))): not from ours
     nn.Module.register_parameter = to_meta
     try:
         if dtype is not None and dtype.is_floating_point:
@@ -192,6 +193,7 @@ def _parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
     finally:
         nn.Module.register_parameter = register
         torch.set_default_dtype(previous)
+        torch.set_rng_state(rng)
 
 
 def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:

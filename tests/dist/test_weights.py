@@ -23,6 +23,9 @@ CASES: dict[int, list[Case]] = {
         Case("load", "llama", export=True, export_dtype="bfloat16"),
         Case("load", "mixtral", export=True, max_shard_size="30KB"),
         Case("load", "llama-fused", export=True),  # a layout conversion that is not dim-0 safe
+        Case("load", "llama", checkpoint="llama-bf16"),  # bf16 file into fp32 parameters
+        Case("load", "llama-tied", strategy="NO_SHARD"),
+        Case("materialize", "llama-tied", strategy="NO_SHARD"),
         *[Case("materialize", k) for k in KINDS],
         Case("errors", "llama"),
     ],
@@ -102,6 +105,8 @@ def test_load_pretrained_matches_unsharded(world, index, refs, tmp_path_factory)
         got, shard = r[index]["bytes_read"], r[index]["shard_bytes"]
         if CASES[world][index].kind == "llama-fused":  # split on load: whole fused tensors are read
             assert shard < got <= shard + FUSED_BYTES, r[index]["label"]
+        elif CASES[world][index].checkpoint == "llama-bf16":
+            assert got * 2 == shard, r[index]["label"]
         else:
             assert got == shard, r[index]["label"]
     if "export_logits_equal" in res:

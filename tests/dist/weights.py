@@ -94,6 +94,8 @@ def save_references(root: Path) -> None:
         hf_model(kind).save_pretrained(root / kind)
     torch.manual_seed(0)
     hf_model("llama").save_pretrained(root / "llama-sharded", max_shard_size="20KB")
+    torch.manual_seed(0)
+    hf_model("llama").to(torch.bfloat16).save_pretrained(root / "llama-bf16")  # the usual published dtype
     # The llama weights with gate and up fused on disk, for the FusedGateUpLlama layout.
     from safetensors.torch import load_file, save_file
 
@@ -127,6 +129,7 @@ class Case:
     kind: str = "llama"
     shard: int = -1
     replicate: int = 1
+    strategy: str | None = None
     checkpoint: str = ""  # directory under the references root; default: kind
     export: bool = False
     export_dtype: str | None = None
@@ -159,7 +162,7 @@ def _mesh(case: Case):
 
 def _sharded_meta(case: Case):
     model = hf_model(case.kind, meta=True)
-    fk.shard_model(model, _mesh(case))
+    fk.shard_model(model, _mesh(case), strategy=case.strategy)
     return model
 
 
@@ -206,7 +209,8 @@ def run_load(case: Case, refs: Path, out: Path) -> dict:
     model = _sharded_meta(case)
     result = fk.load_pretrained(model, source)
     fused = case.kind == "llama-fused"
-    ref = pretrained(refs / "llama" if fused else source)  # the same weights in the usual layout
+    # The same weights, in the usual layout, in fp32 (the model's dtype; bf16 files are upcast).
+    ref = pretrained(refs / "llama" if fused else source, dtype=torch.float32)
     x = tokens()
     logits, ref_logits = _logits(model, x), _logits(ref, x)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
