@@ -28,6 +28,7 @@ CASES: dict[int, list[Case]] = {
         Case("materialize", "llama-tied", strategy="NO_SHARD"),
         *[Case("materialize", k) for k in KINDS],
         Case("errors", "llama"),
+        Case("plain", "tinygpt-tied"),
     ],
     # World size 3 shards every tensor unevenly: hidden 40 -> 14/14/12, 4 experts -> 2/2/0.
     3: [
@@ -35,6 +36,7 @@ CASES: dict[int, list[Case]] = {
         Case("load", "mixtral", export=True),
         Case("load", "llama-fused", export=True),
         *[Case("materialize", k) for k in ("llama", "gpt2", "gemma2", "mixtral")],
+        Case("plain", "tinygpt-tied"),
     ],
     4: [
         Case("load", "llama", shard=2, replicate=2, export=True),
@@ -131,6 +133,15 @@ def test_materialize(world, index, refs, tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,index", _params("plain"))
+def test_plain_model_with_init_fn(world, index, refs, tmp_path_factory):
+    res = _world(world, refs, tmp_path_factory)[0][index]
+    assert res["differ_from_unsharded"] == [], res["label"]
+    assert res["tied_ok"]
+    assert res["export_equal"], "export of a plain model: each tensor once, equal to the unsharded init"
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["llama-tied", "mixtral"])
 def test_dcp_to_hf(kind, refs, tmp_path_factory):
     """A DCP checkpoint written at 2 ranks -> HF files in this process, with no process group."""
@@ -181,6 +192,7 @@ def test_bad_inputs(refs, tmp_path_factory):
     assert res["lenient_unexpected"] == ["model.layers.0.extra.weight"]
 
 
+@pytest.mark.timeout(60)
 def test_reference_checkpoints_are_what_transformers_writes(refs):
     """The MoE reference really is stored one tensor per expert (else the conversion goes untested)."""
     keys = load_file(refs / "mixtral" / "model.safetensors")

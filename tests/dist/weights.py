@@ -305,6 +305,48 @@ def run_materialize(case: Case) -> dict:
     }
 
 
+def plain_init(module: torch.nn.Module) -> None:
+    """An init_fn for the hand-written TinyGPT, written as for an unsharded model."""
+    from models import TinyGPT
+
+    if isinstance(module, TinyGPT):
+        torch.nn.init.normal_(module.pos, std=0.02)
+    elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        torch.nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            torch.nn.init.zeros_(module.bias)
+    elif isinstance(module, torch.nn.LayerNorm):
+        module.reset_parameters()
+
+
+def run_plain(case: Case, out: Path) -> dict:
+    """A hand-written model (no transformers): init_fn on shards, then export and read back."""
+    from safetensors.torch import load_file
+
+    from models import TinyGPT
+
+    torch.manual_seed(99 + dist.get_rank())
+    with torch.device("meta"):
+        model = TinyGPT(tied=True)
+    fk.shard_model(model, _mesh(case), strategy=case.strategy)
+    fk.materialize(model, init_fn=plain_init)
+    torch.manual_seed(99)
+    with torch.device("meta"):
+        single = TinyGPT(tied=True)
+    fk.materialize(single, init_fn=plain_init)
+    singles = dict(single.named_parameters())
+    target = out / f"plain-{dist.get_world_size()}"
+    fk.export_hf(model, target)
+    dist.barrier()
+    exported = load_file(target / "model.safetensors") if dist.get_rank() == 0 else singles
+    return {
+        "label": case.label,
+        "differ_from_unsharded": [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), singles[n])],
+        "tied_ok": model.head.weight is model.tok.weight,
+        "export_equal": all(torch.equal(exported[n], singles[n]) for n in singles) and "head.weight" not in exported,
+    }
+
+
 def _error(fn) -> tuple[str, str] | None:
     try:
         fn()
@@ -341,6 +383,8 @@ def run_cases(cases: list[Case], refs: str, out: str) -> list[dict]:
             results.append(run_load(case, refs_path, out_path))
         elif case.op == "materialize":
             results.append(run_materialize(case))
+        elif case.op == "plain":
+            results.append(run_plain(case, out_path))
         elif case.op == "errors":
             results.append(run_errors(case, refs_path))
         else:
