@@ -13,10 +13,8 @@ is renamed into place at the end.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import uuid
@@ -30,6 +28,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit._hf import export_groups, to_hf_layout
+from fsdp2kit.checkpoint import _SafeReader, list_steps, read_metadata
+from fsdp2kit.checkpoint import step_dir as _step_dir
 from fsdp2kit.init import _agree_failed, _meshes, _model_tensors, _reshard
 
 __all__ = ["dcp_to_hf", "export_hf", "parse_size"]
@@ -265,69 +265,21 @@ def export_hf(
 # DCP checkpoints (as fsdp2kit.Checkpointer writes them) -> Hugging Face
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's ``.metadata`` (a pickle) allowing only the classes that describe tensors.
-
-    A plain ``pickle.load`` would run whatever code the file names; a checkpoint is data.
-    """
-
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES:
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if name == "Size" or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        if (module, name) in {
-            ("torch.serialization", "_get_layout"),
-            ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"),
-            ("pathlib", "PurePosixPath"),
-            ("pathlib", "PureWindowsPath"),
-            ("collections", "OrderedDict"),
-        }:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint has no use for")
-
-
-def _safe_reader(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            raw = (Path(self.path) / ".metadata").read_bytes()
-            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(str(path))
-
-
-_STEP = re.compile(r"step_(\d+)")
-
-
 def resolve_step_dir(checkpoint: str | os.PathLike) -> Path:
-    """A step directory as given, or the newest ``step_*`` under a Checkpointer root that has ``.metadata``."""
+    """A step directory as given, or the newest complete step under a Checkpointer root."""
     path = Path(checkpoint)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {path}")
     if (path / ".metadata").is_file():
         return path
-    steps = [(int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _STEP.fullmatch(p.name))]
-    complete = sorted((s, p) for s, p in steps if (p / ".metadata").is_file())
-    if not complete:
+    steps = list_steps(path)
+    if not steps:
         found = sorted(p.name for p in path.iterdir())[:10]
         raise FileNotFoundError(
             f"{path} is neither a DCP checkpoint (no .metadata) nor a root with complete step_* directories "
             f"(found {found})"
         )
-    return complete[-1][1]
+    return _step_dir(path, steps[-1])
 
 
 def _load_config(config: Any, step_dir: Path):
@@ -387,7 +339,7 @@ def dcp_to_hf(
     step_dir = resolve_step_dir(checkpoint)
     config = _load_config(config, step_dir)
     model = _meta_model(config)
-    metadata = _safe_reader(step_dir).read_metadata()
+    metadata = read_metadata(step_dir)
     lead = prefix + "."
     stored = {
         k[len(lead):]: v
@@ -432,7 +384,7 @@ def dcp_to_hf(
         state = {prefix: dict(want)}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(state, storage_reader=_safe_reader(reader_path), no_dist=True)
+            dcp.load(state, storage_reader=_SafeReader(reader_path), no_dist=True)
         return {n: state[prefix][source[n]] for n in batch}
 
     stage = _Stage(Path(out_dir), overwrite)
