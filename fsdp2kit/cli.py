@@ -5,6 +5,8 @@ Each subcommand is one ``_add_<name>(subparsers)`` function that declares its ar
 means writing those two functions and appending one entry.
 
     fsdp2kit inspect CKPT_DIR [--step N] [--json]
+    fsdp2kit export-hf CKPT_DIR OUT_DIR [--step N] [--dtype bf16] [--config DIR] [--max-shard-size 5GB]
+    fsdp2kit plan MODEL --shard N [--replicate M] [--strategy S] [--mixed-precision bf16] [--cpu-offload]
 """
 
 from __future__ import annotations
@@ -14,15 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+from fsdp2kit.plan import fmt_bytes
+
 __all__ = ["main", "SUBCOMMANDS"]
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 # ---- inspect -----------------------------------------------------------------------------------
@@ -107,7 +103,7 @@ def _print_inspect(report: dict, out) -> None:
         )
         print(f"  extra: {extras}; per rank: {', '.join(per_rank) or 'none'}", file=out)
     hf = ", Hugging Face config.json" if contents["has_hf_config"] else ""
-    print(f"  {contents['data_files']} data file(s), {_size(contents['data_bytes'])} on disk{hf}", file=out)
+    print(f"  {contents['data_files']} data file(s), {fmt_bytes(contents['data_bytes'])} on disk{hf}", file=out)
 
     groups: dict[str, list[dict]] = {}
     for e in contents["entries"]:
@@ -116,7 +112,7 @@ def _print_inspect(report: dict, out) -> None:
         tensors = [e for e in entries if e["shape"] is not None]
         numel = sum(e["numel"] for e in tensors)
         print(
-            f"  {group:<10} {len(tensors):>5} tensor(s), {numel:,} elements, {_size(sum(e['bytes'] for e in tensors))}"
+            f"  {group:<10} {len(tensors):>5} tensor(s), {numel:,} elements, {fmt_bytes(sum(e['bytes'] for e in tensors))}"
             + (f"; {len(entries) - len(tensors)} other value(s)" if len(entries) > len(tensors) else ""),
             file=out,
         )
@@ -124,7 +120,7 @@ def _print_inspect(report: dict, out) -> None:
     print(f"\n{'key':<{width}}  {'shape':<16} {'dtype':<9} size", file=out)
     for e in contents["entries"]:
         shape = "-" if e["shape"] is None else "(" + ", ".join(map(str, e["shape"])) + ")"
-        print(f"{e['key']:<{width}}  {shape:<16} {e['dtype']:<9} {_size(e['bytes'])}", file=out)
+        print(f"{e['key']:<{width}}  {shape:<16} {e['dtype']:<9} {fmt_bytes(e['bytes'])}", file=out)
 
 
 def _add_inspect(subparsers) -> None:
@@ -150,13 +146,87 @@ def _run_inspect(args) -> int:
     return 0
 
 
+# ---- export-hf ---------------------------------------------------------------------------------
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _add_export_hf(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export-hf",
+        help="convert a checkpoint to Hugging Face safetensors that from_pretrained loads",
+        description="Convert the newest complete step under CKPT_DIR (or --step, or CKPT_DIR as a step "
+        "directory) to consolidated safetensors plus config in OUT_DIR, in one process, with the model's "
+        "usual Hugging Face layout. Nothing is unpickled beyond DCP's tensor descriptions.",
+    )
+    p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
+    p.add_argument("out_dir", help="where to write model*.safetensors and config.json")
+    p.add_argument("--step", type=int, default=None, help="the step to export (default: the newest complete one)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast on export (default: as saved)")
+    p.add_argument("--config", default=None, help="a Hugging Face config directory, when the step has no config.json")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.set_defaults(func=_run_export_hf)
+
+
+def _run_export_hf(args) -> int:
+    import torch
+
+    from fsdp2kit.checkpoint import CheckpointError, list_steps, step_dir
+    from fsdp2kit.convert import dcp_to_hf
+
+    source = Path(args.ckpt_dir)
+    if args.step is not None:
+        if args.step not in list_steps(source):
+            raise CheckpointError(f"step {args.step} is not a complete step in {source}; complete steps: {list_steps(source) or 'none'}")
+        source = step_dir(source, args.step)
+    config = None
+    if args.config:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.config, local_files_only=True)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    out = dcp_to_hf(source, args.out_dir, config=config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+# ---- plan ----------------------------------------------------------------------------------------
+
+
+def _add_plan(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="what each rank would hold for a model on a mesh, without a GPU",
+        description="Build MODEL (a named config such as llama3-8b, or a local Hugging Face directory) on the "
+        "meta device and print the ShardPlan shard_model would produce on a (replicate x shard) mesh.",
+    )
+    p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
+    p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
+    p.add_argument("--replicate", type=int, default=1, help="replica groups (HSDP when > 1)")
+    p.add_argument("--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    p.add_argument("--mixed-precision", default=None, help="fp32, bf16 or fp16")
+    p.add_argument("--cpu-offload", action="store_true")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from fsdp2kit.models import build_causal_lm
+    from fsdp2kit.shard import estimate_plan
+
+    model = build_causal_lm(args.model, meta=True)
+    print(estimate_plan(model, shard=args.shard, replicate=args.replicate, strategy=args.strategy,
+                        mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload))
+    return 0
+
+
 # ---- wiring ------------------------------------------------------------------------------------
 
-SUBCOMMANDS = [_add_inspect]
+SUBCOMMANDS = [_add_inspect, _add_export_hf, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp2kit", description="FSDP2 checkpoints and tools.")
+    parser = argparse.ArgumentParser(prog="fsdp2kit", description="fsdp2kit: checkpoints, export and planning for FSDP2.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
