@@ -1,0 +1,187 @@
+"""Activation checkpointing: full, every N-th block, or selective by op.
+
+A block's activations are what backward needs from its forward: every intermediate tensor an
+op saved for its gradient. Checkpointing a block keeps only its inputs and runs its forward a
+second time during backward to get the rest back. Memory: one block's activations at a time
+instead of all of them. Time: about one extra forward of every checkpointed block (roughly +30%
+of a step for "full").
+
+- ``"full"``: every block. The least memory.
+- ``N`` (an int): every N-th block, starting with the first (``1`` is ``"full"``). Memory and
+  recompute both scale with 1/N.
+- ``"selective"``: every block, but op by op (`SELECTIVE_SAVE` is the policy): the outputs of
+  the expensive ops, whose recompute would cost real FLOPs (matrix multiplies, attention), are
+  kept; everything else (norms, activations, element-wise ops, casts, reshapes) is recomputed.
+  The bulk of a transformer block's activations are those cheap ops' outputs (the MLP's 4x-wide
+  activation, the norms' outputs), so this saves much of "full"'s memory for a small fraction of
+  its recompute.
+
+Only non-reentrant checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``): it
+works with keyword arguments, with inputs that do not require grad, and with torch.compile, and
+it is the only kind that composes with FSDP2.
+
+Parameter names do not change: the block keeps its place in the module tree and only its
+forward is replaced (see `fsdp2kit.wrap`). Blocks from Hugging Face transformers
+(``GradientCheckpointingLayer``) are checkpointed through their own switch instead, because
+they know which of their arguments are a KV cache that a recompute must not update twice.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fsdp2kit.blocks import BlockSpec, find_blocks
+from fsdp2kit.wrap import CHECKPOINTED, COMPILED, ORDER, check_unsharded, current_forward, set_forward
+
+__all__ = ["AC_MODES", "SELECTIVE_SAVE", "apply_activation_checkpointing", "resolve_ac_mode", "selective_policy"]
+
+AC_MODES = ("full", "selective")
+
+
+def _ops(*names: str) -> frozenset:
+    """aten overloads by name, skipping those this build does not have (e.g. cuDNN attention)."""
+    found = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(torch.ops.aten, packet, None)
+        if op is not None and hasattr(op, overload):
+            found.add(getattr(op, overload))
+    return frozenset(found)
+
+
+# The selective policy: outputs of these ops are saved, every other op is recomputed.
+# - matrix multiplies: a Linear is mm/addmm; batched attention scores are bmm; float8 Linear
+#   layers (torchao) multiply with _scaled_mm;
+# - fused attention kernels (each backend has its own op; the CPU one is "..._for_cpu");
+# - max: the absolute maximum that float8 scaling computes over a whole tensor. Its output is one
+#   number, so saving it costs nothing, while recomputing it re-reads the whole tensor.
+SELECTIVE_SAVE: frozenset = _ops(
+    "mm.default",
+    "addmm.default",
+    "bmm.default",
+    "baddbmm.default",
+    "_scaled_mm.default",
+    "_scaled_dot_product_flash_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_efficient_attention.default",
+    "_scaled_dot_product_cudnn_attention.default",
+    "_scaled_dot_product_fused_attention_overrideable.default",
+    "max.default",
+)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save the outputs of `SELECTIVE_SAVE` ops, recompute the rest.
+
+    ``PREFER_RECOMPUTE`` rather than ``MUST_RECOMPUTE`` leaves torch.compile's partitioner free
+    to keep a recomputable tensor when a fused kernel produces it anyway.
+    """
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
+    """``"full"`` -> ("full", 1); ``N`` -> ("every", N); ``"selective"`` -> ("selective", 1)."""
+    if isinstance(mode, bool) or not isinstance(mode, (str, int)):
+        raise ValueError(f"mode={mode!r}: expected 'full', 'selective' or a positive int N (every N-th block)")
+    if isinstance(mode, str):
+        key = mode.lower()
+        if key not in AC_MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {list(AC_MODES)} or a positive int N (every N-th block)")
+        return key, 1
+    if mode < 1:
+        raise ValueError(f"mode={mode}: N checkpoints every N-th block and must be >= 1 (1 is the same as 'full')")
+    return ("full", 1) if mode == 1 else ("every", mode)
+
+
+def _checkpoint_full(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpoint_selective(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(function, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+
+
+# Module-level functions, not closures made per call: torch.compile guards on them, so every
+# model wrapped the same way reuses the same compiled graphs.
+_RUN = {"full": _checkpoint_full, "every": _checkpoint_full, "selective": _checkpoint_selective}
+
+
+def _checkpointed_forward(inner: Callable[..., Any], run: Callable[..., Any]) -> Callable[..., Any]:
+    """An unbound forward that runs ``inner(module, ...)`` under ``run`` when a backward will need it."""
+
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return inner(module, *args, **kwargs)
+        return run(inner, module, *args, **kwargs)
+
+    return forward
+
+
+def _hf_checkpointing_layer(block: nn.Module) -> bool:
+    # Only look if transformers is already imported: importing it here would be slow and noisy.
+    layers = sys.modules.get("transformers.modeling_layers")
+    cls = getattr(layers, "GradientCheckpointingLayer", None)
+    return cls is not None and isinstance(block, cls)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    mode: str | int = "full",
+    *,
+    blocks: BlockSpec = "auto",
+) -> nn.Module:
+    """Checkpoint the activations of ``model``'s blocks in place; returns ``model``.
+
+    Call it before `compile_blocks` and `shard_model` (after `enable_float8`, if used).
+
+    Args:
+        model: the unsharded model.
+        mode: ``"full"`` (every block), an int ``N`` (blocks 0, N, 2N, ...) or ``"selective"``
+            (every block, op by op: keep matmul and attention outputs, recompute the rest; see
+            `SELECTIVE_SAVE`).
+        blocks: which modules are blocks, as for `shard_model` (the same blocks should be the
+            FSDP units, so keep the default unless you pass the same value to both).
+
+    Checkpointing only acts in training mode with grad enabled; eval and ``torch.no_grad`` run
+    the plain forward. State-dict keys and parameter names are unchanged.
+    """
+    kind, every = resolve_ac_mode(mode)
+    check_unsharded(model, "apply_activation_checkpointing")
+    found = find_blocks(model, blocks)
+    for block in found:
+        if getattr(block, COMPILED, False):
+            raise ValueError(f"apply_activation_checkpointing must be called before compile_blocks (the order is {ORDER})")
+        if getattr(block, CHECKPOINTED, None) is not None:
+            raise ValueError(
+                f"activation checkpointing was already applied ({getattr(block, CHECKPOINTED)!r}); apply it once"
+            )
+    run = _RUN[kind]
+    label = mode if isinstance(mode, str) else f"every {every}"
+    # One checkpointed forward per distinct inner forward, shared by the blocks of a class (so
+    # compile_blocks compiles it once).
+    wrapped: dict[Callable[..., Any], Callable[..., Any]] = {}
+    for index, block in enumerate(found):
+        if index % every:
+            continue
+        if _hf_checkpointing_layer(block):
+            # transformers' own switch: its forward calls this function when training, after
+            # dropping cache arguments that a recompute would otherwise update a second time.
+            block.gradient_checkpointing = True
+            block._gradient_checkpointing_func = run
+        else:
+            inner = current_forward(block)
+            if inner not in wrapped:
+                wrapped[inner] = _checkpointed_forward(inner, run)
+            set_forward(block, wrapped[inner])
+        setattr(block, CHECKPOINTED, label)
+    return model

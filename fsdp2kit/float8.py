@@ -1,0 +1,137 @@
+"""Float8 training through torchao, with float8 all-gather of weights under FSDP2.
+
+torchao's ``Float8Linear`` casts a Linear's input, weight and output gradient to float8 with one
+dynamic scale per tensor (``amax`` -> scale) and multiplies with ``torch._scaled_mm``: e4m3 (3
+mantissa bits) forward, e5m2 for gradients. The master weights stay in fp32 (or whatever the
+model holds); only the matmuls run in float8.
+
+With ``fsdp_all_gather=True`` the weight is cast to float8 *before* FSDP2's all-gather, so each
+rank sends a quarter of the fp32 bytes (half of bf16). The cast needs the amax of the whole
+weight, not of the local shard: torchao's ``precompute_float8_dynamic_scale_for_fsdp`` computes
+every weight's amax in one all-reduce, and must run after every change to the weights, or the
+all-gather casts with stale scales (values past the old amax saturate, silently). Here it runs
+by itself: `enable_float8` registers a forward pre-hook on the model that reruns it whenever
+any float8 weight's version counter moved since the last run, i.e. after an optimizer step, a
+checkpoint load or any other in-place write. Gradient-accumulation micro-steps and eval passes
+do not pay for it. (An optimizer-step hook would miss loads and writes outside the optimizer,
+and a returned callable is one more thing to forget.) The one write it cannot see is through
+``param.data``, which has its own version counter: call
+``torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model)`` yourself after such a write.
+
+Which layers: the Linear layers inside the blocks (`find_blocks`) whose in and out features
+are both multiples of 16 (``torch._scaled_mm`` rejects other shapes). Layers outside the blocks
+-- the output head above all, whose logits are the most precision-sensitive matmul of the
+model, and any small projection -- stay in high precision, as do Linear layers whose weight is
+shared with another module (float8 all-gather replaces the weight parameter, which would untie
+it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn as nn
+
+from fsdp2kit.blocks import BlockSpec, find_blocks, shared_parameters
+from fsdp2kit.wrap import CHECKPOINTED, COMPILED, ORDER, check_unsharded
+
+__all__ = ["enable_float8", "float8_eligible"]
+
+_MULTIPLE = 16  # torch._scaled_mm needs both matmul dimensions divisible by 16
+
+
+def float8_eligible(linear: nn.Module) -> bool:
+    """Whether torchao's float8 matmul accepts this Linear's shape."""
+    return (
+        isinstance(linear, nn.Linear)
+        and linear.in_features % _MULTIPLE == 0
+        and linear.out_features % _MULTIPLE == 0
+    )
+
+
+class _RefreshScales:
+    """Forward pre-hook: recompute the float8 weight scales when any weight changed since the last time.
+
+    The check reads one integer per weight; the refresh is one all-reduce over all of them. Every
+    rank sees the same version changes (they run the same optimizer steps), so every rank takes
+    the same branch and the collective matches.
+    """
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.versions: list[tuple[int, int]] | None = None
+
+    def __call__(self, module: nn.Module, args) -> None:
+        from torch.distributed.tensor import DTensor
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        # Sharded weights only: a unit that was not resharded after its last forward (FSDP2 keeps
+        # the last block gathered after a forward without backward) is skipped here and by
+        # torchao, and its scale is refreshed once it is sharded again (its identity joins the key).
+        weights = [layer.weight for layer in self.layers if isinstance(layer.weight, DTensor)]
+        if not weights:
+            return  # not sharded (yet): Float8Linear computes each scale in its forward
+        versions = [(id(w), w._version) for w in weights]
+        if versions != self.versions:
+            precompute_float8_dynamic_scale_for_fsdp(module)
+            self.versions = versions
+
+
+def enable_float8(
+    model: nn.Module,
+    fsdp_all_gather: bool = True,
+    *,
+    blocks: BlockSpec = "auto",
+    filter_fn: Callable[[nn.Linear, str], bool] | None = None,
+) -> nn.Module:
+    """Swap the eligible Linear layers of ``model``'s blocks for torchao float8 ones, in place; returns ``model``.
+
+    Call it first: before `apply_activation_checkpointing`, `compile_blocks` and `shard_model`.
+
+    Args:
+        model: the unsharded model.
+        fsdp_all_gather: cast weights to float8 before FSDP2's all-gather (a quarter of fp32's
+            bytes) and keep their scales up to date automatically (see the module docstring).
+        blocks: which modules are blocks, as for `shard_model`; only Linear layers inside them
+            are converted.
+        filter_fn: ``fn(linear, qualified_name) -> bool`` to narrow the choice further.
+
+    Raises ``ValueError`` if no layer is eligible: float8 silently doing nothing is worse than
+    an error. Parameter names are unchanged (``Float8Linear`` is an ``nn.Linear``).
+    """
+    # (torchao's import-time log lines on a CPU build are filtered by fsdp2kit._quiet)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    if not isinstance(fsdp_all_gather, bool):
+        raise ValueError(f"fsdp_all_gather={fsdp_all_gather!r}: expected True or False")
+    check_unsharded(model, "enable_float8")
+    if any(isinstance(m, Float8Linear) for m in model.modules()):
+        raise ValueError("enable_float8: this model already has float8 Linear layers; call it once")
+    found = find_blocks(model, blocks)
+    if any(getattr(b, CHECKPOINTED, None) is not None or getattr(b, COMPILED, False) for b in found):
+        raise ValueError(f"enable_float8 must be called before apply_activation_checkpointing and compile_blocks (the order is {ORDER})")
+
+    tied = {pid for pid in shared_parameters(model)}
+    names = {id(m): n for n, m in model.named_modules()}
+    chosen: set[int] = set()
+    skipped: list[str] = []
+    for block in found:
+        for module in block.modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            name = names[id(module)]
+            if not float8_eligible(module) or any(id(p) in tied for p in module.parameters(recurse=False)):
+                skipped.append(name)
+            elif filter_fn is None or filter_fn(module, name):
+                chosen.add(id(module))
+    if not chosen:
+        why = f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} or a tied weight"
+        raise ValueError(f"enable_float8: no Linear layer is eligible for float8 ({why if skipped else 'no Linear layer in the blocks'})")
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: id(m) in chosen, config=config)
+    if fsdp_all_gather:
+        layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        model.register_forward_pre_hook(_RefreshScales(layers))
+    return model

@@ -1,0 +1,78 @@
+"""How the speed and memory wrappers change a block in place, and the order they must come in.
+
+The wrappers (`enable_float8`, `apply_activation_checkpointing`, `compile_blocks`) never put a
+block inside a new module. A wrapper module would add a level to every parameter name
+(``layers.0._checkpoint_wrapped_module.mlp.weight``, ``layers.0._orig_mod.mlp.weight``), which
+then leaks into optimizer state, checkpoints and `find_blocks`, and needs state-dict hooks to
+hide again. Instead a block keeps its class, its children and its names, and only its
+``forward`` is replaced by an instance attribute (`BlockForward`). ``nn.Module.__call__`` runs
+hooks around ``self.forward``, so FSDP2's all-gather and reshard hooks stay outside whatever
+the new forward does: outside the checkpointed region (no all-gather is replayed on
+recompute) and outside the compiled graph.
+
+The order, and why (also in DESIGN.md):
+float8 (swaps Linear modules, so it must see them first) -> activation checkpointing (wraps the
+forward that runs float8) -> compile (compiles the checkpointed forward, so the checkpoint
+becomes part of the graph) -> shard_model (FSDP2 hooks go around all of it) -> set_prefetch
+(needs the FSDP units).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = ["BlockForward", "current_forward", "set_forward", "check_unsharded", "ORDER"]
+
+ORDER = "enable_float8 -> apply_activation_checkpointing -> compile_blocks -> shard_model -> set_prefetch"
+
+# Markers a wrapper leaves on each block it changed, read by the wrappers that come later.
+CHECKPOINTED = "_fsdp2kit_checkpointed"
+COMPILED = "_fsdp2kit_compiled"
+
+
+class BlockForward:
+    """A block's forward, replaced in place: ``fn(module, *args, **kwargs)``.
+
+    ``fn`` is unbound and the module is held here, so ``copy.deepcopy`` of the model gives the
+    copy a forward that runs on the copy (a bound method or a closure over the module would
+    keep running the original).
+    """
+
+    def __init__(self, module: nn.Module, fn: Callable[..., Any]):
+        self.module = module
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.module, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"BlockForward({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def current_forward(module: nn.Module) -> Callable[..., Any]:
+    """The unbound forward a wrapper should build on: one installed before, or the class's."""
+    installed = module.__dict__.get("forward")
+    if installed is None:
+        return type(module).forward
+    if isinstance(installed, BlockForward) and installed.module is module:
+        return installed.fn
+    raise ValueError(
+        f"{type(module).__name__}.forward was replaced by something fsdp2kit did not install ({installed!r}); "
+        "apply fsdp2kit's wrappers to the unmodified model"
+    )
+
+
+def set_forward(module: nn.Module, fn: Callable[..., Any]) -> None:
+    module.forward = BlockForward(module, fn)
+
+
+def check_unsharded(model: nn.Module, what: str) -> None:
+    """Raise if ``shard_model`` (or fully_shard) already ran: ``what`` must come before it."""
+    sharded = isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+    if sharded or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(f"{what} must be called before shard_model (the order is {ORDER}); this model is already sharded")
