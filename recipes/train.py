@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # 6. resume, train, checkpoint
     ck = fk.Checkpointer(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
-    extra = {"scheduler": scheduler, "data": loader, "rng": fk.RNGState()}
+    extra = {"scheduler": scheduler, "data": loader}  # RNG states are saved per rank by the Checkpointer
     start = 0
     if cfg.checkpoint.resume:
         start = ck.load(model, optimizer=optimizer, extra=extra) or 0
