@@ -11,6 +11,7 @@ import fsdp2kit as fk
 from fsdp2kit.activation import SELECTIVE_SAVE, resolve_ac_mode
 from fsdp2kit.wrap import BlockForward
 from models import TinyGPT, build, lm_loss
+from wrappers_world import WRAPPERS  # the same wrapper set the multi-process tests use
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,17 +115,6 @@ def test_float8_without_eligible_layers_raises() -> None:
 
 
 # ---- what every wrapper keeps: names, blocks; and what AC computes ----
-
-WRAPPERS = {
-    "AC full": lambda m: fk.apply_activation_checkpointing(m, "full"),
-    "AC 2": lambda m: fk.apply_activation_checkpointing(m, 2),
-    "AC selective": lambda m: fk.apply_activation_checkpointing(m, "selective"),
-    "compile": lambda m: fk.compile_blocks(m),
-    "AC+compile": lambda m: fk.compile_blocks(fk.apply_activation_checkpointing(m, "selective")),
-    "float8": lambda m: fk.enable_float8(m),
-    "all": lambda m: fk.compile_blocks(fk.apply_activation_checkpointing(fk.enable_float8(m), 2)),
-}
-
 
 @pytest.mark.parametrize("kind", ["llama-f8", "tinygpt-f8"])
 def test_names_and_blocks_unchanged(kind: str) -> None:
