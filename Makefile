@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all demo bench bench-search clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,19 @@ demo: install
 	@echo "=== a second launch resumes from the newest complete checkpoint ==="
 	$(TORCHRUN) recipes/train.py --config recipes/configs/demo.toml
 	@$(PY) recipes/summary.py outputs/demo/train.jsonl
+
+# FSDP1 vs FSDP2 (fsdp2kit) vs DDP, side by side in one torchrun (benchmarks/README.md):
+# table on stdout; JSON, markdown and PNG under benchmarks/results/. BENCH_ARGS passes options,
+# e.g. make bench BENCH_ARGS="--repeats 10". bench-search re-chooses the "best" configurations.
+bench: install $(VENV)/.installed-bench
+	$(TORCHRUN) benchmarks/fsdp1_vs_fsdp2.py $(BENCH_ARGS)
+
+bench-search: install $(VENV)/.installed-bench
+	$(TORCHRUN) benchmarks/fsdp1_vs_fsdp2.py --search $(BENCH_ARGS)
+
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
