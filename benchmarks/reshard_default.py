@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import time
@@ -69,7 +70,7 @@ def main() -> None:
         result = {
             "machine": f"{platform.node()} {platform.machine()} ({torch.get_num_threads()} threads/rank)",
             "device": info.device.type, "world_size": info.world_size, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+            "date": time.strftime("%Y-%m-%d"), "args": vars(args), "load_average_at_end": os.getloadavg(),
             "median_step_s": med, "spread_s": {k: [min(v), max(v)] for k, v in times.items()},
             "speedup_default_over_all_resharded": b / a,
         }

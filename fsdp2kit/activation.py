@@ -23,7 +23,9 @@ it is the only kind that composes with FSDP2.
 Parameter names do not change: the block keeps its place in the module tree and only its
 forward is replaced (see `fsdp2kit.wrap`). Blocks from Hugging Face transformers
 (``GradientCheckpointingLayer``) are checkpointed through their own switch instead, because
-they know which of their arguments are a KV cache that a recompute must not update twice.
+they know which of their arguments are a KV cache that a recompute must not update twice; they
+drop it, and say so once ("Caching is incompatible with gradient checkpointing"). Train with
+``model.config.use_cache = False`` and no cache is built in the first place.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, *, description: st
             help_text = f.metadata.get("help", "")
             group.add_argument(
                 f"--{table}.{f.name}", dest=f"{table}.{f.name}", metavar=getattr(scalar, "__name__", "VALUE").upper(),
-                help=f"{help_text} (default: {default!r})",
+                help=f"{help_text} (default: {default!r})".replace("%", "%%"),  # argparse %-formats help
             )
     args = vars(parser.parse_args(argv))
 

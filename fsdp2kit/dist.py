@@ -92,6 +92,7 @@ def init_distributed(
                 backend=backend,
                 timeout=timeout,
                 device_id=dev if dev_type == "cuda" else None,
+                **_elastic_store(timeout),
             )
         else:
             # Plain `python script.py`: a world of one needs no rendezvous at all.
@@ -104,6 +105,31 @@ def init_distributed(
         device=dev,
         backend=str(dist.get_backend()),
     )
+
+
+def _elastic_store(timeout: timedelta) -> dict:
+    """Under torchrun with restarts: a store whose keys are private to this attempt.
+
+    After a worker dies, torchrun restarts every worker against the same store, where the
+    previous attempt's keys are still present: a restarted rank can read a peer's address from
+    the dead attempt and fail with "Gloo connectFullMesh failed ... Connection refused" while
+    the peer is still starting (seen here on CPU, intermittently; pytorch/pytorch#167288 is the
+    NCCL face of it). Prefixing every key with the restart count keeps attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return {}  # not torchelastic: env:// as usual
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_hosts_store,
+    )
+    return {"store": dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def _factorizations(world: int) -> list[tuple[int, int]]:

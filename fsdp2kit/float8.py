@@ -28,9 +28,7 @@ it).
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -49,21 +47,6 @@ def float8_eligible(linear: nn.Module) -> bool:
         and linear.in_features % _MULTIPLE == 0
         and linear.out_features % _MULTIPLE == 0
     )
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """Importing torchao on a CPU build logs "Failed to load ..._C_mxfp8..." (CUDA-only kernels) and
-    a torch.compile deprecation notice: harmless, and not the user's business."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 class _RefreshScales:
@@ -116,9 +99,9 @@ def enable_float8(
     Raises ``ValueError`` if no layer is eligible: float8 silently doing nothing is worse than
     an error. Parameter names are unchanged (``Float8Linear`` is an ``nn.Linear``).
     """
-    with _quiet_import():
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
+    # (torchao's import-time log lines on a CPU build are filtered by fsdp2kit._quiet)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     if not isinstance(fsdp_all_gather, bool):
         raise ValueError(f"fsdp_all_gather={fsdp_all_gather!r}: expected True or False")
@@ -129,7 +112,7 @@ def enable_float8(
     if any(getattr(b, CHECKPOINTED, None) is not None or getattr(b, COMPILED, False) for b in found):
         raise ValueError(f"enable_float8 must be called before apply_activation_checkpointing and compile_blocks (the order is {ORDER})")
 
-    tied = {pid for pid in shared_parameters(model)}
+    tied = set(shared_parameters(model))
     names = {id(m): n for n, m in model.named_modules()}
     chosen: set[int] = set()
     skipped: list[str] = []
@@ -143,8 +126,13 @@ def enable_float8(
             elif filter_fn is None or filter_fn(module, name):
                 chosen.add(id(module))
     if not chosen:
-        why = f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} or a tied weight"
-        raise ValueError(f"enable_float8: no Linear layer is eligible for float8 ({why if skipped else 'no Linear layer in the blocks'})")
+        why = (
+            f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} "
+            f"or a tied weight (e.g. {skipped[0]})" if skipped else "there is no Linear layer in the blocks"
+        )
+        if filter_fn is not None:
+            why += "; filter_fn rejected the others"
+        raise ValueError(f"enable_float8: no Linear layer is eligible for float8: {why}")
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: id(m) in chosen, config=config)

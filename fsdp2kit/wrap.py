@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BlockForward", "current_forward", "set_forward", "check_unsharded", "ORDER"]
+__all__ = ["BlockForward", "class_forward", "current_forward", "set_forward", "check_unsharded", "ORDER"]
 
 ORDER = "enable_float8 -> apply_activation_checkpointing -> compile_blocks -> shard_model -> set_prefetch"
 
@@ -54,11 +54,22 @@ class BlockForward:
         return f"BlockForward({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
+def class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The module's class's forward, looked up at call time, not when a wrapper is applied.
+
+    `shard_model` comes after the wrappers, and fully_shard swaps each unit's class for a
+    subclass (``FSDPLlamaDecoderLayer``). Some forwards look at their own class: transformers'
+    ``GradientCheckpointingLayer`` only checkpoints when ``type(self).forward`` is the wrapper it
+    is running, so calling the pre-swap class's forward would silently skip checkpointing.
+    """
+    return type(module).forward(module, *args, **kwargs)
+
+
 def current_forward(module: nn.Module) -> Callable[..., Any]:
     """The unbound forward a wrapper should build on: one installed before, or the class's."""
     installed = module.__dict__.get("forward")
     if installed is None:
-        return type(module).forward
+        return class_forward
     if isinstance(installed, BlockForward) and installed.module is module:
         return installed.fn
     raise ValueError(

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # 6. resume, train, checkpoint
     ck = fk.Checkpointer(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
-    extra = {"scheduler": scheduler, "data": loader, "rng": fk.RNGState()}
+    extra = {"scheduler": scheduler, "data": loader}  # RNG states are saved per rank by the Checkpointer
     start = 0
     if cfg.checkpoint.resume:
         start = ck.load(model, optimizer=optimizer, extra=extra) or 0
@@ -247,7 +247,10 @@ def main(argv: list[str] | None = None) -> None:
             log.log(record)
             if info.is_main:
                 text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
-                bar.write(text) if bar else print(text, flush=True)
+                if bar:
+                    bar.write(text)
+                else:
+                    print(text, flush=True)
         if bar:
             bar.update(1)
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.steps:

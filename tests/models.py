@@ -49,13 +49,13 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def tiny_llama(tied: bool = False, layers: int = 3):
+def tiny_llama(tied: bool = False, layers: int = 3, hidden: int = 40, intermediate: int = 56):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=96,
-        hidden_size=40,
-        intermediate_size=56,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -76,6 +76,11 @@ def build(kind: str, seed: int = 0) -> nn.Module:
         return tiny_llama()
     if kind == "llama-tied":
         return tiny_llama(tied=True)
+    # float8 matmuls need both dimensions of a Linear divisible by 16
+    if kind == "llama-f8":
+        return tiny_llama(hidden=32, intermediate=64)
+    if kind == "tinygpt-f8":
+        return TinyGPT(dim=32)
     raise ValueError(kind)
 
 

@@ -33,6 +33,12 @@ class Case:
     reshard_after_forward: bool | int | None = None
     mixed_precision: str | None = None
     steps: int = 3
+    # Wrappers (fsdp2kit's speed and memory knobs), applied in the documented order.
+    float8: bool | None = None  # enable_float8(fsdp_all_gather=...) when not None
+    ac: str | int | None = None  # apply_activation_checkpointing(mode=...)
+    compile: bool = False  # compile_blocks
+    prefetch: tuple[int, int] | None = None  # set_prefetch(forward, backward)
+    keep_params: bool = False  # return the final full parameters, to compare cases with each other
 
     @property
     def label(self) -> str:
@@ -49,6 +55,14 @@ class Case:
             parts.append(f"reshard_after_forward={self.reshard_after_forward}")
         if self.mixed_precision:
             parts.append(self.mixed_precision)
+        if self.float8 is not None:
+            parts.append("float8" + (" all-gather" if self.float8 else ""))
+        if self.ac is not None:
+            parts.append(f"AC {self.ac}")
+        if self.compile:
+            parts.append("compiled")
+        if self.prefetch is not None:
+            parts.append(f"prefetch {self.prefetch[0]}/{self.prefetch[1]}")
         return ", ".join(parts)
 
 
@@ -73,6 +87,14 @@ def run_case(case: Case) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = build(case.model)
     model = copy.deepcopy(ref)
+    if case.float8 is not None:
+        fk.enable_float8(model, fsdp_all_gather=case.float8)
+    if case.ac is not None:
+        fk.apply_activation_checkpointing(model, case.ac)
+    if case.compile:
+        if hasattr(model, "config"):
+            model.config.use_cache = False  # no KV cache in training: see compile_blocks
+        fk.compile_blocks(model)
     plan = fk.shard_model(
         model,
         _mesh(case.shard, case.replicate),
@@ -81,6 +103,8 @@ def run_case(case: Case) -> dict:
         reshard_after_forward=case.reshard_after_forward,
         mixed_precision=case.mixed_precision,
     )
+    if case.prefetch is not None:
+        fk.set_prefetch(model, *case.prefetch)
     opt, ref_opt = _optimizer(case.optim, model.parameters()), _optimizer(case.optim, ref.parameters())
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses, norms, ref_norms = [], [], [], []
@@ -110,8 +134,11 @@ def run_case(case: Case) -> dict:
 
     ref_params = dict(ref.named_parameters())
     worst, worst_name = 0.0, ""
+    params = {}
     for name, p in model.named_parameters():
-        full = p.full_tensor().detach().cpu()
+        full = p.full_tensor().detach().cpu().float()
+        if case.keep_params:
+            params[name] = full
         r = ref_params[name].detach()
         rel = ((full - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
         if rel > worst:
@@ -136,6 +163,7 @@ def run_case(case: Case) -> dict:
         "n_units": len(plan.units),
         "plan_bytes": plan.param_bytes_per_rank,
         "local_bytes": local_bytes,
+        "params": params,
     }
 
 

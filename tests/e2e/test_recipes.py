@@ -82,6 +82,13 @@ def test_bad_configs_fail_at_once_naming_the_problem(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_help_lists_every_option(tmp_path):
+    _, out = run(["--help"], tmp_path, nproc=None)
+    assert "--train.warmup INT" in out and "cosine decay to 10% of lr" in out and "(default: 30)" in out
+    assert "--parallel.activation_checkpointing STR" in out and "--checkpoint.async_save BOOL" in out
+
+
+@pytest.mark.timeout(120)
 def test_real_scale_plans_on_cpu(tmp_path):
     _, out = run(["--config", str(ROOT / "recipes/configs/llama3_8b_8gpu.toml"), "--train.plan_only", "true"], tmp_path, nproc=None)
     assert "8.03B" in out and "mesh (shard=8)" in out and "(sum 15.0 GiB)" in out

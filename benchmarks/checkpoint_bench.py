@@ -1,0 +1,373 @@
+"""Checkpoint throughput and training-loop stall, side by side on one machine.
+
+Two gloo ranks on CPU train a small transformer (about 5 M parameters: 21 MB of weights, 63 MB
+with AdamW's two moments, half of it per rank). Measured, with repeats interleaved and medians
+kept:
+
+1. save and load throughput per rank (MB/s of the rank's own bytes) of `fsdp2kit.Checkpointer`
+   against `torch.save` / `torch.load` of the same local tensors to the same directory, fsynced
+   like DCP's files: the practical limit of this disk and this CPU;
+2. the training-loop stall: the time of the step in which `save` is called and of the steps
+   after it, for a synchronous and an asynchronous save, against steps with no save.
+
+    python benchmarks/checkpoint_bench.py            # spawns 2 ranks itself (fsdp2kit.testing.run_world)
+    torchrun --nproc-per-node 2 benchmarks/checkpoint_bench.py
+
+Writes benchmarks/results/checkpoint.json and checkpoint.md. Loads read files just written, so
+they most likely come from the page cache for both methods alike: the load figures compare the
+software path, not the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+MODEL = dict(vocab=4096, dim=256, depth=4, heads=4, seq=64)
+BATCH, STEPS, SAVE_AT = 2, 8, 2  # a loop of 8 steps saves in step 2 (0-based)
+
+
+def _build():
+    import fsdp2kit as fk
+    from models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(**MODEL)
+    fk.shard_model(model, fk.make_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def _step(model, opt, gen) -> None:
+    from models import lm_loss
+
+    tokens = torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"] + 1), generator=gen)
+    lm_loss(model, tokens).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _local_tensors(model, opt) -> dict[str, torch.Tensor]:
+    """This rank's shards of every parameter and optimizer state: what DCP writes for this rank."""
+    from torch.distributed.tensor import DTensor
+
+    out = {f"model.{k}": v.to_local() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    for p, state in opt.state.items():
+        for name, v in state.items():
+            out[f"optim.{id(p)}.{name}"] = v.to_local() if isinstance(v, DTensor) else v
+    return out
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _torch_save(tensors, path: Path) -> None:
+    with open(path, "wb") as fh:
+        torch.save(tensors, fh)
+        fh.flush()
+        os.fsync(fh.fileno())  # DCP fsyncs its files; so must the baseline
+
+
+def bench_rank(workdir: str, repeats: int) -> dict:
+    from fsdp2kit.checkpoint import Checkpointer, step_dir
+
+    rank = dist.get_rank()
+    work = Path(workdir)
+    model, opt = _build()
+    gen = torch.Generator().manual_seed(rank)
+    _step(model, opt, gen)  # optimizer state exists
+    tensors = _local_tensors(model, opt)
+    torch_file = work / f"torch_save_rank{rank}.pt"
+    ck = Checkpointer(work / "dcp", keep_last=1)
+
+    # Plain dcp.save of the same model and optimizer state, each rank on its own (no planning
+    # collectives, no validation, no publish), with and without the optimizer's param_groups
+    # entries: how much of the gap is DCP's cost per item rather than the Checkpointer's.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    import torch.distributed.checkpoint as dcp
+
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    raw = {"model": model.state_dict(), "optimizer": osd}
+    raw_tensors = {"model": raw["model"], "optimizer": {k: v for k, v in osd.items() if not k.startswith("param_groups.")}}
+    raw_items = {"all": len(raw["model"]) + len(osd), "param_groups": len(osd) - len(raw_tensors["optimizer"])}
+
+    def raw_save(sd, name: str) -> None:
+        target = work / f"raw_{name}_rank{rank}"
+        shutil.rmtree(target, ignore_errors=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+            dcp.save(sd, checkpoint_id=target, no_dist=True)
+
+    # ---- throughput: interleaved, order alternating between repeats -----------------------
+    times: dict[str, list[float]] = {k: [] for k in ("dcp_save", "torch_save", "dcp_load", "torch_load", "raw_dcp_save", "raw_dcp_save_tensors_only")}
+    for rep in range(repeats + 1):  # repeat 0 warms up (first-touch allocations, imports)
+        ops = [
+            ("dcp_save", lambda: ck.save(rep, model, optimizer=opt)),
+            ("torch_save", lambda: _torch_save(tensors, torch_file)),
+            ("raw_dcp_save", lambda: raw_save(raw, "all")),
+            ("raw_dcp_save_tensors_only", lambda: raw_save(raw_tensors, "tensors")),
+        ]
+        loads = [
+            ("dcp_load", lambda: ck.load(model, optimizer=opt)),
+            ("torch_load", lambda: torch.load(torch_file, weights_only=True)),
+        ]
+        if rep % 2:
+            ops.reverse()
+            loads.reverse()
+        for name, fn in ops + loads:
+            t = _timed(fn)
+            if rep > 0:
+                times[name].append(t)
+    dcp_bytes = sum(f.stat().st_size for f in step_dir(work / "dcp", repeats).glob(f"__{rank}_*.distcp"))
+    torch_bytes = torch_file.stat().st_size
+    ck.close()
+
+    # ---- stall: the step that saves, and the ones after, sync against async --------------------
+    stall: dict[str, list[list[float]]] = {"sync": [], "async": []}
+    waits: list[float] = []
+    # One Checkpointer per mode for the whole run, as in training: the asynchronous one creates
+    # its gloo group and its staging buffers on its first save, which is a warm-up, not measured.
+    checkpointers = {mode: Checkpointer(work / f"stall_{mode}", keep_last=1, async_save=mode == "async") for mode in ("sync", "async")}
+    for sck in checkpointers.values():
+        sck.save(0, model, optimizer=opt)
+        sck.wait()
+    for rep in range(repeats):
+        for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+            sck = checkpointers[mode]
+            steps = []
+            for i in range(STEPS):
+                dist.barrier()
+                start = time.perf_counter()
+                _step(model, opt, gen)
+                if i == SAVE_AT:
+                    sck.save(1000 * (rep + 1) + i, model, optimizer=opt)
+                steps.append(time.perf_counter() - start)
+            if mode == "async":
+                waits.append(_timed(sck.wait))
+            stall[mode].append(steps)
+    for sck in checkpointers.values():
+        sck.close()
+
+    return {
+        "rank": rank,
+        "items": raw_items,
+        "bytes": {"dcp": dcp_bytes, "torch_save": torch_bytes},
+        "times": times,
+        "stall": stall,
+        "async_wait_s": waits,
+    }
+
+
+def _machine() -> dict:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception as e:  # noqa: BLE001
+            return f"unavailable ({e})"
+
+    return {
+        "uname": sh("uname -a"),
+        "nproc": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "uptime_before": sh("uptime"),
+    }
+
+
+def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
+    med = statistics.median
+    per_rank = []
+    for r in ranks:
+        mb = r["bytes"]["dcp"] / 1e6
+        mb_t = r["bytes"]["torch_save"] / 1e6
+        t = {k: med(v) for k, v in r["times"].items()}
+        per_rank.append(
+            {
+                "rank": r["rank"],
+                "MB": {"dcp": round(mb, 2), "torch_save": round(mb_t, 2)},
+                "median_s": {k: round(v, 4) for k, v in t.items()},
+                "items": r["items"],
+                "MBps": {
+                    "raw_dcp_save": round(mb / t["raw_dcp_save"], 1),
+                    "raw_dcp_save_tensors_only": round(mb / t["raw_dcp_save_tensors_only"], 1),
+                    "dcp_save": round(mb / t["dcp_save"], 1),
+                    "torch_save": round(mb_t / t["torch_save"], 1),
+                    "dcp_load": round(mb / t["dcp_load"], 1),
+                    "torch_load": round(mb_t / t["torch_load"], 1),
+                },
+            }
+        )
+    for p in per_rank:
+        p["ratio_vs_torch"] = {
+            "save": round(p["MBps"]["dcp_save"] / p["MBps"]["torch_save"], 2),
+            "load": round(p["MBps"]["dcp_load"] / p["MBps"]["torch_load"], 2),
+        }
+
+    # The loop is lock-step (FSDP collectives), so a step lasts as long as its slowest rank.
+    def steps_of(mode: str) -> list[list[float]]:
+        return [[max(vals) for vals in zip(*[r["stall"][mode][i] for r in ranks])] for i in range(len(ranks[0]["stall"][mode]))]
+
+    stall = {}
+    for mode in ("sync", "async"):
+        runs = steps_of(mode)
+        before = [s for run in runs for s in run[:SAVE_AT]]
+        stall[mode] = {
+            "plain_step_s": round(med(before), 4),
+            "save_step_s": round(med(run[SAVE_AT] for run in runs), 4),
+            "next_step_s": round(med(run[SAVE_AT + 1] for run in runs), 4),
+            "later_steps_s": round(med(s for run in runs for s in run[SAVE_AT + 2 :]), 4),
+        }
+        stall[mode]["stall_s"] = round(stall[mode]["save_step_s"] - stall[mode]["plain_step_s"], 4)
+    stall["async"]["wait_at_end_s"] = round(med(max(w) for w in zip(*[r["async_wait_s"] for r in ranks])), 4)
+    stall["async_stall_over_sync_stall"] = round(stall["async"]["stall_s"] / stall["sync"]["stall_s"], 3)
+    return {
+        "machine": machine,
+        "workdir_filesystem": subprocess.run(f"df -hT {workdir} | tail -1", shell=True, capture_output=True, text=True).stdout.strip(),
+        "setup": {"ranks": len(ranks), "backend": "gloo (CPU)", "model": MODEL, "optimizer": "AdamW", "batch_per_rank": BATCH,
+                  "repeats": len(ranks[0]["times"]["dcp_save"]), "steps_per_stall_run": STEPS, "save_in_step": SAVE_AT},
+        "throughput_per_rank": per_rank,
+        "stall": stall,
+        "raw": {"per_rank": ranks},
+    }
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    m, s = result["machine"], result["stall"]
+    lines = [
+        "# Checkpoint benchmark",
+        "",
+        f"Machine: `{m['uname']}`, {m['nproc']} cores, torch {m['torch']}, Python {m['python']}, {m['date']}.",
+        f"Disk under the work directory: `{result['workdir_filesystem']}`.",
+        f"Load before: `{m['uptime_before']}`; after: `{m['uptime_after']}`.",
+    ]
+    if m.get("shared"):
+        lines.append(
+            "**The machine was shared with other jobs while this ran** (load average above the core count): "
+            "absolute times are noisy; the ratios, measured interleaved in the same run, are what to read."
+        )
+    st = result["setup"]
+    lines += [
+        "",
+        f"Setup: {st['ranks']} ranks, {st['backend']}, TinyGPT {st['model']}, {st['optimizer']}, "
+        f"{st['repeats']} interleaved repeats (medians). `python benchmarks/checkpoint_bench.py` reproduces it.",
+        "",
+        "## Throughput per rank (MB/s of the rank's own bytes)",
+        "",
+        "| rank | MB (DCP / torch.save) | Checkpointer.save | torch.save+fsync | ratio | Checkpointer.load | torch.load | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in result["throughput_per_rank"]:
+        r = p["MBps"]
+        lines.append(
+            f"| {p['rank']} | {p['MB']['dcp']} / {p['MB']['torch_save']} | {r['dcp_save']} | {r['torch_save']} | "
+            f"{p['ratio_vs_torch']['save']} | {r['dcp_load']} | {r['torch_load']} | {p['ratio_vs_torch']['load']} |"
+        )
+    lines += [
+        "",
+        "Checkpointer.save includes building the state dict, DCP planning (two collectives), writing and fsyncing, "
+        "and the atomic publish; Checkpointer.load includes reading the metadata, validating it, resharding and "
+        "restoring the optimizer. The torch baselines only write or read one file of the same tensors. Loads most "
+        "likely hit the page cache for both.",
+        "",
+        "Where the save time goes: plain `dcp.save` of the same state on each rank alone (no collectives, no "
+        "checks, no publish), and the same without the optimizer's `param_groups` entries. DCP writes every entry "
+        "as its own serialized record; flattened per parameter, AdamW's hyper-parameters are most of the entries "
+        "of a model this small (each a one-number pickle), which costs more than their bytes suggest. Their share "
+        "shrinks as tensors grow; the item count does not grow with model width.",
+        "",
+        "| rank | DCP items (of which param_groups) | plain dcp.save MB/s | without param_groups MB/s | Checkpointer.save MB/s |",
+        "|---|---|---|---|---|",
+    ]
+    for p in result["throughput_per_rank"]:
+        r = p["MBps"]
+        lines.append(
+            f"| {p['rank']} | {p['items']['all']} ({p['items']['param_groups']}) | {r['raw_dcp_save']} | "
+            f"{r['raw_dcp_save_tensors_only']} | {r['dcp_save']} |"
+        )
+    lines += [
+        "",
+        "## Training-loop stall (seconds per step, slowest rank, medians)",
+        "",
+        "| save | plain step | step that saves | stall | next step | later steps | wait() at the end |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("sync", "async"):
+        x = s[mode]
+        lines.append(
+            f"| {mode} | {x['plain_step_s']} | {x['save_step_s']} | {x['stall_s']} | {x['next_step_s']} | "
+            f"{x['later_steps_s']} | {x.get('wait_at_end_s', '-')} |"
+        )
+    lines += [
+        "",
+        f"The asynchronous save stalls the loop {s['async_stall_over_sync_stall']}x as long as the synchronous one "
+        "(stall = the saving step minus a plain step). The rest of its cost moves to the steps after it, where the "
+        "writer thread competes with training for the same cores.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workdir", default=None, help="where to write checkpoints (default: a new temporary directory)")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    args = parser.parse_args(argv)
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    machine = _machine()
+    try:
+        if "RANK" in os.environ:  # under torchrun
+            import fsdp2kit as fk
+
+            fk.init_distributed(device="cpu")
+            torch.set_num_threads(1)
+            mine = bench_rank(str(workdir), args.repeats)
+            ranks: list = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+            if dist.get_rank() != 0:
+                return
+        else:
+            from fsdp2kit.testing import run_world
+
+            ranks = run_world(bench_rank, 2, str(workdir), args.repeats, timeout=300)
+        machine["uptime_after"] = subprocess.run("uptime", shell=True, capture_output=True, text=True).stdout.strip()
+        load = max(float(u.split("load average:")[1].split(",")[0]) for u in (machine["uptime_before"], machine["uptime_after"]))
+        machine["shared"] = load > (os.cpu_count() or 1)
+        result = summarize(ranks, machine, str(workdir))
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "checkpoint.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_markdown(result, out / "checkpoint.md")
+    print((out / "checkpoint.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""What fsdp2kit asks of transformers: module identity, clean names, and the on-disk layout.
+
+A Hugging Face checkpoint does not always hold a model's parameters under the model's own names
+and shapes: transformers 5 keeps MoE experts fused in one tensor per layer but stores them one
+tensor per expert, renames keys of older checkpoints, and so on. transformers describes each of
+these as a `WeightRenaming` or `WeightConverter` (transformers/conversion_mapping.py) and applies
+them in `from_pretrained`; we use the very same objects, in both directions, so that no table of
+model-specific rules lives here.
+
+transformers is imported lazily, and only when a model is one of its models, so a plain PyTorch
+model never pays for the import.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "Group",
+    "LoadPlan",
+    "clean_fqn",
+    "export_groups",
+    "is_pretrained",
+    "natural_key",
+    "original_class",
+    "plan_load",
+    "to_hf_layout",
+]
+
+# Wrapper modules that insert a path segment without changing what the module holds:
+# torch's checkpoint_wrapper, torch.compile's OptimizedModule and FSDP1. DCP's own state-dict
+# helpers drop the same segments, so names match what `get_model_state_dict` writes.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter's name as the unwrapped model (and its checkpoint) spells it."""
+    if not any(seg in name for seg in _WRAPPER_SEGMENTS):
+        return name
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def original_class(module: nn.Module) -> type:
+    """The class a module was built as: FSDP2 swaps in a subclass named ``FSDP<Class>``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        return cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+    return cls
+
+
+def is_pretrained(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
+
+
+def natural_key(key: str) -> list:
+    """Sort key that orders ``experts.2`` before ``experts.10`` (transformers' own order)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
+
+
+_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _as_built(model: nn.Module) -> nn.Module:
+    """The model as transformers knows it: a meta-device twin if FSDP renamed any of its classes.
+
+    transformers finds a model's conversions by class name (then model_type), and FSDP2 turns
+    ``MixtralForCausalLM`` into ``FSDPMixtralForCausalLM``: asked about the sharded model it
+    would find none of the class-keyed ones. A twin built on the meta device from the config
+    costs nothing and has the original classes and the same structure.
+    """
+    if all(type(m) is original_class(m) for m in model.modules()):
+        return model
+    if model not in _twins:
+        with torch.device("meta"):
+            twin = original_class(model)(copy.deepcopy(model.config))
+        if getattr(model, "_weight_conversions", None) is not None:  # set by from_pretrained
+            twin._weight_conversions = model._weight_conversions
+        _twins[model] = twin
+    return _twins[model]
+
+
+def _conversions(model: nn.Module, *, for_saving: bool) -> list:
+    """transformers' renamings and converters for ``model``; empty for anything else."""
+    if not is_pretrained(model):
+        return []
+    model = _as_built(model)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:  # transformers 4.x: no weight conversions to apply
+        return []
+    if for_saving:
+        # What transformers' own save does for a model that was not loaded by from_pretrained:
+        # no legacy renames, and no prefix changes (nothing says the prefix was ever there).
+        found = get_model_conversion_mapping(model, add_legacy=False)
+        return [t for t in found if not isinstance(t, PrefixChange)]
+    return get_model_conversion_mapping(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: checkpoint keys -> model keys
+
+
+@dataclass
+class Group:
+    """Model keys filled together from some checkpoint keys.
+
+    A plain rename has one source and one target. A converter may merge many sources into one
+    target (experts stored one per file entry, held fused) or split one into several.
+    """
+
+    targets: list[str]
+    sources: dict[str, list[str]]  # source pattern -> checkpoint keys, in transformers' order
+    converter: Any = None  # a transformers WeightConverter, or None for a plain (renamed) copy
+
+    @property
+    def source_keys(self) -> list[str]:
+        return [k for keys in self.sources.values() for k in keys]
+
+    def convert(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the converter on ``tensors`` (checkpoint key -> tensor); returns model key -> tensor."""
+        if self.converter is None:
+            (key,) = self.source_keys
+            return {self.targets[0]: tensors[key]}
+        conv = copy.deepcopy(self.converter)
+        for pattern, keys in self.sources.items():
+            for key in keys:
+                if key in tensors:  # a rank leaves out the experts it does not hold
+                    conv.add_tensor(self.targets[0], key, pattern, tensors[key])
+        out = conv.convert(self.targets[0], model=model, config=getattr(model, "config", None))
+        return {name: (t[0] if isinstance(t, list) else t) for name, t in out.items()}
+
+    def merges_dim0(self) -> bool:
+        """True when the converted tensor's dim 0 is the list of sources, untouched by later ops.
+
+        Then a rank that holds rows [a, b) of the target needs only sources a..b-1 of each
+        pattern (the experts it holds) and can convert those alone: dim-0 sharding commutes with
+        the conversion. Anything else is converted from whole tensors and then sliced.
+        """
+        if self.converter is None or len(self.targets) != 1:
+            return False
+        try:
+            from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+        except ImportError:
+            return False
+        ops = list(self.converter.operations)
+        if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+            return False
+        for op in ops[1:]:
+            if type(op) is Concatenate and op.dim >= 1:
+                continue
+            if type(op) is Transpose and op.dim0 >= 1 and op.dim1 >= 1:
+                continue
+            return False
+        return True
+
+
+@dataclass
+class LoadPlan:
+    groups: list[Group] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # model keys nothing on disk fills
+    unexpected: list[str] = field(default_factory=list)  # checkpoint keys with no place in the model
+    mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..) vs model (..)"
+
+
+def _ignored(model: nn.Module, keys: Iterable[str], attribute: str) -> set[str]:
+    """Keys a transformers model declares may be missing / unexpected (regexes on the model)."""
+    patterns = set(getattr(model, attribute, None) or ())
+    if attribute == "_keys_to_ignore_on_load_unexpected":
+        # transformers also ignores these two, which older checkpoints stored as persistent buffers.
+        patterns |= {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
+    if not patterns or not is_pretrained(model):
+        return set()
+    regex = re.compile("|".join(f"({p})" for p in patterns))
+    return {k for k in keys if regex.search(k)}
+
+
+def plan_load(
+    model: nn.Module,
+    disk_shapes: dict[str, tuple[int, ...]],
+    model_tensors: dict[str, torch.Tensor],
+    aliases: dict[str, str],
+) -> LoadPlan:
+    """Match checkpoint keys to model keys, the way transformers' from_pretrained does.
+
+    ``model_tensors`` maps every model key (clean names, tied names included) to its tensor;
+    ``aliases`` maps each tied name to the first name of its tensor. Every conversion is
+    dry-run on meta tensors, so a shape mismatch is found before a byte is read.
+    """
+    transforms = _conversions(model, for_saving=False)
+    plan = LoadPlan()
+    if transforms:
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        prefix = getattr(model, "base_model_prefix", None) or None
+    groups: dict[str, Group] = {}
+    for key in sorted(disk_shapes, key=natural_key):
+        target, pattern = key, None
+        if transforms:
+            target, pattern = rename_source_key(key, renamings, converters, prefix, model_tensors)
+            if target not in model_tensors and key in model_tensors:
+                target, pattern = key, None
+        if target not in model_tensors:
+            plan.unexpected.append(key)
+            continue
+        if pattern is None:
+            if target in groups:  # a second checkpoint key for the same model key (e.g. legacy and new names)
+                plan.unexpected.append(key)
+                continue
+            groups[target] = Group([target], {key: [key]})
+        else:
+            group = groups.setdefault(target, Group([target], {}, by_pattern[pattern]))
+            group.sources.setdefault(pattern, []).append(key)
+
+    filled: set[str] = set()
+    for first, group in groups.items():
+        if group.converter is not None:
+            metas = {k: torch.empty(disk_shapes[k], device="meta") for k in group.source_keys}
+            try:
+                produced = group.convert(model, metas)
+            except Exception as exc:  # noqa: BLE001 - reported with the keys involved
+                plan.mismatched.append(f"{first}: converting {group.source_keys[:4]}... failed: {exc}")
+                continue
+            group.targets = list(produced)
+            shapes = {k: tuple(v.shape) for k, v in produced.items()}
+        else:
+            shapes = {first: tuple(disk_shapes[group.source_keys[0]])}
+        bad = False
+        for name, shape in shapes.items():
+            if name not in model_tensors:
+                plan.unexpected.extend(group.source_keys)
+                bad = True
+                break
+            want = tuple(model_tensors[name].shape)
+            if shape != want:
+                src = group.source_keys[0] if group.converter is None else f"{len(group.source_keys)} keys"
+                plan.mismatched.append(f"{name}: checkpoint {src} gives shape {shape}, the model has {want}")
+                bad = True
+        if not bad:
+            filled.update(aliases.get(n, n) for n in group.targets)
+            plan.groups.append(group)
+
+    # A tied tensor is filled by any one of its names; the others may be absent from the file.
+    plan.missing = [k for k in model_tensors if aliases.get(k, k) == k and k not in filled]
+    plan.missing = sorted(set(plan.missing) - _ignored(model, plan.missing, "_keys_to_ignore_on_load_missing"))
+    plan.unexpected = sorted(
+        set(plan.unexpected) - _ignored(model, plan.unexpected, "_keys_to_ignore_on_load_unexpected"),
+        key=natural_key,
+    )
+    # Two checkpoint keys that fill the same tied tensor: keep the first, drop the duplicate.
+    seen: set[str] = set()
+    kept = []
+    for group in plan.groups:
+        roots = {aliases.get(n, n) for n in group.targets}
+        if roots & seen:
+            continue
+        seen |= roots
+        kept.append(group)
+    plan.groups = kept
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving: model keys -> the model's usual checkpoint layout
+
+
+def _reverse_converters(model: nn.Module) -> list:
+    from transformers.core_model_loading import WeightConverter
+
+    forward = _conversions(model, for_saving=True)
+    return [t.reverse_transform() for t in forward[::-1] if isinstance(t, WeightConverter)]
+
+
+def export_groups(model: nn.Module, keys: list[str]) -> list[list[str]]:
+    """``keys`` in order, grouped so that every reverse conversion sees all of its inputs at once.
+
+    Most groups hold one key. A model that fuses on load what the checkpoint splits (or the
+    other way round) needs the parts of one fused tensor together to write them back.
+    """
+    converters = _reverse_converters(model) if _conversions(model, for_saving=True) else []
+    if not converters:
+        return [[k] for k in keys]
+    from transformers.core_model_loading import apply_converters
+
+    order: dict[str, list[str]] = {}
+    for key in keys:
+        renamed, pattern = apply_converters(key, converters)
+        order.setdefault(renamed if pattern is not None else key, []).append(key)
+    return list(order.values())
+
+
+def to_hf_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One group of full tensors under model keys -> the same under the checkpoint's keys."""
+    if not _conversions(model, for_saving=True):
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(_as_built(model), tensors)

@@ -1,0 +1,420 @@
+"""Back to Hugging Face: a sharded model, or a DCP checkpoint of one, as safetensors + config.
+
+`export_hf` gathers a live sharded model one tensor at a time and has its first rank write;
+`dcp_to_hf` turns a checkpoint directory written by `fsdp2kit.Checkpointer` into the same files
+in one process, without a process group (on a laptop, after the job). Both write what
+``save_pretrained`` writes: the model's usual on-disk layout (transformers' weight conversions
+reversed, e.g. fused MoE experts split back into one tensor per expert), tied weights once,
+``model.safetensors`` or numbered shards with ``model.safetensors.index.json``, and the config.
+
+Output appears complete or not at all: files are written into a hidden sibling directory that
+is renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2kit._hf import export_groups, to_hf_layout
+from fsdp2kit.checkpoint import _SafeReader, list_steps, read_metadata
+from fsdp2kit.checkpoint import step_dir as _step_dir
+from fsdp2kit.init import _agree_failed, _meshes, _model_tensors, _reshard
+
+__all__ = ["dcp_to_hf", "export_hf", "parse_size"]
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as ``"500MB"``, ``"5GB"`` (powers of 1000) or ``"4GiB"``."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
+    if not match:
+        raise ValueError(f"size {size!r}: expected bytes as an int, or e.g. '500MB', '5GB', '4GiB'")
+    number, unit = float(match.group(1)), match.group(2)
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return max(1, int(number * base**power))
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+class _ShardedWriter:
+    """Accumulates tensors and writes a file each time ``max_bytes`` would be exceeded."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.dir = directory
+        self.max = max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.pending or any(name in keys for _, keys in self.parts):
+            raise ValueError(f"two tensors would be saved as {name!r}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from safetensors.torch import save_file
+
+        path = self.dir / f".part-{len(self.parts):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.parts.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        if not self.parts:
+            raise ValueError("nothing to write: the model has no parameters or persistent buffers")
+        if len(self.parts) == 1:
+            self.parts[0][0].rename(self.dir / "model.safetensors")
+            return
+        n = len(self.parts)
+        weight_map = {}
+        for i, (path, keys) in enumerate(self.parts, start=1):
+            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(self.dir / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+class _Stage:
+    """A hidden sibling directory to write into; `commit` renames it to ``out_dir``, `abort` removes it."""
+
+    def __init__(self, out_dir: Path, overwrite: bool):
+        self.out = Path(out_dir)
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"{self.out} exists and is not a directory")
+        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{self.out} exists and is not empty; pass overwrite=True to replace it")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+
+    def commit(self) -> None:
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+            self.out.rename(old)
+        self.dir.rename(self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> list[str]:
+    """The keys to write: each tensor once (a tied weight under its source name), minus ignored ones."""
+    tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    groups: dict[str, list[str]] = {}
+    for name in tensors:
+        groups.setdefault(aliases.get(name, name), []).append(name)
+    skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    names = []
+    for members in groups.values():
+        kept = next((n for n in members if n not in tied_targets), members[0])
+        if kept not in skip:
+            names.append(kept)
+    return names
+
+
+def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    import copy
+
+    config = copy.deepcopy(config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(directory)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    t = t.detach()
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.cpu()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for a DTensor)."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    local = t._local_tensor
+    if local.device.type != t.device_mesh.device_type:  # CPU-offloaded shards of a CUDA mesh
+        dev = torch.device("cuda", torch.cuda.current_device()) if t.device_mesh.device_type == "cuda" else "cpu"
+        t = DTensor.from_local(local.to(dev), t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
+
+
+def _is_writer(model: nn.Module) -> bool:
+    meshes = _meshes(model)
+    if meshes:
+        return dist.get_rank() == int(meshes[0].mesh.flatten()[0])
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def export_hf(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+) -> Path | None:
+    """Write a (sharded) model as a Hugging Face checkpoint that ``from_pretrained`` loads.
+
+    Collective: call it on every rank of the mesh. Parameters are gathered one at a time (or,
+    where a reverse weight conversion needs several, those few together); the mesh's first rank
+    keeps each and writes a file whenever ``max_shard_size`` bytes have accumulated, so no rank
+    holds more than one file's worth plus one full tensor. Only the first rank touches the disk.
+
+    The files follow the model's usual layout: transformers' weight conversions are reversed
+    (fused MoE experts written one tensor per expert, renamed keys written under their
+    checkpoint names), a tied weight is written once, ``_keys_to_ignore_on_save`` is honoured,
+    and the config (with ``dtype``) and generation config are saved beside it. Non-transformers
+    models get the safetensors only.
+
+    Args:
+        dtype: cast floating tensors (e.g. ``torch.bfloat16``); default: as held (the master dtype).
+        max_shard_size: bytes per file (int or ``"5GB"``); one file ``model.safetensors`` when
+            everything fits, else ``model-0000i-of-0000n.safetensors`` plus the index.
+        overwrite: replace an existing non-empty ``out_dir`` (else ``FileExistsError``).
+
+    Returns the output directory on the writing rank, None on the others.
+    """
+    out_dir = Path(out_dir)
+    max_bytes = parse_size(max_shard_size)
+    _reshard(model)
+    tensors, aliases = _model_tensors(model)
+    names = _export_names(model, tensors, aliases)
+    writer_rank = _is_writer(model)
+    held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+
+    error: BaseException | None = None
+    stage: _Stage | None = None
+    writer: _ShardedWriter | None = None
+    if writer_rank:
+        try:
+            stage = _Stage(out_dir, overwrite)
+            writer = _ShardedWriter(stage.dir, max_bytes)
+        except BaseException as exc:  # noqa: BLE001 - reported on every rank below
+            error = exc
+    # A failure on the writer must not stop it from taking part in the remaining gathers, or the
+    # other ranks would wait in one forever: it stops writing and reports at the end.
+    with torch.no_grad():
+        for group in export_groups(model, names):
+            fulls = {n: _full(tensors[n]) for n in group}
+            if writer is None or error is not None:
+                continue
+            try:
+                for name, t in to_hf_layout(model, {n: _cast(v, dtype) for n, v in fulls.items()}).items():
+                    writer.add(name, t)
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+            del fulls
+    if stage is not None:
+        try:
+            if error is None:
+                writer.finish()
+                _save_config(model, stage.dir, dtype or held)
+                stage.commit()
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+        if error is not None:
+            stage.abort()
+    if _agree_failed(error is not None, model):
+        if error is not None:
+            raise error
+        raise RuntimeError("export_hf failed on another rank (see its error)")
+    return out_dir if writer_rank else None
+
+
+# ----------------------------------------------------------------------------------------------
+# DCP checkpoints (as fsdp2kit.Checkpointer writes them) -> Hugging Face
+
+
+def resolve_step_dir(checkpoint: str | os.PathLike) -> Path:
+    """A step directory as given, or the newest complete step under a Checkpointer root."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    if (path / ".metadata").is_file():
+        return path
+    steps = list_steps(path)
+    if not steps:
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise FileNotFoundError(
+            f"{path} is neither a DCP checkpoint (no .metadata) nor a root with complete step_* directories "
+            f"(found {found})"
+        )
+    return _step_dir(path, steps[-1])
+
+
+def _load_config(config: Any, step_dir: Path):
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if config is not None:
+        return AutoConfig.from_pretrained(str(config))
+    for where in (step_dir, step_dir.parent):
+        if (where / "config.json").is_file():
+            return AutoConfig.from_pretrained(str(where))
+    raise FileNotFoundError(
+        f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
+        "directory / file holding config.json)"
+    )
+
+
+def _meta_model(config) -> nn.Module:
+    import transformers
+
+    classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+    cls = next((c for c in classes if isinstance(c, type)), None)
+    with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def dcp_to_hf(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    config: Any = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    prefix: str = "model",
+) -> Path:
+    """Convert a DCP checkpoint of a transformers model to Hugging Face safetensors, in one process.
+
+    ``checkpoint`` is a step directory (``ROOT/step_00000100``) or a Checkpointer root, in which
+    case the newest ``step_*`` that has its ``.metadata`` is used. The model's state sits under
+    the top-level key ``prefix`` ("model", as `fsdp2kit.Checkpointer` saves it: DCP flattens it
+    to ``model.<fqn>``); optimizer state and anything else in the checkpoint is not read.
+
+    No process group is needed (or used): each file's worth of tensors is read, reversed to the
+    model's usual layout, cast, and written, so memory holds about ``max_shard_size`` at a time.
+    The config comes from ``config`` (a transformers config, or a path), else the ``config.json``
+    in the step directory, else in the root. The model class is built on the meta device from
+    it to learn the expected keys, ties and conversions; a checkpoint that does not match it is a
+    ``ValueError`` naming the keys. DCP's ``.metadata`` pickle is read with an unpickler that
+    admits only tensor-description classes.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    step_dir = resolve_step_dir(checkpoint)
+    config = _load_config(config, step_dir)
+    model = _meta_model(config)
+    metadata = read_metadata(step_dir)
+    lead = prefix + "."
+    stored = {
+        k[len(lead):]: v
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith(lead) and hasattr(v, "size")
+    }
+    if not stored:
+        raise ValueError(f"{step_dir} holds no tensors under {prefix!r} (keys start with {sorted(metadata.state_dict_metadata)[:3]})")
+    tensors, aliases = _model_tensors(model)
+    names = _export_names(model, tensors, aliases)
+    by_root: dict[str, list[str]] = {}
+    for n in tensors:
+        by_root.setdefault(aliases.get(n, n), []).append(n)
+    source: dict[str, str] = {}  # name to write -> key to read (any of its tied names)
+    missing, mismatched = [], []
+    for name in names:
+        found = next((n for n in by_root[aliases.get(name, name)] if n in stored), None)
+        if found is None:
+            missing.append(name)
+            continue
+        have, want = tuple(stored[found].size), tuple(tensors[name].shape)
+        if have != want:
+            mismatched.append(f"{found}: checkpoint {have}, {type(model).__name__} {want}")
+        source[name] = found
+    unexpected = sorted(set(stored) - set(tensors))
+    if missing or mismatched or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:12]}{' ...' if len(missing) > 12 else ''}")
+        if unexpected:
+            parts.append(f"not in {type(model).__name__}: {unexpected[:12]}{' ...' if len(unexpected) > 12 else ''}")
+        if mismatched:
+            parts.append(f"shapes differ: {mismatched[:6]}")
+        raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(parts))
+
+    max_bytes = parse_size(max_shard_size)
+    held = next((stored[source[n]].properties.dtype for n in names if stored[source[n]].properties.dtype.is_floating_point), None)
+    reader_path = step_dir
+
+    def read(batch: list[str]) -> dict[str, torch.Tensor]:
+        want = {source[n]: torch.empty(stored[source[n]].size, dtype=stored[source[n]].properties.dtype) for n in batch}
+        state = {prefix: dict(want)}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load(state, storage_reader=_SafeReader(reader_path), no_dist=True)
+        return {n: state[prefix][source[n]] for n in batch}
+
+    stage = _Stage(Path(out_dir), overwrite)
+    try:
+        writer = _ShardedWriter(stage.dir, max_bytes)
+        batch: list[list[str]] = []
+        batch_bytes = 0
+
+        def drain() -> None:
+            keys = [n for group in batch for n in group]
+            if not keys:
+                return
+            values = read(keys)
+            for group in batch:
+                converted = to_hf_layout(model, {n: _cast(values.pop(n), dtype) for n in group})
+                for name, t in converted.items():
+                    writer.add(name, t)
+
+        for group in export_groups(model, names):
+            size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
+            if batch and batch_bytes + size > max_bytes:
+                drain()
+                batch, batch_bytes = [], 0
+            batch.append(group)
+            batch_bytes += size
+        drain()
+        writer.finish()
+        _save_config(model, stage.dir, dtype or held)
+    except BaseException:
+        stage.abort()
+        raise
+    stage.commit()
+    return Path(out_dir)
