@@ -116,15 +116,22 @@ class Variant:
 def build_variant(v: Variant, model: nn.Module, mesh, info: fk.DistInfo, args) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Wrap ``model`` (a fresh copy of the base model, on the device) as ``v`` says; optimizer last."""
     c = v.config
-    if args.ac:
-        _apply_ac(v.impl, model)
+    blocks = fk.find_blocks(model)
+    if args.ac and v.impl == "fsdp2":
+        fk.apply_activation_checkpointing(model, mode="full")  # before compile and shard_model
     if c.compile:
         fk.compile_blocks(model)
     if v.impl == "ddp":
+        if args.ac:
+            _checkpoint_wrap(model, blocks)
         model = DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
     elif v.impl == "fsdp1":
         model = wrap_fsdp1(model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision,
                            forward_prefetch=c.forward_prefetch, use_orig_params=c.compile)
+        if args.ac:
+            # after wrapping, as FSDP1's docs do it: the checkpoint goes inside each FSDP unit, so
+            # the recompute does not run the unit's all-gather hooks a second time
+            _checkpoint_wrap(model, blocks)
     else:
         fk.shard_model(model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision)
         if c.forward_prefetch:
@@ -133,12 +140,9 @@ def build_variant(v: Variant, model: nn.Module, mesh, info: fk.DistInfo, args) -
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True if args.foreach else None)
 
 
-def _apply_ac(impl: str, model: nn.Module) -> None:
-    """Full activation checkpointing of every block: fsdp2kit's for FSDP2, torch's checkpoint
-    wrapper (non-reentrant, the kind FSDP1's docs recommend) for FSDP1 and DDP."""
-    if impl == "fsdp2":
-        fk.apply_activation_checkpointing(model, mode="full")
-        return
+def _checkpoint_wrap(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Full activation checkpointing of ``blocks`` with torch's non-reentrant checkpoint wrapper
+    (FSDP1 and DDP; FSDP2 uses fsdp2kit's, which keeps parameter names)."""
     from functools import partial
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -147,7 +151,7 @@ def _apply_ac(impl: str, model: nn.Module) -> None:
         checkpoint_wrapper,
     )
 
-    ids = {id(b) for b in fk.find_blocks(model)}
+    ids = {id(b) for b in blocks}
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
                                    check_fn=lambda m: id(m) in ids)
 
