@@ -58,11 +58,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--collectives", type=int, default=0, metavar="NUMEL",
+                   help="instead: time all-gather, reduce-scatter and all-reduce of a unit of NUMEL fp32 parameters")
     args = p.parse_args()
     # build_variant reads these
     args.ac, args.mixed_precision, args.lr, args.foreach = False, None, 1e-4, False
 
     info = fk.init_distributed()
+    if args.collectives:
+        time_collectives(args.collectives, info)
+        dist.destroy_process_group()
+        return
     mesh = fk.make_mesh()
     (name, seq), = parse_sizes(args.size)
     torch.manual_seed(0)
@@ -106,6 +112,44 @@ def main() -> None:
         del model, opt
         dist.barrier()
     dist.destroy_process_group()
+
+
+def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
+    """The three collectives of FSDP and DDP on one unit's worth of fp32 parameters, and a
+    memory copy of the same size for scale: what one FSDP unit costs per step in communication."""
+    import statistics
+    import warnings
+
+    # torch 2.13 suggests the *_single spellings; the *_tensor ones are what FSDP calls
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
+    world = info.world_size
+    numel -= numel % world
+    full = torch.randn(numel, device=info.device)
+    shard, out = torch.randn(numel // world, device=info.device), torch.empty(numel // world, device=info.device)
+    gathered = torch.empty(numel, device=info.device)
+
+    def timed(fn) -> float:
+        ts = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if info.device.type == "cuda":
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts[1:])
+
+    mb = numel * 4 / 1e6
+    rows = [
+        (f"all-gather ({mb / world:.1f} MB in, {mb:.1f} MB out)", timed(lambda: dist.all_gather_into_tensor(gathered, shard))),
+        (f"reduce-scatter ({mb:.1f} MB in, {mb / world:.1f} MB out)", timed(lambda: dist.reduce_scatter_tensor(out, full))),
+        (f"all-reduce ({mb:.1f} MB)", timed(lambda: dist.all_reduce(full))),
+        (f"memory copy ({mb:.1f} MB)", timed(lambda: full.clone())),
+    ]
+    if info.is_main:
+        print(f"{world} ranks, {dist.get_backend()}, median of {repeats}:")
+        for label, ms in rows:
+            print(f"  {ms:8.2f} ms  {label}")
 
 
 def report(v: Variant, prof, args, cpu_ms: float, wall_ms: float) -> None:
