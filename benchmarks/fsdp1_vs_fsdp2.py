@@ -336,6 +336,12 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
     return sizes
 
 
+def size_key(name: str, seq: int, sizes: list[tuple[str, int]]) -> str:
+    """The results' key for a size: its config name, with the sequence length when the sweep
+    has that name more than once."""
+    return name if sum(n == name for n, _ in sizes) == 1 else f"{name}:{seq}"
+
+
 def machine(info: fk.DistInfo) -> dict:
     if info.device.type == "cuda":
         name = torch.cuda.get_device_name(info.device)
@@ -432,7 +438,8 @@ def bench(args, info, mesh) -> dict:
               "world_size": info.world_size, "args": _recorded(args), "best_configs": best_meta, "targets": TARGETS,
               "load_avg_start": os.getloadavg(), "sizes": {}}
     compiled = {v.key for v in variants if v.config.compile}
-    for name, seq in parse_sizes(args.sizes):
+    sweep = parse_sizes(args.sizes)
+    for name, seq in sweep:
         _log(info, f"{name}, seq {seq}, batch {args.batch}/rank, load average {os.getloadavg()[0]:.2f}")
         r = run_size(name, seq, variants, mesh, info, args, memory=not args.no_memory)
         vs = r["variants"]
@@ -451,7 +458,7 @@ def bench(args, info, mesh) -> dict:
         r["loss_parity"] = loss_parity(vs, variants[0].key, compiled, tol=args.parity_rtol if fp32 else 2e-2,
                                        tol_compiled=args.parity_rtol_compiled if fp32 else 2e-2)
         r["load_avg_end"] = os.getloadavg()
-        result["sizes"][name] = r
+        result["sizes"][size_key(name, seq, sweep)] = r
     result["load_avg_end"] = os.getloadavg()
     sizes = list(result["sizes"].values())
     result["verdict"] = {
@@ -472,8 +479,10 @@ def search(args, info, mesh) -> dict:
            "world_size": info.world_size, "args": _recorded(args), "grid": [asdict(c) for c in GRID],
            "load_avg_start": os.getloadavg(), "sizes": {}}
     gains: dict[str, dict[Config, list[float]]] = {"fsdp1": {c: [] for c in GRID}, "fsdp2": {c: [] for c in GRID}}
-    for name, seq in parse_sizes(args.sizes):
-        out["sizes"][name] = {}
+    sweep = parse_sizes(args.sizes)
+    for name, seq in sweep:
+        key = size_key(name, seq, sweep)
+        out["sizes"][key] = {}
         for impl in ("fsdp1", "fsdp2"):
             _log(info, f"search {impl} {name}, seq {seq}, load average {os.getloadavg()[0]:.2f}")
             variants = [Variant(f"{impl}:{i}", impl, c) for i, c in enumerate(GRID)]
@@ -490,7 +499,7 @@ def search(args, info, mesh) -> dict:
                              "speedup_over_default": gain, "median_cpu_s_per_step": cand["median_cpu_s_per_step"]})
                 _log(info, f"  {c.describe():40s} {cand['median_step_s'] * 1e3:8.1f} ms  x{gain['round_median']:.3f} "
                            f"({gain['round_p25']:.2f}-{gain['round_p75']:.2f})  CPU {cand['median_cpu_s_per_step'] * 1e3:.0f} ms")
-            out["sizes"][name][impl] = rows
+            out["sizes"][key][impl] = rows
     best = {}
     for impl, by_config in gains.items():
         scores = {c: math.exp(statistics.fmean(math.log(g) for g in gs)) for c, gs in by_config.items()}

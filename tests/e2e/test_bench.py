@@ -32,6 +32,7 @@ def test_bench_tiny(tmp_path):
     files = sorted(p.suffix for p in (tmp_path / "results").iterdir())
     assert files == [".json", ".md", ".png"]
     result = json.loads(next((tmp_path / "results").glob("*.json")).read_text())
+    assert list(result["sizes"]) == ["demo:32", "demo:64"]
     assert result["loss_parity_ok"]
     for size in result["sizes"].values():
         assert set(size["ratios"]) >= {"fsdp2_over_fsdp1", "best_fsdp2_over_best_fsdp1", "fsdp2_over_ddp"}
