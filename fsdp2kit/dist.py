@@ -7,7 +7,9 @@ that `shard_model` expects (1-D FSDP or 2-D hybrid HSDP).
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,6 +66,7 @@ def init_distributed(
     - ``timeout`` bounds every collective: a rank that dies or diverges turns into an error on
       the others after this long instead of a hang (seconds, or a timedelta).
     - Calling it again returns the same information without starting a second group.
+    - At exit, the interpreter waits a moment for gloo's worker threads (see `_settle_gloo_workers`).
     """
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
@@ -97,6 +100,8 @@ def init_distributed(
         else:
             # Plain `python script.py`: a world of one needs no rendezvous at all.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        atexit.unregister(_settle_gloo_workers)  # once per process, however many groups come and go
+        atexit.register(_settle_gloo_workers)
 
     return DistInfo(
         rank=dist.get_rank(),
@@ -105,6 +110,23 @@ def init_distributed(
         device=dev,
         backend=str(dist.get_backend()),
     )
+
+
+def _settle_gloo_workers(seconds: float = 0.05) -> None:
+    """Give gloo's worker threads a moment without the GIL before the interpreter finalizes.
+
+    A gloo worker thread frees each finished collective after the caller has already moved on;
+    when the collective's tensors were made in Python, the free takes the GIL. If the program
+    reaches interpreter finalization first (a collective just before exit, e.g. the last
+    checkpoint's agreement), that thread is killed inside a C++ destructor and the whole process
+    aborts with "terminate called without an active exception" (SIGABRT), after all the work is
+    done and saved. ``destroy_process_group`` does not prevent it: DeviceMesh and DTensor's caches
+    keep the group, and its threads, alive until finalization. Measured on 2 CPU ranks: a script
+    ending in ``all_gather_object`` aborted in 19 of 40 exits, 0 of 60 with this pause; the demo
+    recipe in 2 of 20, 0 of 40 with it. It narrows a race inside torch, it cannot close it: a
+    worker descheduled for longer than the pause can still lose it.
+    """
+    time.sleep(seconds)
 
 
 def _elastic_store(timeout: timedelta) -> dict:
