@@ -64,6 +64,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from fsdp2kit.plan import fmt_list
+
 try:  # numpy is optional: only its RNG state and arrays in `extra` need it
     import numpy as np
 except ImportError:  # pragma: no cover
@@ -480,11 +482,6 @@ def _raise_gathered(replies: list[str | list[str] | None], what: str) -> None:
         who = "every rank" if len(ranks) == world and world > 1 else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         parts.append(f"[{who}] {message}")
     raise CheckpointError(f"{what}:\n  " + "\n  ".join(parts))
-
-
-def _listing(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_LISTED])
-    return shown + (f" ... and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else "")
 
 
 def _quiet_without_process_group(active: bool) -> None:
@@ -978,15 +975,15 @@ def _check_against(state: dict, metadata: Metadata, path: Path, with_optimizer: 
         problems.append(f"{path.name} was saved without optimizer state: load it with optimizer=None to start the optimizer afresh")
         missing = [k for k in missing if not k.startswith("optimizer.")]
     if missing:
-        problems.append(f"{len(missing)} key(s) missing from the checkpoint: {_listing(missing)}")
+        problems.append(f"{len(missing)} key(s) missing from the checkpoint: {fmt_list(missing, _MAX_LISTED)}")
     if unexpected:
-        problems.append(f"{len(unexpected)} key(s) in the checkpoint that this model/optimizer lacks: {_listing(unexpected)}")
+        problems.append(f"{len(unexpected)} key(s) in the checkpoint that this model/optimizer lacks: {fmt_list(unexpected, _MAX_LISTED)}")
     if shape:
-        problems.append(f"shape mismatch: {_listing(shape)}")
+        problems.append(f"shape mismatch: {fmt_list(shape, _MAX_LISTED)}")
     if dtype:
-        problems.append(f"dtype mismatch: {_listing(dtype)}")
+        problems.append(f"dtype mismatch: {fmt_list(dtype, _MAX_LISTED)}")
     if kind:
-        problems.append(f"tensor/non-tensor mismatch: {_listing(kind)}")
+        problems.append(f"tensor/non-tensor mismatch: {fmt_list(kind, _MAX_LISTED)}")
     if missing or unexpected or shape:
         problems.append("is this a checkpoint of another model (or another optimizer)?")
     return problems

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from fsdp2kit._hf import clean_fqn, is_pretrained, original_class, plan_load
+from fsdp2kit.plan import fmt_list
 
 __all__ = ["LoadResult", "load_pretrained", "materialize"]
 
@@ -643,11 +644,6 @@ def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, aliases
 
 
-def _listing(keys: list[str], limit: int = 12) -> str:
-    shown = ", ".join(keys[:limit])
-    return f"{shown}, ... ({len(keys)} in all)" if len(keys) > limit else shown
-
-
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -783,11 +779,11 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         plan = plan_load(model, shapes, tensors, aliases)
         problems = []
         if plan.mismatched:
-            problems.append(f"shapes differ: {_listing(plan.mismatched, 6)}")
+            problems.append(f"shapes differ: {fmt_list(plan.mismatched, 6)}")
         if strict and plan.missing:
-            problems.append(f"missing from the checkpoint: {_listing(plan.missing)}")
+            problems.append(f"missing from the checkpoint: {fmt_list(plan.missing)}")
         if strict and plan.unexpected:
-            problems.append(f"in the checkpoint but not in the model: {_listing(plan.unexpected)}")
+            problems.append(f"in the checkpoint but not in the model: {fmt_list(plan.unexpected)}")
         if problems:
             hint = " Is this the checkpoint of another model?" if len(plan.groups) < len(tensors) // 2 else ""
             raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)

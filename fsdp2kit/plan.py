@@ -30,6 +30,12 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def fmt_list(items: list[str], limit: int = 12) -> str:
+    """The first ``limit`` items of a list for an error message, and how many there are in all."""
+    shown = ", ".join(map(str, items[:limit]))
+    return f"{shown}, ... ({len(items)} in all)" if len(items) > limit else shown
+
+
 def fmt_count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:

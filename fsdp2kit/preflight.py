@@ -16,6 +16,8 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fsdp2kit.plan import fmt_list
+
 __all__ = ["check_not_sharded", "check_devices", "check_unit_dtypes", "mark_replaced", "install_optimizer_check"]
 
 
@@ -62,7 +64,7 @@ def check_unit_dtypes(unit: str, params: dict[str, nn.Parameter]) -> None:
         if param.requires_grad:
             by_dtype[param.dtype].append(name)
     if len(by_dtype) > 1:
-        listing = "; ".join(f"{dt}: {', '.join(ns[:3])}" + (" ..." if len(ns) > 3 else "") for dt, ns in by_dtype.items())
+        listing = "; ".join(f"{dt}: {fmt_list(ns, 3)}" for dt, ns in by_dtype.items())
         raise ValueError(
             f"FSDP unit {unit} mixes trainable parameter dtypes ({listing}). Cast the model to one dtype "
             "(e.g. model.float()) and choose the compute dtype with mixed_precision=..., or freeze the odd ones"
