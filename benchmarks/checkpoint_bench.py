@@ -46,8 +46,9 @@ BATCH, STEPS, SAVE_AT = 2, 8, 2  # a loop of 8 steps saves in step 2 (0-based)
 
 
 def _build():
-    import fsdp2kit as fk
     from models import TinyGPT
+
+    import fsdp2kit as fk
 
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
@@ -105,13 +106,15 @@ def bench_rank(workdir: str, repeats: int) -> dict:
     # Plain dcp.save of the same model and optimizer state, each rank on its own (no planning
     # collectives, no validation, no publish), with and without the optimizer's param_groups
     # entries: how much of the gap is DCP's cost per item rather than the Checkpointer's.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     raw = {"model": model.state_dict(), "optimizer": osd}
-    raw_tensors = {"model": raw["model"], "optimizer": {k: v for k, v in osd.items() if not k.startswith("param_groups.")}}
+    raw_tensors = {
+        "model": raw["model"],
+        "optimizer": {k: v for k, v in osd.items() if not k.startswith("param_groups.")},
+    }
     raw_items = {"all": len(raw["model"]) + len(osd), "param_groups": len(osd) - len(raw_tensors["optimizer"])}
 
     def raw_save(sd, name: str) -> None:
@@ -122,10 +125,12 @@ def bench_rank(workdir: str, repeats: int) -> dict:
             dcp.save(sd, checkpoint_id=target, no_dist=True)
 
     # ---- throughput: interleaved, order alternating between repeats -----------------------
-    times: dict[str, list[float]] = {k: [] for k in ("dcp_save", "torch_save", "dcp_load", "torch_load", "raw_dcp_save", "raw_dcp_save_tensors_only")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("dcp_save", "torch_save", "dcp_load", "torch_load", "raw_dcp_save", "raw_dcp_save_tensors_only")
+    }
     for rep in range(repeats + 1):  # repeat 0 warms up (first-touch allocations, imports)
         ops = [
-            ("dcp_save", lambda: ck.save(rep, model, optimizer=opt)),
+            ("dcp_save", lambda: ck.save(rep, model, optimizer=opt)),  # noqa: B023 - called within this iteration
             ("torch_save", lambda: _torch_save(tensors, torch_file)),
             ("raw_dcp_save", lambda: raw_save(raw, "all")),
             ("raw_dcp_save_tensors_only", lambda: raw_save(raw_tensors, "tensors")),
@@ -150,12 +155,15 @@ def bench_rank(workdir: str, repeats: int) -> dict:
     waits: list[float] = []
     # One Checkpointer per mode for the whole run, as in training: the asynchronous one creates
     # its gloo group and its staging buffers on its first save, which is a warm-up, not measured.
-    checkpointers = {mode: Checkpointer(work / f"stall_{mode}", keep_last=1, async_save=mode == "async") for mode in ("sync", "async")}
+    checkpointers = {
+        mode: Checkpointer(work / f"stall_{mode}", keep_last=1, async_save=mode == "async")
+        for mode in ("sync", "async")
+    }
     for sck in checkpointers.values():
         sck.save(0, model, optimizer=opt)
         sck.wait()
     for rep in range(repeats):
-        for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+        for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
             sck = checkpointers[mode]
             steps = []
             for i in range(STEPS):
@@ -185,7 +193,7 @@ def _machine() -> dict:
     def sh(cmd: str) -> str:
         try:
             return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return f"unavailable ({e})"
 
     return {
@@ -229,7 +237,10 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
 
     # The loop is lock-step (FSDP collectives), so a step lasts as long as its slowest rank.
     def steps_of(mode: str) -> list[list[float]]:
-        return [[max(vals) for vals in zip(*[r["stall"][mode][i] for r in ranks])] for i in range(len(ranks[0]["stall"][mode]))]
+        return [
+            [max(vals) for vals in zip(*[r["stall"][mode][i] for r in ranks])]
+            for i in range(len(ranks[0]["stall"][mode]))
+        ]
 
     stall = {}
     for mode in ("sync", "async"):
@@ -246,9 +257,19 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
     stall["async_stall_over_sync_stall"] = round(stall["async"]["stall_s"] / stall["sync"]["stall_s"], 3)
     return {
         "machine": machine,
-        "workdir_filesystem": subprocess.run(f"df -hT {workdir} | tail -1", shell=True, capture_output=True, text=True).stdout.strip(),
-        "setup": {"ranks": len(ranks), "backend": "gloo (CPU)", "model": MODEL, "optimizer": "AdamW", "batch_per_rank": BATCH,
-                  "repeats": len(ranks[0]["times"]["dcp_save"]), "steps_per_stall_run": STEPS, "save_in_step": SAVE_AT},
+        "workdir_filesystem": subprocess.run(
+            f"df -hT {workdir} | tail -1", shell=True, capture_output=True, text=True
+        ).stdout.strip(),
+        "setup": {
+            "ranks": len(ranks),
+            "backend": "gloo (CPU)",
+            "model": MODEL,
+            "optimizer": "AdamW",
+            "batch_per_rank": BATCH,
+            "repeats": len(ranks[0]["times"]["dcp_save"]),
+            "steps_per_stall_run": STEPS,
+            "save_in_step": SAVE_AT,
+        },
         "throughput_per_rank": per_rank,
         "stall": stall,
         "raw": {"per_rank": ranks},
@@ -334,7 +355,9 @@ def write_markdown(result: dict, path: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--workdir", default=None, help="where to write checkpoints (default: a new temporary directory)")
+    parser.add_argument(
+        "--workdir", default=None, help="where to write checkpoints (default: a new temporary directory)"
+    )
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
 
@@ -356,7 +379,10 @@ def main(argv=None) -> None:
 
             ranks = run_world(bench_rank, 2, str(workdir), args.repeats, timeout=300)
         machine["uptime_after"] = subprocess.run("uptime", shell=True, capture_output=True, text=True).stdout.strip()
-        load = max(float(u.split("load average:")[1].split(",")[0]) for u in (machine["uptime_before"], machine["uptime_after"]))
+        load = max(
+            float(u.split("load average:")[1].split(",")[0])
+            for u in (machine["uptime_before"], machine["uptime_after"])
+        )
         machine["shared"] = load > (os.cpu_count() or 1)
         result = summarize(ranks, machine, str(workdir))
     finally:

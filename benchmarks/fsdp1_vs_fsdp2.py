@@ -36,6 +36,7 @@ kernels). On CUDA, torch.cuda.max_memory_allocated of the same phase is reported
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -49,13 +50,13 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import fsdp2kit as fk  # first: quiet imports
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+import fsdp2kit as fk  # first: quiet imports
 from fsdp2kit.fsdp1 import wrap_fsdp1
 from fsdp2kit.metrics import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
@@ -113,7 +114,9 @@ class Variant:
 # Building and stepping a variant
 
 
-def build_variant(v: Variant, model: nn.Module, mesh, info: fk.DistInfo, args) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build_variant(
+    v: Variant, model: nn.Module, mesh, info: fk.DistInfo, args
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Wrap ``model`` (a fresh copy of the base model, on the device) as ``v`` says; optimizer last."""
     c = v.config
     blocks = fk.find_blocks(model)
@@ -126,8 +129,14 @@ def build_variant(v: Variant, model: nn.Module, mesh, info: fk.DistInfo, args) -
             _checkpoint_wrap(model, blocks)
         model = DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
     elif v.impl == "fsdp1":
-        model = wrap_fsdp1(model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision,
-                           forward_prefetch=c.forward_prefetch, use_orig_params=c.compile)
+        model = wrap_fsdp1(
+            model,
+            mesh,
+            strategy=c.strategy,
+            mixed_precision=args.mixed_precision,
+            forward_prefetch=c.forward_prefetch,
+            use_orig_params=c.compile,
+        )
         if args.ac:
             # after wrapping, as FSDP1's docs do it: the checkpoint goes inside each FSDP unit, so
             # the recompute does not run the unit's all-gather hooks a second time
@@ -152,15 +161,23 @@ def _checkpoint_wrap(model: nn.Module, blocks: list[nn.Module]) -> None:
     )
 
     ids = {id(b) for b in blocks}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-                                   check_fn=lambda m: id(m) in ids)
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in ids,
+    )
 
 
 def train_step(v: Variant, model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, args) -> torch.Tensor:
     # DDP has no parameter casting: under --mixed-precision it runs the forward in autocast,
     # which is how DDP users get bf16 (FSDP casts the gathered parameters instead).
-    autocast = (torch.autocast(tokens.device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.mixed_precision]))
-                if v.impl == "ddp" and args.mixed_precision not in (None, "fp32") else nullcontext())
+    autocast = (
+        torch.autocast(
+            tokens.device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.mixed_precision])
+        )
+        if v.impl == "ddp" and args.mixed_precision not in (None, "fp32")
+        else nullcontext()
+    )
     with autocast:
         logits = model(tokens[:, :-1]).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
@@ -272,9 +289,12 @@ def time_variants(variants: list[Variant], base: nn.Module, mesh, info, batches,
         # CPU seconds the rank's process (compute and communication threads) spent in the step,
         # averaged over ranks: unlike wall time, barely changed by other load on a shared machine.
         cpu_step = [statistics.fmean(g[1][v.key][i] for g in gathered) for i in range(len(batches))]
-        out[v.key] = {"step_times_s": per_step[w:], "warmup_times_s": per_step[:w],
-                      "median_cpu_s_per_step": statistics.median(cpu_step[w:]),
-                      "losses_per_rank": [g[2][v.key] for g in gathered]}
+        out[v.key] = {
+            "step_times_s": per_step[w:],
+            "warmup_times_s": per_step[:w],
+            "median_cpu_s_per_step": statistics.median(cpu_step[w:]),
+            "losses_per_rank": [g[2][v.key] for g in gathered],
+        }
     return out
 
 
@@ -290,8 +310,11 @@ def summarize_time(t: dict, tokens_per_step: int, flops_per_token: float, peak: 
     med = statistics.median(xs)
     tps = tokens_per_step / med
     return {
-        "median_step_s": med, "p25_step_s": _quantile(xs, 0.25), "p75_step_s": _quantile(xs, 0.75),
-        "min_step_s": min(xs), "max_step_s": max(xs),
+        "median_step_s": med,
+        "p25_step_s": _quantile(xs, 0.25),
+        "p75_step_s": _quantile(xs, 0.75),
+        "min_step_s": min(xs),
+        "max_step_s": max(xs),
         "tokens_per_s_per_rank": tps,
         "mfu": tps * flops_per_token / peak if peak else None,
         **t,
@@ -303,15 +326,21 @@ def throughput_ratio(num: dict, den: dict) -> dict:
     the per-round ratios (the two steps of a round ran back to back, so each ratio carries
     little of the machine's drift)."""
     per_round = [td / tn for tn, td in zip(num["step_times_s"], den["step_times_s"])]
-    return {"ratio": den["median_step_s"] / num["median_step_s"], "round_median": statistics.median(per_round),
-            "round_p25": _quantile(per_round, 0.25), "round_p75": _quantile(per_round, 0.75)}
+    return {
+        "ratio": den["median_step_s"] / num["median_step_s"],
+        "round_median": statistics.median(per_round),
+        "round_p25": _quantile(per_round, 0.25),
+        "round_p75": _quantile(per_round, 0.75),
+    }
 
 
 def loss_parity(results: dict[str, dict], reference: str, compiled: set[str], tol: float, tol_compiled: float) -> dict:
     ref = results[reference]["losses_per_rank"]
     per_variant = {}
     for key, r in results.items():
-        worst = max(abs(a - b) / abs(b) for mine, theirs in zip(r["losses_per_rank"], ref) for a, b in zip(mine, theirs))
+        worst = max(
+            abs(a - b) / abs(b) for mine, theirs in zip(r["losses_per_rank"], ref) for a, b in zip(mine, theirs)
+        )
         limit = tol_compiled if key in compiled else tol
         per_variant[key] = {"max_rel_diff": worst, "tolerance": limit, "ok": worst <= limit}
     return {"reference": reference, "variants": per_variant, "ok": all(p["ok"] for p in per_variant.values())}
@@ -356,10 +385,18 @@ def machine(info: fk.DistInfo) -> dict:
         except OSError:
             pass
         desc = f"{name}, {os.cpu_count()} cores, {info.world_size} ranks x {torch.get_num_threads()} thread(s)"
-    slug = re.sub(r"[^a-z0-9]+", "-", f"{info.device.type}-{name}-{os.cpu_count() if info.device.type == 'cpu' else ''}c".lower())
+    slug = re.sub(
+        r"[^a-z0-9]+", "-", f"{info.device.type}-{name}-{os.cpu_count() if info.device.type == 'cpu' else ''}c".lower()
+    )
     slug = re.sub(r"-+c$", "", slug).strip("-") if info.device.type == "cuda" else slug.strip("-")
-    return {"description": desc, "slug": f"{slug}-w{info.world_size}", "device": info.device.type, "host": platform.node(),
-            "torch": torch.__version__, "threads_per_rank": torch.get_num_threads()}
+    return {
+        "description": desc,
+        "slug": f"{slug}-w{info.world_size}",
+        "device": info.device.type,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "threads_per_rank": torch.get_num_threads(),
+    }
 
 
 def run_size(name: str, seq: int, variants: list[Variant], mesh, info, args, *, memory: bool) -> dict:
@@ -381,21 +418,39 @@ def run_size(name: str, seq: int, variants: list[Variant], mesh, info, args, *, 
             mem[v.key] = {
                 "peak_memory_bytes_per_rank": max(e["peak_bytes"] for e in every),
                 "resident_bytes_per_rank": max(e["resident_bytes"] for e in every),
-                "cuda_max_allocated_bytes_per_rank": max(e["cuda_max_allocated_bytes"] for e in every) if every[0]["cuda_max_allocated_bytes"] is not None else None,
+                "cuda_max_allocated_bytes_per_rank": max(e["cuda_max_allocated_bytes"] for e in every)
+                if every[0]["cuda_max_allocated_bytes"] is not None
+                else None,
                 "memory_measured_eager": m["measured_eager"],
             }
-            floor = fk.estimate_plan(base, shard=info.world_size, strategy="NO_SHARD" if v.impl == "ddp" else v.config.strategy,
-                                     mixed_precision=None if v.impl == "ddp" else args.mixed_precision)
+            floor = fk.estimate_plan(
+                base,
+                shard=info.world_size,
+                strategy="NO_SHARD" if v.impl == "ddp" else v.config.strategy,
+                mixed_precision=None if v.impl == "ddp" else args.mixed_precision,
+            )
             mem[v.key]["floor_state_bytes_per_rank"] = floor.state_bytes_per_rank
             _log(info, f"  memory {v.label:48s} peak {mem[v.key]['peak_memory_bytes_per_rank'] / 2**20:8.1f} MiB")
 
     _log(info, f"  timing {len(variants)} variants x {args.warmup} warm-up + {args.repeats} interleaved steps")
     timed = time_variants(variants, base, mesh, info, batches, args)
-    out = {"model": name, "seq": seq, "batch_per_rank": args.batch, "tokens_per_step_per_rank": tokens_per_step,
-           "n_params": sum(p.numel() for p in base.parameters()), "flops_per_token": fpt, "variants": {}}
+    out = {
+        "model": name,
+        "seq": seq,
+        "batch_per_rank": args.batch,
+        "tokens_per_step_per_rank": tokens_per_step,
+        "n_params": sum(p.numel() for p in base.parameters()),
+        "flops_per_token": fpt,
+        "variants": {},
+    }
     for v in variants:
-        out["variants"][v.key] = {"impl": v.impl, "label": v.label, "config": asdict(v.config),
-                                  **summarize_time(timed[v.key], tokens_per_step, fpt, peak), **mem.get(v.key, {})}
+        out["variants"][v.key] = {
+            "impl": v.impl,
+            "label": v.label,
+            "config": asdict(v.config),
+            **summarize_time(timed[v.key], tokens_per_step, fpt, peak),
+            **mem.get(v.key, {}),
+        }
     return out
 
 
@@ -403,10 +458,8 @@ def _recorded(args) -> dict:
     """The arguments as the results record them: paths relative to the repository."""
     out = dict(vars(args))
     for key in ("out_dir", "best_configs"):
-        try:
+        with contextlib.suppress(ValueError):  # another drive
             out[key] = os.path.relpath(out[key], HERE.parent)
-        except ValueError:  # another drive
-            pass
     return out
 
 
@@ -427,16 +480,29 @@ VARIANT_KEYS = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best")
 
 def bench(args, info, mesh) -> dict:
     best1, best2, best_meta = load_best(Path(args.best_configs))
-    every = {"ddp": Variant("ddp", "ddp"), "fsdp1": Variant("fsdp1", "fsdp1"), "fsdp2": Variant("fsdp2", "fsdp2"),
-             "fsdp1_best": Variant("fsdp1_best", "fsdp1", best1), "fsdp2_best": Variant("fsdp2_best", "fsdp2", best2)}
+    every = {
+        "ddp": Variant("ddp", "ddp"),
+        "fsdp1": Variant("fsdp1", "fsdp1"),
+        "fsdp2": Variant("fsdp2", "fsdp2"),
+        "fsdp1_best": Variant("fsdp1_best", "fsdp1", best1),
+        "fsdp2_best": Variant("fsdp2_best", "fsdp2", best2),
+    }
     keys = args.variants.split(",")
     unknown = sorted(set(keys) - set(every))
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(every)}")
     variants = [every[k] for k in VARIANT_KEYS if k in keys]
-    result = {"benchmark": "fsdp1_vs_fsdp2", "date": time.strftime("%Y-%m-%d"), "machine": machine(info),
-              "world_size": info.world_size, "args": _recorded(args), "best_configs": best_meta, "targets": TARGETS,
-              "load_avg_start": os.getloadavg(), "sizes": {}}
+    result = {
+        "benchmark": "fsdp1_vs_fsdp2",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(info),
+        "world_size": info.world_size,
+        "args": _recorded(args),
+        "best_configs": best_meta,
+        "targets": TARGETS,
+        "load_avg_start": os.getloadavg(),
+        "sizes": {},
+    }
     compiled = {v.key for v in variants if v.config.compile}
     sweep = parse_sizes(args.sizes)
     for name, seq in sweep:
@@ -445,26 +511,38 @@ def bench(args, info, mesh) -> dict:
         vs = r["variants"]
         r["ratios"] = {k: throughput_ratio(vs[a], vs[b]) for k, (a, b) in RATIOS.items() if a in vs and b in vs}
         if not args.no_memory and "fsdp2" in vs:
-            peak = lambda k: vs[k]["peak_memory_bytes_per_rank"]  # noqa: E731
-            resident = lambda k: vs[k]["resident_bytes_per_rank"]  # noqa: E731
+            peak = lambda k: vs[k]["peak_memory_bytes_per_rank"]  # noqa: B023 - used within this iteration
+            resident = lambda k: vs[k]["resident_bytes_per_rank"]  # noqa: B023 - used within this iteration
             r["memory_ratios"] = {}
             if "ddp" in vs:
-                r["memory_ratios"].update(fsdp2_over_ddp_peak=peak("fsdp2") / peak("ddp"),
-                                          fsdp2_over_ddp_resident=resident("fsdp2") / resident("ddp"),
-                                          fsdp2_over_ddp_floor=vs["fsdp2"]["floor_state_bytes_per_rank"] / vs["ddp"]["floor_state_bytes_per_rank"])
+                r["memory_ratios"].update(
+                    fsdp2_over_ddp_peak=peak("fsdp2") / peak("ddp"),
+                    fsdp2_over_ddp_resident=resident("fsdp2") / resident("ddp"),
+                    fsdp2_over_ddp_floor=vs["fsdp2"]["floor_state_bytes_per_rank"]
+                    / vs["ddp"]["floor_state_bytes_per_rank"],
+                )
             if "fsdp1" in vs:
                 r["memory_ratios"]["fsdp2_over_fsdp1_peak"] = peak("fsdp2") / peak("fsdp1")
         fp32 = args.mixed_precision in (None, "fp32")
-        r["loss_parity"] = loss_parity(vs, variants[0].key, compiled, tol=args.parity_rtol if fp32 else 2e-2,
-                                       tol_compiled=args.parity_rtol_compiled if fp32 else 2e-2)
+        r["loss_parity"] = loss_parity(
+            vs,
+            variants[0].key,
+            compiled,
+            tol=args.parity_rtol if fp32 else 2e-2,
+            tol_compiled=args.parity_rtol_compiled if fp32 else 2e-2,
+        )
         r["load_avg_end"] = os.getloadavg()
         result["sizes"][size_key(name, seq, sweep)] = r
     result["load_avg_end"] = os.getloadavg()
     sizes = list(result["sizes"].values())
     result["verdict"] = {
-        key: {"target": target, "measured": [s["ratios"][key]["ratio"] for s in sizes],
-              "met": all(s["ratios"][key]["ratio"] >= target for s in sizes)}
-        for key, target in TARGETS.items() if all(key in s["ratios"] for s in sizes)
+        key: {
+            "target": target,
+            "measured": [s["ratios"][key]["ratio"] for s in sizes],
+            "met": all(s["ratios"][key]["ratio"] >= target for s in sizes),
+        }
+        for key, target in TARGETS.items()
+        if all(key in s["ratios"] for s in sizes)
     }
     result["loss_parity_ok"] = all(s["loss_parity"]["ok"] for s in sizes)
     return result
@@ -475,9 +553,16 @@ def search(args, info, mesh) -> dict:
     interleaved), and choose for each the configuration with the best geometric mean, over
     the sizes, of its speed-up over that library's defaults in the same run (per size: the
     median of the per-round speed-ups)."""
-    out = {"benchmark": "fsdp1_vs_fsdp2 --search", "date": time.strftime("%Y-%m-%d"), "machine": machine(info),
-           "world_size": info.world_size, "args": _recorded(args), "grid": [asdict(c) for c in GRID],
-           "load_avg_start": os.getloadavg(), "sizes": {}}
+    out = {
+        "benchmark": "fsdp1_vs_fsdp2 --search",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(info),
+        "world_size": info.world_size,
+        "args": _recorded(args),
+        "grid": [asdict(c) for c in GRID],
+        "load_avg_start": os.getloadavg(),
+        "sizes": {},
+    }
     gains: dict[str, dict[Config, list[float]]] = {"fsdp1": {c: [] for c in GRID}, "fsdp2": {c: [] for c in GRID}}
     sweep = parse_sizes(args.sizes)
     for name, seq in sweep:
@@ -495,17 +580,29 @@ def search(args, info, mesh) -> dict:
                 # drift of a shared machine cancels out of the choice
                 gain = throughput_ratio(cand, default)
                 gains[impl][c].append(gain["round_median"])
-                rows.append({"config": asdict(c), "label": c.describe(), "median_step_s": cand["median_step_s"],
-                             "speedup_over_default": gain, "median_cpu_s_per_step": cand["median_cpu_s_per_step"]})
-                _log(info, f"  {c.describe():40s} {cand['median_step_s'] * 1e3:8.1f} ms  x{gain['round_median']:.3f} "
-                           f"({gain['round_p25']:.2f}-{gain['round_p75']:.2f})  CPU {cand['median_cpu_s_per_step'] * 1e3:.0f} ms")
+                rows.append(
+                    {
+                        "config": asdict(c),
+                        "label": c.describe(),
+                        "median_step_s": cand["median_step_s"],
+                        "speedup_over_default": gain,
+                        "median_cpu_s_per_step": cand["median_cpu_s_per_step"],
+                    }
+                )
+                _log(
+                    info,
+                    f"  {c.describe():40s} {cand['median_step_s'] * 1e3:8.1f} ms  x{gain['round_median']:.3f} "
+                    f"({gain['round_p25']:.2f}-{gain['round_p75']:.2f})  CPU {cand['median_cpu_s_per_step'] * 1e3:.0f} ms",
+                )
             out["sizes"][key][impl] = rows
     best = {}
     for impl, by_config in gains.items():
         scores = {c: math.exp(statistics.fmean(math.log(g) for g in gs)) for c, gs in by_config.items()}
         winner = max(GRID, key=lambda c: scores[c])
         best[impl] = asdict(winner)
-        out[f"{impl}_geomean_speedup"] = [{"config": asdict(c), "label": c.describe(), "geomean": scores[c]} for c in GRID]
+        out[f"{impl}_geomean_speedup"] = [
+            {"config": asdict(c), "label": c.describe(), "geomean": scores[c]} for c in GRID
+        ]
     out["best"] = best
     out["best_labels"] = {impl: Config(**c).describe() for impl, c in best.items()}
     out["load_avg_end"] = os.getloadavg()
@@ -518,18 +615,32 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=6, help="interleaved rounds after warm-up")
-    p.add_argument("--variants", default=",".join(VARIANT_KEYS),
-                   help="which to run (e.g. leave out ddp for a model whose unsharded state does not fit one GPU)")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANT_KEYS),
+        help="which to run (e.g. leave out ddp for a model whose unsharded state does not fit one GPU)",
+    )
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) for every variant (CUDA's default; CPU's is a loop)")
+    p.add_argument(
+        "--foreach", action="store_true", help="AdamW(foreach=True) for every variant (CUDA's default; CPU's is a loop)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mixed-precision", default=None, choices=[None, "fp32", "bf16", "fp16"])
     p.add_argument("--ac", action="store_true", help="full activation checkpointing of every block, in every variant")
     p.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     p.add_argument("--parity-rtol", type=float, default=1e-4, help="fp32 loss agreement with DDP, every step")
-    p.add_argument("--parity-rtol-compiled", type=float, default=1e-3, help="the same for compiled variants (fused kernels round differently)")
-    p.add_argument("--search", action="store_true", help="choose the best configurations; writes benchmarks/best_configs.json")
-    p.add_argument("--best-configs", default=str(BEST_CONFIGS), help="read (and with --search, written) best configurations")
+    p.add_argument(
+        "--parity-rtol-compiled",
+        type=float,
+        default=1e-3,
+        help="the same for compiled variants (fused kernels round differently)",
+    )
+    p.add_argument(
+        "--search", action="store_true", help="choose the best configurations; writes benchmarks/best_configs.json"
+    )
+    p.add_argument(
+        "--best-configs", default=str(BEST_CONFIGS), help="read (and with --search, written) best configurations"
+    )
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--tag", default="", help="added to the output file names, for runs off the default sweep")
     args = p.parse_args()
@@ -547,9 +658,13 @@ def main() -> None:
         out_dir = Path(args.out_dir)
         if args.search:
             path = write_search(result, out_dir)
-            best = {"fsdp1": result["best"]["fsdp1"], "fsdp2": result["best"]["fsdp2"],
-                    "chosen_by": os.path.relpath(path, HERE), "machine": result["machine"]["description"],
-                    "rule": "per library, the GRID configuration with the best geometric-mean speed-up over its defaults across the sizes"}
+            best = {
+                "fsdp1": result["best"]["fsdp1"],
+                "fsdp2": result["best"]["fsdp2"],
+                "chosen_by": os.path.relpath(path, HERE),
+                "machine": result["machine"]["description"],
+                "rule": "per library, the GRID configuration with the best geometric-mean speed-up over its defaults across the sizes",
+            }
             Path(args.best_configs).write_text(json.dumps(best, indent=2) + "\n")
             print(f"best configurations -> {args.best_configs}")
         else:

@@ -29,6 +29,7 @@ rank). Results go to benchmarks/results/load_pretrained.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import gc
@@ -59,10 +60,8 @@ def _status() -> dict[str, int]:
 
 def _reset_peak() -> int:
     gc.collect()
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
     Path("/proc/self/clear_refs").write_text("5")
     return _status()["VmRSS"]
 
@@ -98,8 +97,8 @@ def measure(hf_dir: str) -> dict:
     fk.shard_model(model, mesh)
 
     def streamed():
-        fk.load_pretrained(model, hf_dir)
-        return model
+        fk.load_pretrained(model, hf_dir)  # noqa: F821 - bound above; deleted only after use
+        return model  # noqa: F821
 
     def naive():
         full = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)

@@ -21,23 +21,48 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import fsdp2kit as fk  # first: quiet imports
 import torch
 import torch.distributed as dist
+from fsdp1_vs_fsdp2 import Variant, build_variant, load_best, make_batches, parse_sizes
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from fsdp1_vs_fsdp2 import Variant, build_variant, load_best, make_batches, parse_sizes
+import fsdp2kit as fk  # first: quiet imports
 from fsdp2kit.models import build_causal_lm
 
 # op or range name -> group, by prefix; the first match wins. The wrappers' own ranges come
 # first: FSDP1 waits for its all-gathers and reduce-scatters inside its hooks, and FSDP2 inside
 # its FSDP:: ranges, so their self time is mostly time spent waiting for a collective.
 GROUPS = [
-    ("matmul/attention", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product", "aten::linear", "aten::matmul")),
-    ("FSDP/DDP hooks and collective waits", ("FullyShardedDataParallel.", "FSDP::", "DistributedDataParallel.", "c10d::", "gloo:",
-                                              "nccl:", "record_param_comms", "_c10d_functional", "fsdp::")),
-    ("copies (incl. packing comm buffers)", ("aten::copy_", "aten::split_with_sizes_copy", "aten::_foreach_copy", "aten::cat",
-                                             "aten::_chunk_cat", "aten::narrow_copy", "aten::clone")),
+    (
+        "matmul/attention",
+        ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product", "aten::linear", "aten::matmul"),
+    ),
+    (
+        "FSDP/DDP hooks and collective waits",
+        (
+            "FullyShardedDataParallel.",
+            "FSDP::",
+            "DistributedDataParallel.",
+            "c10d::",
+            "gloo:",
+            "nccl:",
+            "record_param_comms",
+            "_c10d_functional",
+            "fsdp::",
+        ),
+    ),
+    (
+        "copies (incl. packing comm buffers)",
+        (
+            "aten::copy_",
+            "aten::split_with_sizes_copy",
+            "aten::_foreach_copy",
+            "aten::cat",
+            "aten::_chunk_cat",
+            "aten::narrow_copy",
+            "aten::clone",
+        ),
+    ),
     ("optimizer math", ("aten::_foreach_", "aten::addcdiv", "aten::addcmul", "aten::lerp", "aten::sqrt")),
 ]
 
@@ -58,8 +83,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--trace-dir", default=None)
-    p.add_argument("--collectives", type=int, default=0, metavar="NUMEL",
-                   help="instead: time all-gather, reduce-scatter and all-reduce of a unit of NUMEL fp32 parameters")
+    p.add_argument(
+        "--collectives",
+        type=int,
+        default=0,
+        metavar="NUMEL",
+        help="instead: time all-gather, reduce-scatter and all-reduce of a unit of NUMEL fp32 parameters",
+    )
     args = p.parse_args()
     # build_variant reads these
     args.ac, args.mixed_precision, args.lr, args.foreach = False, None, 1e-4, False
@@ -70,7 +100,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     mesh = fk.make_mesh()
-    (name, seq), = parse_sizes(args.size)
+    ((name, seq),) = parse_sizes(args.size)
     torch.manual_seed(0)
     base = build_causal_lm(name, max_seq_len=seq, meta=False)
     base.config.use_cache = False
@@ -87,23 +117,28 @@ def main() -> None:
 
         def step(tokens):
             with record_function("## forward"):
-                logits = model(tokens[:, :-1]).logits
+                logits = model(tokens[:, :-1]).logits  # noqa: B023, F821 - step() runs within this iteration
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             with record_function("## backward"):
                 loss.backward()
             with record_function("## optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                opt.step()  # noqa: B023, F821 - step() runs within this iteration
+                opt.zero_grad(set_to_none=True)  # noqa: B023, F821 - step() runs within this iteration
 
         for tokens in batches[: args.warmup]:
             step(tokens)
         dist.barrier()
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])) as prof:
+        with profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+        ) as prof:
             for tokens in batches[args.warmup :]:
                 step(tokens)
                 dist.barrier()
-        cpu_ms, wall_ms = ((time.process_time() - cpu0) * 1e3 / args.steps, (time.perf_counter() - wall0) * 1e3 / args.steps)
+        cpu_ms, wall_ms = (
+            (time.process_time() - cpu0) * 1e3 / args.steps,
+            (time.perf_counter() - wall0) * 1e3 / args.steps,
+        )
         if args.trace_dir and info.is_main:
             Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(os.path.join(args.trace_dir, f"{key}.json"))
@@ -141,8 +176,14 @@ def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
 
     mb = numel * 4 / 1e6
     rows = [
-        (f"all-gather ({mb / world:.1f} MB in, {mb:.1f} MB out)", timed(lambda: dist.all_gather_into_tensor(gathered, shard))),
-        (f"reduce-scatter ({mb:.1f} MB in, {mb / world:.1f} MB out)", timed(lambda: dist.reduce_scatter_tensor(out, full))),
+        (
+            f"all-gather ({mb / world:.1f} MB in, {mb:.1f} MB out)",
+            timed(lambda: dist.all_gather_into_tensor(gathered, shard)),
+        ),
+        (
+            f"reduce-scatter ({mb:.1f} MB in, {mb / world:.1f} MB out)",
+            timed(lambda: dist.reduce_scatter_tensor(out, full)),
+        ),
         (f"all-reduce ({mb:.1f} MB)", timed(lambda: dist.all_reduce(full))),
         (f"memory copy ({mb:.1f} MB)", timed(lambda: full.clone())),
     ]
@@ -154,7 +195,7 @@ def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
 
 def report(v: Variant, prof, args, cpu_ms: float, wall_ms: float) -> None:
     events = prof.key_averages()
-    per_step = lambda us: us / 1e3 / args.steps  # noqa: E731  (microseconds -> ms per step)
+    per_step = lambda us: us / 1e3 / args.steps
     phases = {e.key: per_step(e.cpu_time_total) for e in events if e.key.startswith("## ")}
     groups: dict[str, float] = defaultdict(float)
     for e in events:
@@ -162,7 +203,9 @@ def report(v: Variant, prof, args, cpu_ms: float, wall_ms: float) -> None:
             groups[group_of(e.key)] += per_step(e.self_cpu_time_total)
     print(f"\n=== {v.label}: ms per step; wall {wall_ms:.0f} (profiled), process CPU {cpu_ms:.0f} ===")
     print("  phases: " + ", ".join(f"{k[3:]} {ms:.0f}" for k, ms in phases.items()))
-    print("  self time by group: " + ", ".join(f"{g} {ms:.0f}" for g, ms in sorted(groups.items(), key=lambda x: -x[1])))
+    print(
+        "  self time by group: " + ", ".join(f"{g} {ms:.0f}" for g, ms in sorted(groups.items(), key=lambda x: -x[1]))
+    )
     top = sorted((e for e in events if not e.key.startswith("## ")), key=lambda e: -e.self_cpu_time_total)[: args.top]
     for e in top:
         print(f"    {per_step(e.self_cpu_time_total):8.1f} ms  {e.count // args.steps:5d} calls  {e.key}")

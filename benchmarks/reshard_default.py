@@ -19,11 +19,12 @@ import statistics
 import time
 from pathlib import Path
 
-import fsdp2kit as fk  # first: quiet imports
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
+
+import fsdp2kit as fk  # first: quiet imports
 
 
 def main() -> None:
@@ -40,9 +41,15 @@ def main() -> None:
     info = fk.init_distributed()
     mesh = fk.make_mesh()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                      num_key_value_heads=args.hidden // 64, max_position_embeddings=args.seq)
+    cfg = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=args.seq,
+    )
     base = LlamaForCausalLM(cfg).to(info.device)
     models = {"last block kept (fsdp2kit default)": copy.deepcopy(base), "every block resharded": base}
     fk.shard_model(models["last block kept (fsdp2kit default)"], mesh)
@@ -69,9 +76,14 @@ def main() -> None:
         a, b = med.values()
         result = {
             "machine": f"{platform.node()} {platform.machine()} ({torch.get_num_threads()} threads/rank)",
-            "device": info.device.type, "world_size": info.world_size, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "args": vars(args), "load_average_at_end": os.getloadavg(),
-            "median_step_s": med, "spread_s": {k: [min(v), max(v)] for k, v in times.items()},
+            "device": info.device.type,
+            "world_size": info.world_size,
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "args": vars(args),
+            "load_average_at_end": os.getloadavg(),
+            "median_step_s": med,
+            "spread_s": {k: [min(v), max(v)] for k, v in times.items()},
             "speedup_default_over_all_resharded": b / a,
         }
         for k, v in med.items():

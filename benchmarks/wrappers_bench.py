@@ -37,10 +37,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import fsdp2kit as fk  # first: quiet imports
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import fsdp2kit as fk  # first: quiet imports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +66,9 @@ VARIANTS: dict[str, Variant] = {
     # candidates for the best combination; the faster one is reported as "best"
     "compile + prefetch": Variant(compile=True, prefetch=(1, 1)),
     "compile + AC selective + prefetch": Variant(ac="selective", compile=True, prefetch=(1, 1)),
-    "all: float8 + AC selective + compile + prefetch": Variant(float8=True, ac="selective", compile=True, prefetch=(1, 1)),
+    "all: float8 + AC selective + compile + prefetch": Variant(
+        float8=True, ac="selective", compile=True, prefetch=(1, 1)
+    ),
 }
 PROFILED = ["plain", "prefetch 1/1", "AC full", "AC selective", "compile", "float8"]
 
@@ -141,12 +144,21 @@ def _profile(model, opt, tokens, top: int) -> dict:
 
     def inclusive(name: str) -> dict | None:
         e = by_name.get(name)
-        return None if e is None else {"calls": e.count, "ms": e.cpu_time_total / 1e3, "self_ms": e.self_cpu_time_total / 1e3}
+        return (
+            None
+            if e is None
+            else {"calls": e.count, "ms": e.cpu_time_total / 1e3, "self_ms": e.self_cpu_time_total / 1e3}
+        )
 
     return {
         "total_ms": total / 1e3,
         "top": [
-            {"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total, "calls": e.count}
+            {
+                "op": e.key,
+                "self_ms": e.self_cpu_time_total / 1e3,
+                "share": e.self_cpu_time_total / total,
+                "calls": e.count,
+            }
             for e in events[:top]
         ],
         # FSDP's own ranges (hooks, copy-in/out, waiting for a collective) and the collectives:
@@ -190,7 +202,7 @@ def run(args: argparse.Namespace) -> dict | None:
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         tokens = batch()
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()
@@ -238,7 +250,7 @@ def run(args: argparse.Namespace) -> dict | None:
             return None
         return max(res[key]) / max(plain[key])
 
-    for name, res in results.items():
+    for res in results.values():
         # Paired by round: each round runs every variant back to back, so a round's ratio cancels
         # the machine's drift between rounds; the median and range over rounds are reported.
         paired = [a / b for a, b in zip(plain_rounds, res["step_s_rounds"])]
@@ -252,13 +264,30 @@ def run(args: argparse.Namespace) -> dict | None:
     return {
         "machine": _machine(),
         "setup": {
-            "model": args.model, "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")},
+            "model": args.model,
+            "config": {
+                k: getattr(cfg, k)
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "vocab_size",
+                )
+            },
             "params": sum(p.numel() for p in base.parameters()),
-            "world": world, "batch_per_rank": args.batch, "seq": args.seq, "precision": "fp32 (float8 variants: float8 matmuls in the blocks)",
-            "rounds": args.rounds, "steps_per_round": args.steps, "warmup_steps": args.warmup,
-            "rss_repeats": args.rss_repeats, "threads_per_rank": torch.get_num_threads(),
-            "inductor_cache": "fresh (empty) for this run" if "wrappers_bench_inductor_" in os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+            "world": world,
+            "batch_per_rank": args.batch,
+            "seq": args.seq,
+            "precision": "fp32 (float8 variants: float8 matmuls in the blocks)",
+            "rounds": args.rounds,
+            "steps_per_round": args.steps,
+            "warmup_steps": args.warmup,
+            "rss_repeats": args.rss_repeats,
+            "threads_per_rank": torch.get_num_threads(),
+            "inductor_cache": "fresh (empty) for this run"
+            if "wrappers_bench_inductor_" in os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
             else os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default (may hold kernels from earlier runs)"),
         },
         "results": results,
@@ -271,14 +300,24 @@ def _machine() -> dict:
     def sh(cmd: list[str]) -> str:
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001
+        except Exception:
             return "?"
 
     import torchao
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     return {
         "uname": " ".join(platform.uname()),
         "cpu": cpu,
@@ -361,7 +400,7 @@ def write_markdown(res: dict, path: Path) -> None:
             f"| {name} | {p['total_ms']:.0f} | {p['fsdp_ms']:.0f} | {mm['calls'] if mm else 0} / {mm['self_ms'] if mm else 0:.0f} "
             f"| {smm['calls'] if smm else 0} / {smm['ms'] if smm else 0:.0f} | {cp['self_ms'] if cp else 0:.0f} | {top} |"
         )
-    lines += ["", "## Reading the numbers", ""] + _reading(res)
+    lines += ["", "## Reading the numbers", "", *_reading(res)]
     notes = res.get("notes")
     if notes:
         lines += ["", notes]
@@ -381,7 +420,13 @@ def _reading(res: dict) -> list[str]:
 
     def verdict(name: str) -> str:
         lo, hi = r[name]["speed_ratio_range"]
-        return "faster in every round" if lo > 1 else "slower in every round" if hi < 1 else "no speed change beyond the noise"
+        return (
+            "faster in every round"
+            if lo > 1
+            else "slower in every round"
+            if hi < 1
+            else "no speed change beyond the noise"
+        )
 
     def mem(name: str) -> str:
         x = r.get(name, {}).get("rss_ratio")

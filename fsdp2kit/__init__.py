@@ -21,12 +21,12 @@ from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "STRATEGIES",
     "Checkpointer",
     "DistInfo",
     "LoadResult",
     "PerRank",
     "RNGState",
-    "STRATEGIES",
     "ShardPlan",
     "apply_activation_checkpointing",
     "clip_grad_norm_",

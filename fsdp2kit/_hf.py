@@ -237,7 +237,7 @@ def plan_load(
             metas = {k: torch.empty(disk_shapes[k], device="meta") for k in group.source_keys}
             try:
                 produced = group.convert(model, metas)
-            except Exception as exc:  # noqa: BLE001 - reported with the keys involved
+            except Exception as exc:
                 plan.mismatched.append(f"{first}: converting {group.source_keys[:4]}... failed: {exc}")
                 continue
             group.targets = list(produced)

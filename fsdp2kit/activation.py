@@ -162,7 +162,9 @@ def apply_activation_checkpointing(
     found = find_blocks(model, blocks)
     for block in found:
         if getattr(block, COMPILED, False):
-            raise ValueError(f"apply_activation_checkpointing must be called before compile_blocks (the order is {ORDER})")
+            raise ValueError(
+                f"apply_activation_checkpointing must be called before compile_blocks (the order is {ORDER})"
+            )
         if getattr(block, CHECKPOINTED, None) is not None:
             raise ValueError(
                 f"activation checkpointing was already applied ({getattr(block, CHECKPOINTED)!r}); apply it once"

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch.nn as nn
 
 __all__ = ["BlockSpec", "find_blocks", "shared_parameters"]
 
-BlockSpec = Union[str, type, Sequence[type], Callable[[nn.Module], bool]]
+BlockSpec = str | type | Sequence[type] | Callable[[nn.Module], bool]
 
 
 def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:

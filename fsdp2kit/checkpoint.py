@@ -49,9 +49,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
@@ -136,9 +136,8 @@ def incomplete_dirs(root: str | os.PathLike) -> list[Path]:
     for entry in sorted(root.iterdir()):
         if not entry.is_dir():
             continue
-        if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
-            found.append(entry)
-        elif _STEP_RE.match(entry.name) and not (entry / _METADATA).is_file():
+        interrupted = _STEP_RE.match(entry.name) and not (entry / _METADATA).is_file()
+        if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) or interrupted:
             found.append(entry)
     return found
 
@@ -153,29 +152,39 @@ def _check_step(step: Any) -> int:
 # Reading without unpickling arbitrary objects
 
 # What DCP's .metadata pickle refers to. Anything else in that file is refused, not run.
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-} | {(mod, cls) for mod in ("pathlib", "pathlib._local") for cls in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
+_METADATA_GLOBALS = (
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    }
+    | {
+        (mod, cls)
+        for mod in ("pathlib", "pathlib._local")
+        for cls in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type DCP metadata is made of")
 
@@ -287,7 +296,9 @@ class RNGState:
                 torch.cuda.set_rng_state(saved[device], device)
         if "numpy" in state and np is not None:
             s = state["numpy"]
-            np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"]))
+            np.random.set_state(
+                (s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+            )
 
 
 def _is_stateful(value: Any) -> bool:
@@ -322,7 +333,12 @@ def _to_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             return {k: _to_tree(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
-        return {"__items__": [[_to_tree(k, tensors, f"{where} key"), _to_tree(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()]}
+        return {
+            "__items__": [
+                [_to_tree(k, tensors, f"{where} key"), _to_tree(v, tensors, f"{where}[{k!r}]")]
+                for k, v in value.items()
+            ]
+        }
     hint = " (a nested object with state_dict(): put it at the top level of extra)" if _is_stateful(value) else ""
     raise TypeError(
         f"{where} is a {type(value).__qualname__}, which a checkpoint does not store{hint}. extra takes "
@@ -337,7 +353,7 @@ def _from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
-        (tag, inner), = tree.items()
+        ((tag, inner),) = tree.items()
         if tag == "__tensor__":
             return tensors[str(inner)]
         if tag == "__ndarray__":
@@ -394,7 +410,9 @@ def _extra_entries(metadata: Metadata, prefix: tuple[str, ...]) -> dict[str, dic
 def _paths(metadata: Metadata) -> dict[str, tuple]:
     """Flat DCP key -> path of keys in the saved nested state dict."""
     if isinstance(metadata.planner_data, dict):
-        return {k: tuple(str(p) for p in v) for k, v in metadata.planner_data.items() if k in metadata.state_dict_metadata}
+        return {
+            k: tuple(str(p) for p in v) for k, v in metadata.planner_data.items() if k in metadata.state_dict_metadata
+        }
     return {k: tuple(k.split(".")) for k in metadata.state_dict_metadata}
 
 
@@ -448,7 +466,9 @@ class _Comm:
             dist.all_gather_object(out, obj, group=self.group)
         except Exception as e:
             mine = f"; this rank's own error: {local_error}" if local_error else ""
-            raise CheckpointError(f"{what}: lost contact with the other ranks (a rank died or timed out): {_describe(e)}{mine}") from e
+            raise CheckpointError(
+                f"{what}: lost contact with the other ranks (a rank died or timed out): {_describe(e)}{mine}"
+            ) from e
         return out
 
     def agree(self, problems: str | list[str] | None, what: str) -> None:
@@ -479,7 +499,11 @@ def _raise_gathered(replies: list[str | list[str] | None], what: str) -> None:
     world = len(replies)
     parts = []
     for message, ranks in by_message.items():
-        who = "every rank" if len(ranks) == world and world > 1 else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        who = (
+            "every rank"
+            if len(ranks) == world and world > 1
+            else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        )
         parts.append(f"[{who}] {message}")
     raise CheckpointError(f"{what}:\n  " + "\n  ".join(parts))
 
@@ -561,7 +585,9 @@ class Checkpointer:
             Ranks that did not exist at save time keep their generators.
     """
 
-    def __init__(self, root: str | os.PathLike, keep_last: int | None = 2, async_save: bool = False, *, rng: bool = True):
+    def __init__(
+        self, root: str | os.PathLike, keep_last: int | None = 2, async_save: bool = False, *, rng: bool = True
+    ):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None (keep every step) or an int >= 1, got {keep_last!r}")
         self.root = Path(root)
@@ -592,7 +618,9 @@ class Checkpointer:
 
     # ---- save ------------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> None:
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
+    ) -> None:
         """Save ``model`` (and ``optimizer``, ``extra``) as ``root/step_{step:08d}``.
 
         ``extra`` maps names to JSON-able values, tensors, NumPy arrays or objects with
@@ -650,14 +678,22 @@ class Checkpointer:
             except _FAILURES as e:  # before any collective: the other ranks' writers fail at wait()
                 if rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(f"asynchronous save of step {step} to {self.root} did not start: {_describe(e)}") from e
+                raise CheckpointError(
+                    f"asynchronous save of step {step} to {self.root} did not start: {_describe(e)}"
+                ) from e
             self._pending = _Pending(step, tmp, self._chain_publish(upload, step, tmp, rank))
             return
 
         error = None
         try:
             _quiet_without_process_group(comm.active)
-            dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), process_group=comm.group, no_dist=not comm.active)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
             if rank == 0:
                 self._publish(step, tmp)
         except _FAILURES as e:
@@ -717,7 +753,12 @@ class Checkpointer:
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(
-                StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False)
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
             )
         return self._stager.stage(state)
 
@@ -972,12 +1013,17 @@ def _check_against(state: dict, metadata: Metadata, path: Path, with_optimizer: 
 
     problems = []
     if with_optimizer and not any(k.startswith("optimizer.") for k in saved):
-        problems.append(f"{path.name} was saved without optimizer state: load it with optimizer=None to start the optimizer afresh")
+        problems.append(
+            f"{path.name} was saved without optimizer state: load it with optimizer=None to start the optimizer afresh"
+        )
         missing = [k for k in missing if not k.startswith("optimizer.")]
     if missing:
         problems.append(f"{len(missing)} key(s) missing from the checkpoint: {fmt_list(missing, _MAX_LISTED)}")
     if unexpected:
-        problems.append(f"{len(unexpected)} key(s) in the checkpoint that this model/optimizer lacks: {fmt_list(unexpected, _MAX_LISTED)}")
+        problems.append(
+            f"{len(unexpected)} key(s) in the checkpoint that this model/optimizer lacks: "
+            f"{fmt_list(unexpected, _MAX_LISTED)}"
+        )
     if shape:
         problems.append(f"shape mismatch: {fmt_list(shape, _MAX_LISTED)}")
     if dtype:
@@ -1019,7 +1065,9 @@ def _check_extra_keys(extra: dict | None, metadata: Metadata) -> list[str]:
             shared.add(path[2])
         elif path[:2] == ("extra", "rank") and len(path) > 3 and path[3] != _RNG_KEY:
             per_rank.add(path[3])
-    missing = [k for k, v in extra.items() if k not in (per_rank | shared if isinstance(v, (PerRank, RNGState)) else shared)]
+    missing = [
+        k for k, v in extra.items() if k not in (per_rank | shared if isinstance(v, (PerRank, RNGState)) else shared)
+    ]
     if missing:
         have = sorted(shared) + [f"{k} (per rank)" for k in sorted(per_rank)]
         return [f"extra key(s) {missing} not in the checkpoint, which has {have or 'no extra'}"]

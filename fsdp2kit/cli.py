@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fsdp2kit.plan import fmt_bytes
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["SUBCOMMANDS", "main"]
 
 
 # ---- inspect -----------------------------------------------------------------------------------
@@ -26,8 +26,9 @@ __all__ = ["main", "SUBCOMMANDS"]
 
 def describe_step(path: Path) -> dict:
     """What a step directory holds, from DCP metadata alone: no process group, no tensor read."""
-    from fsdp2kit.checkpoint import INFO_FILE, read_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fsdp2kit.checkpoint import INFO_FILE, read_metadata
 
     metadata = read_metadata(path)
     stored: dict[str, int] = {}
@@ -42,7 +43,13 @@ def describe_step(path: Path) -> dict:
                 numel *= d
             dtype = md.properties.dtype
             entries.append(
-                {"key": key, "shape": list(md.size), "dtype": str(dtype).removeprefix("torch."), "numel": numel, "bytes": numel * dtype.itemsize}
+                {
+                    "key": key,
+                    "shape": list(md.size),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "numel": numel,
+                    "bytes": numel * dtype.itemsize,
+                }
             )
         else:  # a small pickled value (an optimizer hyper-parameter): its size on disk
             entries.append({"key": key, "shape": None, "dtype": "object", "numel": None, "bytes": stored.get(key, 0)})
@@ -70,9 +77,21 @@ def inspect(ckpt_dir: str | Path, step: int | None = None) -> dict:
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
     if (root / ".metadata").is_file():  # a step directory itself
-        return {"root": str(root.parent), "steps": None, "incomplete": [], "step": None, "contents": describe_step(root)}
+        return {
+            "root": str(root.parent),
+            "steps": None,
+            "incomplete": [],
+            "step": None,
+            "contents": describe_step(root),
+        }
     steps = list_steps(root)
-    report = {"root": str(root), "steps": steps, "incomplete": [p.name for p in incomplete_dirs(root)], "step": None, "contents": None}
+    report = {
+        "root": str(root),
+        "steps": steps,
+        "incomplete": [p.name for p in incomplete_dirs(root)],
+        "step": None,
+        "contents": None,
+    }
     if step is not None and step not in steps:
         raise CheckpointError(f"step {step} is not a complete step in {root}; complete steps: {steps or 'none'}")
     chosen = step if step is not None else (steps[-1] if steps else None)
@@ -97,7 +116,8 @@ def _print_inspect(report: dict, out) -> None:
         extras = ", ".join(info.get("extra", [])) or "none"
         per_rank = info.get("extra_per_rank", []) + (["rng"] if info.get("rng") else [])
         print(
-            f"  saved {info.get('saved_at', '?')} by {info.get('world_size', '?')} rank(s), torch {info.get('torch', '?')}, "
+            f"  saved {info.get('saved_at', '?')} by {info.get('world_size', '?')} rank(s), "
+            f"torch {info.get('torch', '?')}, "
             f"optimizer {info.get('optimizer') or 'none'}",
             file=out,
         )
@@ -112,7 +132,8 @@ def _print_inspect(report: dict, out) -> None:
         tensors = [e for e in entries if e["shape"] is not None]
         numel = sum(e["numel"] for e in tensors)
         print(
-            f"  {group:<10} {len(tensors):>5} tensor(s), {numel:,} elements, {fmt_bytes(sum(e['bytes'] for e in tensors))}"
+            f"  {group:<10} {len(tensors):>5} tensor(s), {numel:,} elements, "
+            f"{fmt_bytes(sum(e['bytes'] for e in tensors))}"
             + (f"; {len(entries) - len(tensors)} other value(s)" if len(entries) > len(tensors) else ""),
             file=out,
         )
@@ -178,7 +199,9 @@ def _run_export_hf(args) -> int:
     source = Path(args.ckpt_dir)
     if args.step is not None:
         if args.step not in list_steps(source):
-            raise CheckpointError(f"step {args.step} is not a complete step in {source}; complete steps: {list_steps(source) or 'none'}")
+            raise CheckpointError(
+                f"step {args.step} is not a complete step in {source}; complete steps: {list_steps(source) or 'none'}"
+            )
         source = step_dir(source, args.step)
     config = None
     if args.config:
@@ -186,7 +209,9 @@ def _run_export_hf(args) -> int:
 
         config = AutoConfig.from_pretrained(args.config, local_files_only=True)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    out = dcp_to_hf(source, args.out_dir, config=config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    out = dcp_to_hf(
+        source, args.out_dir, config=config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite
+    )
     print(f"wrote {out}")
     return 0
 
@@ -204,7 +229,9 @@ def _add_plan(subparsers) -> None:
     p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
     p.add_argument("--replicate", type=int, default=1, help="replica groups (HSDP when > 1)")
-    p.add_argument("--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    p.add_argument(
+        "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
+    )
     p.add_argument("--mixed-precision", default=None, help="fp32, bf16 or fp16")
     p.add_argument("--cpu-offload", action="store_true")
     p.set_defaults(func=_run_plan)
@@ -215,8 +242,16 @@ def _run_plan(args) -> int:
     from fsdp2kit.shard import estimate_plan
 
     model = build_causal_lm(args.model, meta=True)
-    print(estimate_plan(model, shard=args.shard, replicate=args.replicate, strategy=args.strategy,
-                        mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload))
+    print(
+        estimate_plan(
+            model,
+            shard=args.shard,
+            replicate=args.replicate,
+            strategy=args.strategy,
+            mixed_precision=args.mixed_precision,
+            cpu_offload=args.cpu_offload,
+        )
+    )
     return 0
 
 
@@ -226,7 +261,9 @@ SUBCOMMANDS = [_add_inspect, _add_export_hf, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp2kit", description="fsdp2kit: checkpoints, export and planning for FSDP2.")
+    parser = argparse.ArgumentParser(
+        prog="fsdp2kit", description="fsdp2kit: checkpoints, export and planning for FSDP2."
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)

@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "parse_config", "config_to_dict"]
+__all__ = ["ConfigError", "config_to_dict", "parse_config"]
 
 T = TypeVar("T")
 
@@ -74,7 +74,9 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 def parse_config(cls: type[T], argv: list[str] | None = None, *, description: str = "", prog: str | None = None) -> T:
     """Build ``cls`` from ``--config FILE`` (TOML) and ``--table.key value`` overrides."""
     parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file; command-line options override it")
@@ -86,7 +88,9 @@ def parse_config(cls: type[T], argv: list[str] | None = None, *, description: st
             scalar, _ = _leaf_type(typing.get_type_hints(table_cls)[f.name])
             help_text = f.metadata.get("help", "")
             group.add_argument(
-                f"--{table}.{f.name}", dest=f"{table}.{f.name}", metavar=getattr(scalar, "__name__", "VALUE").upper(),
+                f"--{table}.{f.name}",
+                dest=f"{table}.{f.name}",
+                metavar=getattr(scalar, "__name__", "VALUE").upper(),
                 help=f"{help_text} (default: {default!r})".replace("%", "%%"),  # argparse %-formats help
             )
     args = vars(parser.parse_args(argv))
@@ -108,7 +112,9 @@ def parse_config(cls: type[T], argv: list[str] | None = None, *, description: st
             known = {f.name for f in dataclasses.fields(_tables(cls)[table])}
             for key, value in entries.items():
                 if key not in known:
-                    raise ConfigError(f"{path}: unknown key {table}.{key}; keys of [{table}]: {', '.join(sorted(known))}")
+                    raise ConfigError(
+                        f"{path}: unknown key {table}.{key}; keys of [{table}]: {', '.join(sorted(known))}"
+                    )
                 values[table][key] = value
     for dotted, value in args.items():
         table, key = dotted.split(".", 1)

@@ -229,7 +229,7 @@ def export_hf(
         try:
             stage = _Stage(out_dir, overwrite)
             writer = _ShardedWriter(stage.dir, max_bytes)
-        except BaseException as exc:  # noqa: BLE001 - reported on every rank below
+        except BaseException as exc:
             error = exc
     # A failure on the writer must not stop it from taking part in the remaining gathers, or the
     # other ranks would wait in one forever: it stops writing and reports at the end.
@@ -241,7 +241,7 @@ def export_hf(
             try:
                 for name, t in to_hf_layout(model, {n: _cast(v, dtype) for n, v in fulls.items()}).items():
                     writer.add(name, t)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 error = exc
             del fulls
     if stage is not None:
@@ -250,7 +250,7 @@ def export_hf(
                 writer.finish()
                 _save_config(model, stage.dir, dtype or held)
                 stage.commit()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             error = exc
         if error is not None:
             stage.abort()
@@ -342,12 +342,12 @@ def dcp_to_hf(
     metadata = read_metadata(step_dir)
     lead = prefix + "."
     stored = {
-        k[len(lead):]: v
-        for k, v in metadata.state_dict_metadata.items()
-        if k.startswith(lead) and hasattr(v, "size")
+        k[len(lead) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(lead) and hasattr(v, "size")
     }
     if not stored:
-        raise ValueError(f"{step_dir} holds no tensors under {prefix!r} (keys start with {sorted(metadata.state_dict_metadata)[:3]})")
+        raise ValueError(
+            f"{step_dir} holds no tensors under {prefix!r} (keys start with {sorted(metadata.state_dict_metadata)[:3]})"
+        )
     tensors, aliases = _model_tensors(model)
     names = _export_names(model, tensors, aliases)
     by_root: dict[str, list[str]] = {}
@@ -376,7 +376,10 @@ def dcp_to_hf(
         raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(parts))
 
     max_bytes = parse_size(max_shard_size)
-    held = next((stored[source[n]].properties.dtype for n in names if stored[source[n]].properties.dtype.is_floating_point), None)
+    held = next(
+        (stored[source[n]].properties.dtype for n in names if stored[source[n]].properties.dtype.is_floating_point),
+        None,
+    )
     reader_path = step_dir
 
     def read(batch: list[str]) -> dict[str, torch.Tensor]:

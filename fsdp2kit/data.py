@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["ByteTokenizer", "demo_corpus", "read_texts", "tokenize", "PackedDataset", "ResumableLoader"]
+__all__ = ["ByteTokenizer", "PackedDataset", "ResumableLoader", "demo_corpus", "read_texts", "tokenize"]
 
 
 class ByteTokenizer:
@@ -30,9 +30,25 @@ class ByteTokenizer:
         return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
 
 
-_SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher", "our neighbour"]
+_SUBJECTS = [
+    "the cat",
+    "a dog",
+    "the old man",
+    "my sister",
+    "the robot",
+    "a small bird",
+    "the teacher",
+    "our neighbour",
+]
 _VERBS = ["sees", "likes", "follows", "paints", "finds", "carries", "visits", "remembers"]
-_OBJECTS = ["the red ball", "a quiet garden", "the long river", "an open door", "the blue house", "a warm loaf of bread"]
+_OBJECTS = [
+    "the red ball",
+    "a quiet garden",
+    "the long river",
+    "an open door",
+    "the blue house",
+    "a warm loaf of bread",
+]
 _PLACES = ["in the morning", "after the rain", "near the station", "every sunday", "before dinner", "under the bridge"]
 
 
@@ -110,7 +126,9 @@ class ResumableLoader:
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int = 0):
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True)
         if len(self.loader) == 0:
             raise ValueError(

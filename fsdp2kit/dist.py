@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DistInfo", "init_distributed", "make_mesh", "default_device_type"]
+__all__ = ["DistInfo", "default_device_type", "init_distributed", "make_mesh"]
 
 
 @dataclass(frozen=True)

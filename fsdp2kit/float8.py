@@ -43,9 +43,7 @@ _MULTIPLE = 16  # torch._scaled_mm needs both matmul dimensions divisible by 16
 def float8_eligible(linear: nn.Module) -> bool:
     """Whether torchao's float8 matmul accepts this Linear's shape."""
     return (
-        isinstance(linear, nn.Linear)
-        and linear.in_features % _MULTIPLE == 0
-        and linear.out_features % _MULTIPLE == 0
+        isinstance(linear, nn.Linear) and linear.in_features % _MULTIPLE == 0 and linear.out_features % _MULTIPLE == 0
     )
 
 
@@ -110,7 +108,10 @@ def enable_float8(
         raise ValueError("enable_float8: this model already has float8 Linear layers; call it once")
     found = find_blocks(model, blocks)
     if any(getattr(b, CHECKPOINTED, None) is not None or getattr(b, COMPILED, False) for b in found):
-        raise ValueError(f"enable_float8 must be called before apply_activation_checkpointing and compile_blocks (the order is {ORDER})")
+        raise ValueError(
+            "enable_float8 must be called before apply_activation_checkpointing and compile_blocks "
+            f"(the order is {ORDER})"
+        )
 
     tied = set(shared_parameters(model))
     names = {id(m): n for n, m in model.named_modules()}
@@ -128,7 +129,9 @@ def enable_float8(
     if not chosen:
         why = (
             f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} "
-            f"or a tied weight (e.g. {skipped[0]})" if skipped else "there is no Linear layer in the blocks"
+            f"or a tied weight (e.g. {skipped[0]})"
+            if skipped
+            else "there is no Linear layer in the blocks"
         )
         if filter_fn is not None:
             why += "; filter_fn rejected the others"

@@ -38,7 +38,7 @@ from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.precision import resolve_mixed_precision
 from fsdp2kit.shard import _assign_units, resolve_strategy
 
-__all__ = ["wrap_fsdp1", "fsdp1_sharding_strategy"]
+__all__ = ["fsdp1_sharding_strategy", "wrap_fsdp1"]
 
 _SHARDING = {
     "FULL_SHARD": ShardingStrategy.FULL_SHARD,
@@ -111,7 +111,11 @@ def wrap_fsdp1(
     units = {id(m) for m in found} | {id(g[0]) for g in groups if len(g) == 1}
     if backward_prefetch not in _PREFETCH:
         raise ValueError(f"backward_prefetch={backward_prefetch!r}: expected one of {list(_PREFETCH)}")
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    device = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
     return FullyShardedDataParallel(
         model,
         device_mesh=mesh,

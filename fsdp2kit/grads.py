@@ -42,7 +42,7 @@ def clip_grad_norm_(
         by_mesh.setdefault(key, []).append(g)
 
     partial_norms = []
-    for key, group in by_mesh.items():
+    for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=None)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # the reduction over the shards happens here

@@ -222,7 +222,7 @@ def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:
             return None
     try:
         return cls(**kwargs)
-    except Exception:  # noqa: BLE001 - any failure means "cannot rebuild this way"
+    except Exception:
         return None
 
 
@@ -253,7 +253,7 @@ def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.
         try:
             with _parameters_on_meta(dtype):
                 twin = build()
-        except Exception:  # noqa: BLE001 - the buffers stay unfound and are reported by name
+        except Exception:
             return
         values = {clean_fqn(n): b for n, b in twin.named_buffers(remove_duplicate=False)}
         cut = len(clean_fqn(prefix)) + 1 if prefix else 0
@@ -337,7 +337,11 @@ class _NoShardWrites(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if args and isinstance(args[0], DTensor) and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))):
+        if (
+            args
+            and isinstance(args[0], DTensor)
+            and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_")))
+        ):
             raise RuntimeError(
                 f"{self.replay.current}'s initialisation calls {name} on a sharded parameter directly; "
                 "materialize replays initialisation through torch.nn.init functions (or on the module's own "
@@ -490,7 +494,11 @@ def _sync_rng(model: nn.Module, device: torch.device) -> None:
     if not meshes or not dist.is_initialized():
         return
     mesh = meshes[0]
-    comm = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    comm = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device("cpu")
+    )
     getters = [(torch.get_rng_state, torch.set_rng_state)]
     if device.type == "cuda":
         getters.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
@@ -574,9 +582,13 @@ def materialize(
                 f"{how} left {len(undone)} parameter(s) unset: {undone[:20]}. "
                 + ("Initialise them in init_fn." if init_fn else "Pass materialize(model, init_fn=...) that sets them.")
             )
-        unset = [n for n in unfound if model.get_buffer(n).is_floating_point() and torch.isnan(model.get_buffer(n)).any()]
+        unset = [
+            n for n in unfound if model.get_buffer(n).is_floating_point() and torch.isnan(model.get_buffer(n)).any()
+        ]
         if unset:
-            raise ValueError(f"init_fn left buffers {unset} unset; they cannot be recomputed from the model's construction")
+            raise ValueError(
+                f"init_fn left buffers {unset} unset; they cannot be recomputed from the model's construction"
+            )
     return model
 
 
@@ -698,7 +710,9 @@ class _Reader:
             raise ValueError(f"{key}: safetensors dtype {name} is not supported")
         return _SAFETENSORS_DTYPES[name]
 
-    def read(self, key: str, index: tuple[slice, ...] | None = None, *, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, key: str, index: tuple[slice, ...] | None = None, *, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The tensor ``key``, or ``key[index]``; with ``into``, copied into that tensor (returned)."""
         path, data_start, entry = self._entry(key)
         shape, dtype = self.shape(key), self.dtype(key)
@@ -709,13 +723,25 @@ class _Reader:
         part_shape = (last - first, *shape[1:]) if shape else ()
         rest = tuple(index[1:]) if index else ()
         whole_rows = all(s.indices(n) == (0, n, 1) for s, n in zip(rest, shape[1:]))
-        direct = into is not None and whole_rows and into.dtype == dtype and into.is_contiguous() and into.device.type == "cpu"
+        direct = (
+            into is not None
+            and whole_rows
+            and into.dtype == dtype
+            and into.is_contiguous()
+            and into.device.type == "cpu"
+        )
         buf = into if direct else torch.empty(part_shape, dtype=dtype)
         nbytes = (last - first) * row_bytes
         if tuple(buf.shape) != part_shape:
-            raise RuntimeError(f"internal: {key} rows {first}:{last} have shape {part_shape}, destination {tuple(buf.shape)}")
+            raise RuntimeError(
+                f"internal: {key} rows {first}:{last} have shape {part_shape}, destination {tuple(buf.shape)}"
+            )
         if nbytes:
-            view = memoryview(buf.view(torch.uint8).reshape(-1).numpy()) if buf.dim() else memoryview(buf.reshape(1).view(torch.uint8).numpy())
+            view = (
+                memoryview(buf.view(torch.uint8).reshape(-1).numpy())
+                if buf.dim()
+                else memoryview(buf.reshape(1).view(torch.uint8).numpy())
+            )
             if path not in self.handles:
                 self.handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
             f = self.handles[path]
@@ -812,7 +838,9 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
     local = _local(target)
     if tuple(part.shape) != tuple(local.shape):
-        raise RuntimeError(f"internal: read a part of shape {tuple(part.shape)} for a shard of shape {tuple(local.shape)}")
+        raise RuntimeError(
+            f"internal: read a part of shape {tuple(part.shape)} for a shard of shape {tuple(local.shape)}"
+        )
     local.copy_(part)
 
 

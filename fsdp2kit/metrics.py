@@ -18,7 +18,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["transformer_flops_per_token", "peak_flops", "peak_memory_bytes", "reset_peak_memory", "JsonlLogger", "Timer"]
+__all__ = [
+    "JsonlLogger",
+    "Timer",
+    "peak_flops",
+    "peak_memory_bytes",
+    "reset_peak_memory",
+    "transformer_flops_per_token",
+]
 
 # Dense bf16 peak FLOP/s (without sparsity) by device name fragment; MFU is reported only for these.
 _PEAK_BF16 = {

@@ -11,26 +11,70 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-__all__ = ["NAMED_CONFIGS", "llama_config", "build_causal_lm"]
+__all__ = ["NAMED_CONFIGS", "build_causal_lm", "llama_config"]
 
 # name -> LlamaConfig arguments.
 NAMED_CONFIGS: dict[str, dict] = {
     # A few hundred thousand parameters: trains visibly on a CPU in a minute (`make demo`).
-    "demo": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=256, max_position_embeddings=512),
+    "demo": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=512,
+    ),
     # Benchmark sizes (issue: FSDP1 vs FSDP2): hidden x layers.
-    "bench-256x4": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                        num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048),
-    "bench-512x8": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-                        num_key_value_heads=8, vocab_size=8192, max_position_embeddings=2048),
-    "bench-768x6": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
-                        num_key_value_heads=12, vocab_size=8192, max_position_embeddings=2048),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                      rms_norm_eps=1e-5),
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                       rms_norm_eps=1e-5),
+    "bench-256x4": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+    ),
+    "bench-512x8": dict(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+    ),
+    "bench-768x6": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+    ),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
 }
 
 
@@ -68,7 +112,9 @@ def build_causal_lm(
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
         if max_seq_len is not None:
-            overrides["max_position_embeddings"] = max(max_seq_len, NAMED_CONFIGS.get(name, {}).get("max_position_embeddings", 0))
+            overrides["max_position_embeddings"] = max(
+                max_seq_len, NAMED_CONFIGS.get(name, {}).get("max_position_embeddings", 0)
+            )
         config = llama_config(name, **overrides)
     with torch.device("meta" if meta else device):
         return AutoModelForCausalLM.from_config(config)

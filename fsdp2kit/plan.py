@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["UnitPlan", "ShardPlan"]
+__all__ = ["ShardPlan", "UnitPlan"]
 
 
 def _sharded_numel(shape: torch.Size, shard: int) -> int:
@@ -76,7 +76,8 @@ class ShardPlan:
     ) -> UnitPlan:
         per_rank = sum(_sharded_numel(p.shape, shard) * p.element_size() for p in params)
         gathered = sum(
-            p.numel() * (compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size())
+            p.numel()
+            * (compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size())
             for p in params
         )
         trainable = [p for p in params if p.requires_grad]
@@ -126,7 +127,9 @@ class ShardPlan:
         rows = [("unit", "params", "per rank", "gathered", "reshard")]
         for u in self.units:
             reshard = {True: "yes", False: "no"}.get(u.reshard_after_forward, f"to {u.reshard_after_forward}")
-            rows.append((u.name, fmt_count(u.n_params), fmt_bytes(u.bytes_per_rank), fmt_bytes(u.bytes_gathered), reshard))
+            rows.append(
+                (u.name, fmt_count(u.n_params), fmt_bytes(u.bytes_per_rank), fmt_bytes(u.bytes_gathered), reshard)
+            )
         rows.append(("total", fmt_count(self.n_params), fmt_bytes(self.param_bytes_per_rank), "", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [head]
@@ -135,7 +138,8 @@ class ShardPlan:
                 lines.append("  ".join("-" * w for w in widths))
             lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
         lines.append(
-            f"per rank: parameters {fmt_bytes(self.param_bytes_per_rank)}, gradients {fmt_bytes(self.grad_bytes_per_rank)}, "
+            f"per rank: parameters {fmt_bytes(self.param_bytes_per_rank)}, "
+            f"gradients {fmt_bytes(self.grad_bytes_per_rank)}, "
             f"Adam state {fmt_bytes(self.adam_bytes_per_rank)} (sum {fmt_bytes(self.state_bytes_per_rank)}); "
             f"largest all-gather {fmt_bytes(self.largest_gather_bytes)}"
         )

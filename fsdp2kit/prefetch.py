@@ -44,9 +44,14 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Mo
     forward, backward = _depth("forward", forward), _depth("backward", backward)
     blocks = getattr(model, "_fsdp2kit_blocks", None)
     if blocks is None:
-        raise ValueError(f"set_prefetch needs the block order that shard_model records: call it after shard_model (the order is {ORDER})")
+        raise ValueError(
+            "set_prefetch needs the block order that shard_model records: call it after shard_model "
+            f"(the order is {ORDER})"
+        )
     if not all(isinstance(b, FSDPModule) for b in blocks):
-        raise ValueError("set_prefetch: the recorded blocks are not FSDP units any more; call shard_model on this model first")
+        raise ValueError(
+            "set_prefetch: the recorded blocks are not FSDP units any more; call shard_model on this model first"
+        )
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + forward])
         # Nearest first: that is the order backward reaches them.

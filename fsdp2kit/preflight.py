@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2kit.plan import fmt_list
 
-__all__ = ["check_not_sharded", "check_devices", "check_unit_dtypes", "mark_replaced", "install_optimizer_check"]
+__all__ = ["check_devices", "check_not_sharded", "check_unit_dtypes", "install_optimizer_check", "mark_replaced"]
 
 
 def check_not_sharded(model: nn.Module) -> None:
@@ -44,8 +44,10 @@ def check_devices(model: nn.Module, mesh: DeviceMesh, *, cpu_offload: bool) -> N
         if param.device.type != "meta":
             by_device[param.device].append(name)
     if len(by_device) > 1:
-        listing = "; ".join(f"{dev}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-                            for dev, names in by_device.items())
+        listing = "; ".join(
+            f"{dev}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+            for dev, names in by_device.items()
+        )
         raise ValueError(f"parameters are on different devices ({listing}); move the whole model to one device first")
     for dev, names in by_device.items():
         if dev.type == mesh.device_type or (cpu_offload and dev.type == "cpu"):

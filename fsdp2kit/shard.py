@@ -58,7 +58,9 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def resolve_strategy(strategy: str | None, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None = None) -> Strategy:
+def resolve_strategy(
+    strategy: str | None, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None = None
+) -> Strategy:
     """A strategy name (None: FULL_SHARD on a 1-D mesh, HYBRID_SHARD on a 2-D one), checked against the mesh shape."""
     ndim = len(mesh_shape)
     if ndim not in (1, 2):
@@ -134,7 +136,10 @@ def _assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[
     for pid, mods in owners.items():
         homes = {id(owner_block[id(m)]) if owner_block[id(m)] is not None else None for m in mods}
         if len(homes) > 1:
-            where = [names[id(owner_block[id(m)])] if owner_block[id(m)] is not None else "(outside the blocks)" for m in mods]
+            where = [
+                names[id(owner_block[id(m)])] if owner_block[id(m)] is not None else "(outside the blocks)"
+                for m in mods
+            ]
             who = [names[id(m)] for m in mods]
             raise ValueError(
                 f"tied parameter shared by {who} would be split across FSDP units {where}; "
@@ -204,16 +209,29 @@ def shard_model(
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
-    layout = _layout(model, tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()), blocks=blocks, strategy=strategy,
-                     reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
+    layout = _layout(
+        model,
+        tuple(mesh.shape),
+        tuple(mesh.mesh_dim_names or ()),
+        blocks=blocks,
+        strategy=strategy,
+        reshard_after_forward=reshard_after_forward,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+    )
     check_devices(model, mesh, cpu_offload=cpu_offload)
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     fsdp_mesh = _replicate_mesh(mesh) if layout.strategy.replicate_only else mesh
     mark_replaced(dict(model.named_parameters()))
     for _, modules, reshard in layout.units:
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=fsdp_mesh, reshard_after_forward=reshard,
-                    mp_policy=layout.mp_policy, offload_policy=offload)
+        fully_shard(
+            modules if len(modules) > 1 else modules[0],
+            mesh=fsdp_mesh,
+            reshard_after_forward=reshard,
+            mp_policy=layout.mp_policy,
+            offload_policy=offload,
+        )
 
     install_optimizer_check()
     model._fsdp2kit_blocks = layout.blocks  # the forward order, for set_prefetch
@@ -237,8 +255,16 @@ def estimate_plan(
     planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines.
     """
     shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
-    return _layout(model, shape, names, blocks=blocks, strategy=strategy, reshard_after_forward=reshard_after_forward,
-                   mixed_precision=mixed_precision, cpu_offload=cpu_offload).plan
+    return _layout(
+        model,
+        shape,
+        names,
+        blocks=blocks,
+        strategy=strategy,
+        reshard_after_forward=reshard_after_forward,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+    ).plan
 
 
 @dataclass

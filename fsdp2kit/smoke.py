@@ -58,8 +58,13 @@ def run_smoke(
     losses = [_step(model, optimizer, scheduler, batches, loss_fn, info.device) for _ in range(steps)]
     k = max(1, steps // 3)
     falling = sum(losses[-k:]) / k < sum(losses[:k]) / k
-    results.append(("loss finite and falling", all(map(math.isfinite, losses)) and falling,
-                    f"{losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps"))
+    results.append(
+        (
+            "loss finite and falling",
+            all(map(math.isfinite, losses)) and falling,
+            f"{losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps",
+        )
+    )
 
     probe = next(batches).to(info.device)
     dist.broadcast(probe, src=0)  # one batch, the same on every rank
@@ -82,15 +87,19 @@ def run_smoke(
     ck.load(model, optimizer=optimizer, extra=extra)
     batches = iter(loader)
     again = [_step(model, optimizer, scheduler, batches, loss_fn, info.device) for _ in range(3)]
-    results.append(("save/load round-trip continues the loss exactly", after == again,
-                    f"{after} vs {again}"))
+    results.append(("save/load round-trip continues the loss exactly", after == again, f"{after} vs {again}"))
 
     peak = torch.tensor([peak_memory_bytes(info.device)], dtype=torch.float64, device=info.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     floor = plan.state_bytes_per_rank
-    results.append(("peak memory per rank covers the plan's floor", peak.item() >= floor,
-                    f"peak {fmt_bytes(peak.item())} vs floor {fmt_bytes(floor)} "
-                    f"(params + grads + Adam; the rest is activations and runtime)"))
+    results.append(
+        (
+            "peak memory per rank covers the plan's floor",
+            peak.item() >= floor,
+            f"peak {fmt_bytes(peak.item())} vs floor {fmt_bytes(floor)} "
+            f"(params + grads + Adam; the rest is activations and runtime)",
+        )
+    )
 
     ok = all(passed for _, passed, _ in results)
     if info.is_main:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_world", "WorldError"]
+__all__ = ["WorldError", "run_world"]
 
 
 class WorldError(RuntimeError):
@@ -53,7 +53,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 
         init_distributed(timeout=collective_timeout, device="cpu")
         results.put((rank, True, fn(*args)))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -103,9 +103,8 @@ def run_world(
             # flight, count it as failed rather than waiting for the deadline.
             now = time.monotonic()
             for r, p in enumerate(procs):
-                if r not in reports and p.exitcode is not None:
-                    if now - exited_at.setdefault(r, now) > 2.0:
-                        reports[r] = (False, f"process exited with code {p.exitcode} without reporting")
+                if r not in reports and p.exitcode is not None and now - exited_at.setdefault(r, now) > 2.0:
+                    reports[r] = (False, f"process exited with code {p.exitcode} without reporting")
 
     for p in procs:
         if p.is_alive():

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BlockForward", "class_forward", "current_forward", "set_forward", "check_unsharded", "ORDER"]
+__all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward", "set_forward"]
 
 ORDER = "enable_float8 -> apply_activation_checkpointing -> compile_blocks -> shard_model -> set_prefetch"
 
@@ -86,4 +86,6 @@ def check_unsharded(model: nn.Module, what: str) -> None:
     """Raise if ``shard_model`` (or fully_shard) already ran: ``what`` must come before it."""
     sharded = isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
     if sharded or any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError(f"{what} must be called before shard_model (the order is {ORDER}); this model is already sharded")
+        raise ValueError(
+            f"{what} must be called before shard_model (the order is {ORDER}); this model is already sharded"
+        )

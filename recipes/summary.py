@@ -1,6 +1,6 @@
 """Summarise a training run from its JSONL log (all launches that appended to it).
 
-    python recipes/summary.py outputs/demo/train.jsonl
+python recipes/summary.py outputs/demo/train.jsonl
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ def main(path: str) -> None:
     ckpt = Path(starts[-1]["config"]["checkpoint"]["dir"]).resolve() if starts else None
     print(f"summary of {path}")
     print(f"  launches       {len(starts)} (resumed at steps {[r['step'] for r in starts[1:]]})")
-    print(f"  steps          {first['step']} -> {last['step']} on {starts[-1]['world_size'] if starts else '?'} processes")
+    print(
+        f"  steps          {first['step']} -> {last['step']} on {starts[-1]['world_size'] if starts else '?'} processes"
+    )
     print(f"  loss           {first['loss']:.4f} -> {last['loss']:.4f}")
-    print(f"  tokens/s       {statistics.median(r['tokens_per_s'] for r in steps.values()):.0f} (median over logged intervals)")
+    print(
+        f"  tokens/s       {statistics.median(r['tokens_per_s'] for r in steps.values()):.0f}"
+        " (median over logged intervals)"
+    )
     print(f"  peak memory    {max(r['peak_mem_gib'] for r in steps.values()):.2f} GiB per rank (max)")
     if ckpt:
         print(f"  checkpoint     {ckpt}/step_{last['step']:08d}")

@@ -25,17 +25,18 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
 from fsdp2kit.config import ConfigError, config_to_dict, parse_config
 from fsdp2kit.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
 from fsdp2kit.metrics import JsonlLogger, Timer, peak_flops, peak_memory_bytes, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
 
 
-def opt(default, help: str):  # noqa: A002 - reads like the field it describes
+def opt(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
@@ -138,8 +139,16 @@ def main(argv: list[str] | None = None) -> None:
         if p.shard < 1:
             sys.exit("config error: --train.plan_only needs an explicit --parallel.shard (the GPUs per replica)")
         model = build_causal_lm(cfg.model.name, max_seq_len=cfg.data.seq_len, meta=True)
-        print(fk.estimate_plan(model, shard=p.shard, replicate=p.replicate, strategy=p.strategy,
-                               mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload))
+        print(
+            fk.estimate_plan(
+                model,
+                shard=p.shard,
+                replicate=p.replicate,
+                strategy=p.strategy,
+                mixed_precision=p.mixed_precision,
+                cpu_offload=p.cpu_offload,
+            )
+        )
         return
 
     # 1. process group and mesh
@@ -149,9 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     loader, vocab = build_data(cfg.data, info, cfg.train.seed)
 
     # 2. the model, on the meta device unless asked otherwise
-    model = build_causal_lm(cfg.model.name, vocab_size=None if cfg.model.pretrained else vocab,
-                            max_seq_len=cfg.data.seq_len, meta=cfg.model.meta_init or cfg.model.pretrained,
-                            device=info.device)
+    model = build_causal_lm(
+        cfg.model.name,
+        vocab_size=None if cfg.model.pretrained else vocab,
+        max_seq_len=cfg.data.seq_len,
+        meta=cfg.model.meta_init or cfg.model.pretrained,
+        device=info.device,
+    )
 
     # 3. wrappers that change modules must come before sharding
     if p.float8:
@@ -163,7 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         fk.compile_blocks(model)
 
     # 4. shard, then fill the shards
-    plan = fk.shard_model(model, mesh, strategy=p.strategy, mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload)
+    plan = fk.shard_model(
+        model, mesh, strategy=p.strategy, mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload
+    )
     if info.is_main:
         print(plan, flush=True)
     if cfg.model.pretrained:
@@ -201,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         if start and info.is_main:
             print(f"resumed from {ck.root}/step_{start:08d}", flush=True)
 
-    flops_per_token = transformer_flops_per_token(model, model.config.num_hidden_layers, model.config.hidden_size, cfg.data.seq_len)
+    flops_per_token = transformer_flops_per_token(
+        model, model.config.num_hidden_layers, model.config.hidden_size, cfg.data.seq_len
+    )
     peak = peak_flops(info.device)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * info.world_size
     log = JsonlLogger(cfg.log.jsonl, enabled=info.is_main)
@@ -238,8 +255,13 @@ def main(argv: list[str] | None = None) -> None:
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             dt = timer.lap() / (done - last_logged)
             last_logged = done
-            record = {"step": done, "loss": loss_sum.item(), "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_s": tokens_per_step / dt, "peak_mem_gib": mem.item() / 2**30}
+            record = {
+                "step": done,
+                "loss": loss_sum.item(),
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": tokens_per_step / dt,
+                "peak_mem_gib": mem.item() / 2**30,
+            }
             if peak:
                 record["mfu"] = flops_per_token * tokens_per_step / dt / (peak * info.world_size)
             first_loss = record["loss"] if math.isnan(first_loss) else first_loss
@@ -262,8 +284,11 @@ def main(argv: list[str] | None = None) -> None:
     if bar:
         bar.close()
     if info.is_main:
-        print(f"done: steps {start} -> {t.steps}, loss {first_loss:.4f} -> {last_loss:.4f}, "
-              f"checkpoint {Path(cfg.checkpoint.dir).resolve()}/step_{t.steps:08d}", flush=True)
+        print(
+            f"done: steps {start} -> {t.steps}, loss {first_loss:.4f} -> {last_loss:.4f}, "
+            f"checkpoint {Path(cfg.checkpoint.dir).resolve()}/step_{t.steps:08d}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -29,7 +29,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A plain PyTorch decoder: no _no_split_modules, so block detection must use structure."""
 
-    def __init__(self, vocab: int = 96, dim: int = 40, depth: int = 3, heads: int = 4, seq: int = 16, tied: bool = False):
+    def __init__(
+        self, vocab: int = 96, dim: int = 40, depth: int = 3, heads: int = 4, seq: int = 16, tied: bool = False
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)

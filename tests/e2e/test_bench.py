@@ -20,13 +20,36 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_bench_tiny(tmp_path):
     best = tmp_path / "best.json"
-    best.write_text(json.dumps({"fsdp1": {"strategy": "SHARD_GRAD_OP", "forward_prefetch": True, "compile": False},
-                                "fsdp2": {"strategy": "SHARD_GRAD_OP", "forward_prefetch": False, "compile": False},
-                                "chosen_by": "test"}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "benchmarks" / "fsdp1_vs_fsdp2.py"), "--sizes", "demo:32,demo:64", "--warmup", "1", "--repeats", "2",
-           "--best-configs", str(best), "--out-dir", str(tmp_path / "results")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=280)
+    best.write_text(
+        json.dumps(
+            {
+                "fsdp1": {"strategy": "SHARD_GRAD_OP", "forward_prefetch": True, "compile": False},
+                "fsdp2": {"strategy": "SHARD_GRAD_OP", "forward_prefetch": False, "compile": False},
+                "chosen_by": "test",
+            }
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "benchmarks" / "fsdp1_vs_fsdp2.py"),
+        "--sizes",
+        "demo:32,demo:64",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "--best-configs",
+        str(best),
+        "--out-dir",
+        str(tmp_path / "results"),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=280
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Failed to load" not in proc.stdout + proc.stderr
     files = sorted(p.suffix for p in (tmp_path / "results").iterdir())

@@ -39,7 +39,9 @@ def _check(output: str) -> None:
 @pytest.mark.timeout(300)
 def test_quickstart_under_torchrun(tmp_path):
     script = _quickstart(tmp_path)
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)], tmp_path)
+    out = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)], tmp_path
+    )
     _check(out)
 
 

@@ -20,9 +20,15 @@ FAST = ["--data.seq_len", "64", "--log.every", "10", "--log.progress", "false"]
 def run(args: list[str], tmp: Path, *, nproc: int | None = 2, restarts: int = 0, check: bool = True):
     launcher = [sys.executable]
     if nproc:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"]
+        launcher += [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}",
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(launcher + [TRAIN] + args, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([*launcher, TRAIN, *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     if check:
         assert proc.returncode == 0, out[-6000:]
@@ -34,8 +40,20 @@ def records(path: Path) -> dict[int, dict]:
 
 
 def train(tmp: Path, name: str, steps: int, extra: list[str] = (), **kw):
-    args = ["--config", DEMO, *FAST, "--train.steps", str(steps), "--checkpoint.every", "10",
-            "--checkpoint.dir", str(tmp / name / "ckpt"), "--log.jsonl", str(tmp / name / "log.jsonl"), *extra]
+    args = [
+        "--config",
+        DEMO,
+        *FAST,
+        "--train.steps",
+        str(steps),
+        "--checkpoint.every",
+        "10",
+        "--checkpoint.dir",
+        str(tmp / name / "ckpt"),
+        "--log.jsonl",
+        str(tmp / name / "log.jsonl"),
+        *extra,
+    ]
     return run(args, tmp, **kw)
 
 
@@ -90,7 +108,15 @@ def test_help_lists_every_option(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_real_scale_plans_on_cpu(tmp_path):
-    _, out = run(["--config", str(ROOT / "recipes/configs/llama3_8b_8gpu.toml"), "--train.plan_only", "true"], tmp_path, nproc=None)
+    _, out = run(
+        ["--config", str(ROOT / "recipes/configs/llama3_8b_8gpu.toml"), "--train.plan_only", "true"],
+        tmp_path,
+        nproc=None,
+    )
     assert "8.03B" in out and "mesh (shard=8)" in out and "(sum 15.0 GiB)" in out
-    _, out = run(["--config", str(ROOT / "recipes/configs/llama3_70b_2x8gpu.toml"), "--train.plan_only", "true"], tmp_path, nproc=None)
+    _, out = run(
+        ["--config", str(ROOT / "recipes/configs/llama3_70b_2x8gpu.toml"), "--train.plan_only", "true"],
+        tmp_path,
+        nproc=None,
+    )
     assert "70.55B" in out and "mesh (replicate=2 x shard=8)" in out and "strategy HYBRID_SHARD" in out

@@ -6,12 +6,19 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers as tf
-
-from fsdp2kit import find_blocks
 from models import Block, TinyGPT
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32)
+from fsdp2kit import find_blocks
+
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 
 HF_FAMILIES = [
     ("llama", tf.LlamaConfig, tf.LlamaForCausalLM, {}),
@@ -21,8 +28,12 @@ HF_FAMILIES = [
     ("gemma2", tf.Gemma2Config, tf.Gemma2ForCausalLM, {"head_dim": 8}),
     ("phi3", tf.Phi3Config, tf.Phi3ForCausalLM, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     ("mixtral", tf.MixtralConfig, tf.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    ("qwen3_moe", tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
-     {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8}),
+    (
+        "qwen3_moe",
+        tf.Qwen3MoeConfig,
+        tf.Qwen3MoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+    ),
 ]
 
 

@@ -19,10 +19,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from models import build
 
 from fsdp2kit.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     RNGState,
     _decode,
     _encode,
@@ -32,7 +33,6 @@ from fsdp2kit.checkpoint import (
     read_metadata,
     step_dir,
 )
-from models import build
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +50,11 @@ def test_layout(tmp_path):
     (tmp_path / "step_xx").mkdir()
     (tmp_path / "step_00000400").write_text("a file, not a directory")
     assert list_steps(tmp_path) == [7, 100, 123456789]
-    assert [p.name for p in incomplete_dirs(tmp_path)] == [".tmp-step_00000300-abcd", ".trash-step_00000001-abcd", "step_00000200"]
+    assert [p.name for p in incomplete_dirs(tmp_path)] == [
+        ".tmp-step_00000300-abcd",
+        ".trash-step_00000001-abcd",
+        "step_00000200",
+    ]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.0, "3", True, None])
@@ -222,5 +226,7 @@ _NO_GROUP = textwrap.dedent(
 def test_no_process_group(tmp_path):
     """Without any process group (a notebook, a conversion script) saving and loading still work."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parents[1])]))
-    done = subprocess.run([sys.executable, "-c", _NO_GROUP, str(tmp_path)], capture_output=True, text=True, env=env, timeout=50)
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_GROUP, str(tmp_path)], capture_output=True, text=True, env=env, timeout=50
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -7,11 +7,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from models import tiny_llama
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from fsdp2kit.cli import main
-from models import tiny_llama
 
 
 def _save_step(model, root, step: int) -> None:
@@ -40,7 +40,9 @@ def test_export_hf_round_trips_through_from_pretrained(tmp_path, capsys):
     assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "hf1"), "--step", "1", "--dtype", "bf16"]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf1")
     assert loaded.dtype == torch.bfloat16
-    torch.testing.assert_close(loaded.model.embed_tokens.weight, old.model.embed_tokens.weight.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        loaded.model.embed_tokens.weight, old.model.embed_tokens.weight.bfloat16(), rtol=0, atol=0
+    )
 
     assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "hf2"), "--step", "7"]) == 1
     assert "step 7 is not a complete step" in capsys.readouterr().err

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from models import build
 
 from fsdp2kit.checkpoint import Checkpointer, PerRank
 from fsdp2kit.cli import main
-from models import build
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +33,11 @@ def test_inspect_newest(root, capsys):
     assert "incomplete (ignored): .tmp-step_00000015-0123abcd" in out
     assert "step 10:" in out and "optimizer AdamW" in out
     assert "extra: scheduler; per rank: data, rng" in out
-    lines = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("model.", "optimizer.", "extra."))}
+    lines = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.startswith(("model.", "optimizer.", "extra."))
+    }
     assert lines["model.tok.weight"] == ["(96,", "40)", "float32", "15.0", "KiB"]
     assert lines["optimizer.state.tok.weight.exp_avg"][-3:] == ["float32", "15.0", "KiB"]
     assert lines["optimizer.param_groups.tok.weight.lr"][:2] == ["-", "object"]
@@ -46,7 +50,13 @@ def test_inspect_named_step_as_json(root, capsys):
     assert report["steps"] == [5, 10] and report["step"] == 5
     keys = {e["key"]: e for e in report["contents"]["entries"]}
     assert not any(k.startswith("optimizer.") for k in keys)
-    assert keys["model.head.weight"] == {"key": "model.head.weight", "shape": [96, 40], "dtype": "float32", "numel": 3840, "bytes": 15360}
+    assert keys["model.head.weight"] == {
+        "key": "model.head.weight",
+        "shape": [96, 40],
+        "dtype": "float32",
+        "numel": 3840,
+        "bytes": 15360,
+    }
 
 
 def test_inspect_a_step_directory(root, capsys):

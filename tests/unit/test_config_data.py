@@ -61,7 +61,11 @@ def test_help_lists_every_key_with_its_default(capsys):
     with pytest.raises(SystemExit):
         parse_config(Cfg, ["--help"])
     out = capsys.readouterr().out
-    assert "--a.lr FLOAT" in out and "learning rate, decays to 10% of itself (default: 0.1)" in out and "--a.flag BOOL" in out
+    assert (
+        "--a.lr FLOAT" in out
+        and "learning rate, decays to 10% of itself (default: 0.1)" in out
+        and "--a.flag BOOL" in out
+    )
 
 
 def test_tokenize_and_pack():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import build
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from fsdp2kit.fsdp1 import _mixed_precision, fsdp1_sharding_strategy, wrap_fsdp1
-from models import build
 
 
 def test_strategy_names(mesh):

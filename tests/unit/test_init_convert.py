@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from models import TinyGPT
 from safetensors.torch import load_file, save_file
+from weights import hf_config, hf_model, pretrained, tokens
 
 import fsdp2kit as fk
 from fsdp2kit.checkpoint import CheckpointError
 from fsdp2kit.convert import parse_size
-from models import TinyGPT
-from weights import hf_config, hf_model, pretrained, tokens
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,7 +128,7 @@ def test_materialize_with_init_fn_sees_full_tensors():
 
 
 def test_materialize_buffers_it_cannot_recompute():
-    build = lambda: nn.Sequential(nn.Linear(4, 4), Opaque(5))  # noqa: E731
+    build = lambda: nn.Sequential(nn.Linear(4, 4), Opaque(5))
     with pytest.raises(ValueError, match=r"cannot recompute buffers \['1.table'\]"):
         fk.materialize(_meta(build), device="cpu")
 
@@ -141,7 +141,9 @@ def test_materialize_buffers_it_cannot_recompute():
     model = fk.materialize(_meta(build), device="cpu", init_fn=fill)
     assert torch.equal(model[1].table, torch.linspace(0, 1, 5))
     with pytest.raises(ValueError, match=r"left buffers \['1.table'\] unset"):
-        fk.materialize(_meta(build), device="cpu", init_fn=lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+        fk.materialize(
+            _meta(build), device="cpu", init_fn=lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None
+        )
 
 
 class WritesChildDirectly(nn.Module):
@@ -188,14 +190,16 @@ def test_export_refuses_to_overwrite(tmp_path):
 
 
 def _dcp(model, step_dir: Path, config=None) -> None:
+    import warnings
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": get_model_state_dict(model), "extra": {"step": 1}}, checkpoint_id=str(step_dir), no_dist=True)
+        dcp.save(
+            {"model": get_model_state_dict(model), "extra": {"step": 1}}, checkpoint_id=str(step_dir), no_dist=True
+        )
     if config is not None:
         config.save_pretrained(step_dir)
 

@@ -9,13 +9,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
+from models import TinyGPT, build, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2kit as fk
 from fsdp2kit.preflight import check_devices
 from fsdp2kit.shard import resolve_strategy
-from models import TinyGPT, build, lm_loss
 
 
 def test_strategy_names_and_mesh_shapes(mesh):
@@ -37,7 +36,10 @@ def test_strategy_names_and_mesh_shapes(mesh):
 
 def test_make_mesh_sizes(mesh):
     assert mesh.mesh_dim_names == ("shard",) and mesh.size() == 1
-    with pytest.raises(ValueError, match=r"shard=2, replicate=1 does not fit the world size 1; sizes that work: \(shard=1, replicate=1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"shard=2, replicate=1 does not fit the world size 1; sizes that work: \(shard=1, replicate=1\)",
+    ):
         fk.make_mesh(shard=2)
     with pytest.raises(ValueError, match="at most one of shard and replicate may be -1"):
         fk.make_mesh(shard=-1, replicate=-1)
@@ -77,7 +79,11 @@ def test_mixed_dtypes_in_a_unit(mesh):
 def test_tied_across_blocks(mesh):
     model = TinyGPT()
     model.trunk[2].fc2.weight = model.trunk[0].fc2.weight
-    with pytest.raises(ValueError, match=r"tied parameter shared by \['trunk.0.fc2', 'trunk.2.fc2'\] would be split across FSDP units \['trunk.0', 'trunk.2'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"tied parameter shared by \['trunk.0.fc2', 'trunk.2.fc2'\] "
+        r"would be split across FSDP units \['trunk.0', 'trunk.2'\]",
+    ):
         fk.shard_model(model, mesh)
 
 
@@ -132,7 +138,10 @@ def test_optimizer_built_before_sharding_is_refused(mesh):
     opt = torch.optim.AdamW(model.parameters())
     fk.shard_model(model, mesh)
     lm_loss(model, torch.randint(0, 96, (2, 8))).backward()
-    with pytest.raises(RuntimeError, match=r"AdamW holds parameter 'pos' as it was before shard_model.*Build the optimizer after shard_model"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"AdamW holds parameter 'pos' as it was before shard_model.*Build the optimizer after shard_model",
+    ):
         opt.step()
     good = torch.optim.AdamW(model.parameters())
     good.step()  # the right order is not disturbed

@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
+from models import TinyGPT, build, lm_loss
+from wrappers_world import WRAPPERS  # the same wrapper set the multi-process tests use
 
 import fsdp2kit as fk
 from fsdp2kit.activation import SELECTIVE_SAVE, resolve_ac_mode
 from fsdp2kit.wrap import BlockForward
-from models import TinyGPT, build, lm_loss
-from wrappers_world import WRAPPERS  # the same wrapper set the multi-process tests use
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,8 +23,16 @@ def _tokens(seed: int = 0) -> torch.Tensor:
 # ---- argument checks ----
 
 
-@pytest.mark.parametrize("mode,expected", [("full", ("full", 1)), ("FULL", ("full", 1)), (1, ("full", 1)),
-                                           (3, ("every", 3)), ("selective", ("selective", 1))])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("full", ("full", 1)),
+        ("FULL", ("full", 1)),
+        (1, ("full", 1)),
+        (3, ("every", 3)),
+        ("selective", ("selective", 1)),
+    ],
+)
 def test_resolve_ac_mode(mode, expected) -> None:
     assert resolve_ac_mode(mode) == expected
 
@@ -116,6 +124,7 @@ def test_float8_without_eligible_layers_raises() -> None:
 
 # ---- what every wrapper keeps: names, blocks; and what AC computes ----
 
+
 @pytest.mark.parametrize("kind", ["llama-f8", "tinygpt-f8"])
 def test_names_and_blocks_unchanged(kind: str) -> None:
     plain = build(kind)
@@ -178,8 +187,13 @@ def test_deepcopy_of_wrapped_model_runs_on_the_copy() -> None:
 
 def test_selective_policy_saves_matmuls_and_attention() -> None:
     aten = torch.ops.aten
-    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default,
-               aten._scaled_dot_product_flash_attention_for_cpu.default):
+    for op in (
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_mm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    ):
         assert op in SELECTIVE_SAVE
     for op in (aten.gelu.default, aten.native_layer_norm.default, aten.add.Tensor, aten.mul.Tensor):
         assert op not in SELECTIVE_SAVE
