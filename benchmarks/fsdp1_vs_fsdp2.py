@@ -15,7 +15,7 @@ initial weights on the same batches, in one process per rank:
   (`GRID`); ``--search`` runs that search and writes benchmarks/best_configs.json, which this
   run reads, so `make bench` always runs the same thing.
 
-Method (DESIGN.md, Measuring): every variant is built first, then steps are interleaved, one
+Method (docs/design.md, Measuring): every variant is built first, then steps are interleaved, one
 step of each variant in turn with the order rotated every round, so drift in machine speed
 hits all alike. A step is timed from a barrier to its end (CUDA synchronised) on every rank,
 and its time is the slowest rank's. After warm-up steps (lazy init, compilation), the median
@@ -54,11 +54,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from fsdp1 import wrap_fsdp1
 from torch.nn.parallel import DistributedDataParallel
 
 import fsdp2kit as fk  # first: quiet imports
-from fsdp2kit.fsdp1 import wrap_fsdp1
-from fsdp2kit.metrics import peak_flops, transformer_flops_per_token
+from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
 
 HERE = Path(__file__).resolve().parent

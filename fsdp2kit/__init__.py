@@ -4,30 +4,33 @@ The public face. Every helper takes a module (and a mesh) and changes it in plac
 README.md for the order in which they compose.
 """
 
-import fsdp2kit._quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
-from fsdp2kit.activation import apply_activation_checkpointing
+import fsdp2kit._internal.quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
 from fsdp2kit.blocks import find_blocks
-from fsdp2kit.checkpoint import Checkpointer, PerRank, RNGState
-from fsdp2kit.compile import compile_blocks
-from fsdp2kit.convert import dcp_to_hf, export_hf
+from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
-from fsdp2kit.float8 import enable_float8
 from fsdp2kit.grads import clip_grad_norm_, no_sync
-from fsdp2kit.init import LoadResult, load_pretrained, materialize
-from fsdp2kit.plan import ShardPlan
-from fsdp2kit.prefetch import set_prefetch
+from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
+from fsdp2kit.weights.export import dcp_to_hf, export_hf
+from fsdp2kit.weights.materialize import materialize
+from fsdp2kit.weights.pretrained import LoadResult, load_pretrained
+from fsdp2kit.wrappers.activation import apply_activation_checkpointing
+from fsdp2kit.wrappers.compile import compile_blocks
+from fsdp2kit.wrappers.float8 import enable_float8
+from fsdp2kit.wrappers.prefetch import set_prefetch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "STRATEGIES",
+    "CheckpointError",
     "Checkpointer",
     "DistInfo",
     "LoadResult",
     "PerRank",
     "RNGState",
     "ShardPlan",
+    "UnitPlan",
     "apply_activation_checkpointing",
     "clip_grad_norm_",
     "compile_blocks",

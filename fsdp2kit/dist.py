@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DistInfo", "default_device_type", "init_distributed", "make_mesh"]
+__all__ = ["DistInfo", "default_device_type", "init_distributed", "make_mesh", "mesh_device"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,13 @@ class DistInfo:
 def default_device_type() -> str:
     """The accelerator type the process group runs on: "cuda" when there is one, else "cpu"."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def mesh_device(device_type: str) -> torch.device:
+    """The device this rank computes on for a mesh of ``device_type`` (its own GPU on CUDA)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -115,16 +122,9 @@ def init_distributed(
 def _settle_gloo_workers(seconds: float = 0.05) -> None:
     """Give gloo's worker threads a moment without the GIL before the interpreter finalizes.
 
-    A gloo worker thread frees each finished collective after the caller has already moved on;
-    when the collective's tensors were made in Python, the free takes the GIL. If the program
-    reaches interpreter finalization first (a collective just before exit, e.g. the last
-    checkpoint's agreement), that thread is killed inside a C++ destructor and the whole process
-    aborts with "terminate called without an active exception" (SIGABRT), after all the work is
-    done and saved. ``destroy_process_group`` does not prevent it: DeviceMesh and DTensor's caches
-    keep the group, and its threads, alive until finalization. Measured on 2 CPU ranks: a script
-    ending in ``all_gather_object`` aborted in 19 of 40 exits, 0 of 60 with this pause; the demo
-    recipe in 2 of 20, 0 of 40 with it. It narrows a race inside torch, it cannot close it: a
-    worker descheduled for longer than the pause can still lose it.
+    A gloo worker that frees a finished collective's Python tensors during finalization aborts
+    the whole process (SIGABRT) after all the work is done; this pause narrows that race inside
+    torch. The mechanism and the measurements: docs/gloo-exit.md.
     """
     time.sleep(seconds)
 
@@ -134,9 +134,8 @@ def _elastic_store(timeout: timedelta) -> dict:
 
     After a worker dies, torchrun restarts every worker against the same store, where the
     previous attempt's keys are still present: a restarted rank can read a peer's address from
-    the dead attempt and fail with "Gloo connectFullMesh failed ... Connection refused" while
-    the peer is still starting (seen here on CPU, intermittently; pytorch/pytorch#167288 is the
-    NCCL face of it). Prefixing every key with the restart count keeps attempts apart.
+    the dead attempt and fail in gloo's connectFullMesh (pytorch/pytorch#167288 is the NCCL face
+    of it; docs/gloo-exit.md). Prefixing every key with the restart count keeps attempts apart.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
+
 __all__ = ["ShardPlan", "UnitPlan"]
 
 
@@ -20,27 +22,6 @@ def _sharded_numel(shape: torch.Size, shard: int) -> int:
     if len(shape) == 0:
         return 1
     return math.ceil(shape[0] / shard) * math.prod(shape[1:])
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def fmt_list(items: list[str], limit: int = 12) -> str:
-    """The first ``limit`` items of a list for an error message, and how many there are in all."""
-    shown = ", ".join(map(str, items[:limit]))
-    return f"{shown}, ... ({len(items)} in all)" if len(items) > limit else shown
-
-
-def fmt_count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp2kit.plan import fmt_list
+from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit._internal.markers import SHARDED_AS
 
 __all__ = ["check_devices", "check_not_sharded", "check_unit_dtypes", "install_optimizer_check", "mark_replaced"]
 
@@ -73,20 +74,19 @@ def check_unit_dtypes(unit: str, params: dict[str, nn.Parameter]) -> None:
         )
 
 
-_REPLACED_ATTR = "_fsdp2kit_sharded_as"
 _hook_installed = False
 
 
 def mark_replaced(params: dict[str, nn.Parameter]) -> None:
     """Tag the parameters that fully_shard is about to replace with DTensor parameters."""
     for name, param in params.items():
-        setattr(param, _REPLACED_ATTR, name)
+        setattr(param, SHARDED_AS, name)
 
 
 def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
-            name = getattr(param, _REPLACED_ATTR, None)
+            name = getattr(param, SHARDED_AS, None)
             if name is not None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds parameter {name!r} as it was before shard_model replaced it; "

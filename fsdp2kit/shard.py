@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
@@ -32,7 +33,7 @@ from fsdp2kit.preflight import (
     mark_replaced,
 )
 
-__all__ = ["STRATEGIES", "Strategy", "estimate_plan", "resolve_strategy", "shard_model"]
+__all__ = ["STRATEGIES", "Strategy", "assign_units", "estimate_plan", "resolve_strategy", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _direct_params(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False)}
 
 
-def _assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
+def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
     """Embedding groups outside the blocks, and each parameter's unit (by id) for the checks.
 
     Raises if a parameter shared between modules would end up in two units: FSDP would shard it
@@ -234,7 +235,7 @@ def shard_model(
         )
 
     install_optimizer_check()
-    model._fsdp2kit_blocks = layout.blocks  # the forward order, for set_prefetch
+    setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
     return layout.plan
 
 
@@ -294,7 +295,7 @@ def _layout(
     found = find_blocks(model, blocks)
     if any(b is model for b in found):
         raise ValueError("the root module cannot be one of its own blocks")
-    groups, unit_of = _assign_units(model, found)
+    groups, unit_of = assign_units(model, found)
 
     mp_policy = resolve_mixed_precision(mixed_precision)
     if resolved.replicate_only:

@@ -12,7 +12,7 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
   5. prefetch, then the optimizer (it must see the sharded parameters);
   6. resume from the newest complete checkpoint, train, checkpoint every N steps.
 
-`--train.smoke true` proves a configuration in a minute before a long run: see fsdp2kit/smoke.py.
+`--train.smoke true` proves a configuration in a minute before a long run: see support/smoke.py.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from support.config import ConfigError, config_to_dict, parse_config
+from support.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
+from support.metrics import JsonlLogger, Timer, peak_memory_bytes
 
 import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
-from fsdp2kit.config import ConfigError, config_to_dict, parse_config
-from fsdp2kit.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
-from fsdp2kit.metrics import JsonlLogger, Timer, peak_flops, peak_memory_bytes, transformer_flops_per_token
+from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
 
 
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
     if t.smoke:
-        from fsdp2kit.smoke import run_smoke
+        from support.smoke import run_smoke
 
         ok = run_smoke(model, optimizer, scheduler, loader, plan, lm_loss, info, Path(cfg.checkpoint.dir) / "smoke")
         dist.destroy_process_group()

@@ -4,6 +4,9 @@ import sys
 # Tests import the shared tiny models as `models`; spawned ranks inherit this sys.path.
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
+# The recipe's and the benchmarks' own support modules, imported as their scripts import them.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import pytest
 

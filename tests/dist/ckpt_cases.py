@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
+import fsdp2kit.checkpoint.checkpointer as checkpointer_module
 from fsdp2kit.checkpoint import CheckpointError, Checkpointer, PerRank, RNGState, list_steps, step_dir
 from models import TinyGPT, build, lm_loss
 
@@ -431,7 +432,8 @@ def kill_publisher(root: str) -> None:
     ck = Checkpointer(root)
     ck.save(1, model)
     if dist.get_rank() == 0:
-        Checkpointer._publish = lambda self, step, tmp: os.kill(os.getpid(), signal.SIGKILL)
+        # The publishing rename is the checkpointer module's `publish`: replace it with a crash.
+        checkpointer_module.publish = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
     train(model, adamw(model), 1, gen_seed=0)
     ck.save(2, model)
 

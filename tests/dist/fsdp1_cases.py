@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 import fsdp2kit as fk
-from fsdp2kit.fsdp1 import wrap_fsdp1
+from fsdp1 import wrap_fsdp1
 from models import build, lm_loss
 from parity import BATCH, SEQ, VOCAB, _optimizer
 

@@ -25,14 +25,13 @@ from fsdp2kit.checkpoint import (
     Checkpointer,
     CheckpointError,
     RNGState,
-    _decode,
-    _encode,
-    _SafeLoadPlanner,
     incomplete_dirs,
     list_steps,
     read_metadata,
     step_dir,
 )
+from fsdp2kit.checkpoint.extras import decode, encode
+from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,20 +79,20 @@ def test_extra_roundtrip():
         "array": np.arange(4, dtype=np.int32),
         "np_scalar": np.float64(2.5),
     }
-    entry = _encode(value, "extra['x']")
+    entry = encode(value, "extra['x']")
     assert entry["json"].dtype == torch.uint8 and set(entry["tensors"]) == {"0", "1"}
-    back = _decode(entry)
+    back = decode(entry)
     assert torch.equal(back.pop("tensor"), value.pop("tensor"))
     array = back.pop("array")
     assert array.dtype == np.int32 and np.array_equal(array, value.pop("array"))
     assert back == value
     assert math.copysign(1.0, back["floats"][3]) == -1.0
-    assert math.isnan(_decode(_encode(float("nan"), "x")))
+    assert math.isnan(decode(encode(float("nan"), "x")))
 
 
 def test_extra_stateful_object_is_stored_by_its_state():
     sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), step_size=3)
-    assert _decode(_encode(sched, "extra['sched']")) == sched.state_dict()
+    assert decode(encode(sched, "extra['sched']")) == sched.state_dict()
 
 
 @pytest.mark.parametrize(
@@ -106,7 +105,7 @@ def test_extra_stateful_object_is_stored_by_its_state():
 )
 def test_extra_refuses_what_it_cannot_store(value, where, what):
     with pytest.raises(TypeError) as info:
-        _encode(value, "extra['k']")
+        encode(value, "extra['k']")
     assert where in str(info.value) and what in str(info.value)
 
 
@@ -115,7 +114,7 @@ def test_rng_state_roundtrip():
         return torch.rand(3).tolist(), random.random(), np.random.rand(2).tolist(), np.random.randn()
 
     np.random.randn()  # leaves a cached Gaussian in NumPy's state, which must come back too
-    saved = _decode(_encode(RNGState(), "rng"))
+    saved = decode(encode(RNGState(), "rng"))
     first = draws()
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     RNGState().load_state_dict(saved)
@@ -153,7 +152,7 @@ def test_non_tensor_values_are_read_weights_only(tmp_path):
     buf = io.BytesIO()
     torch.save(_Evil(marker), buf)
     buf.seek(0)
-    planner = _SafeLoadPlanner()
+    planner = SafeLoadPlanner()
     planner.flatten_state_dict, planner.state_dict = False, {}
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         planner.load_bytes(SimpleNamespace(dest_index=SimpleNamespace(fqn="x")), buf)

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
-from fsdp2kit.config import ConfigError, parse_config
-from fsdp2kit.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
+from support.config import ConfigError, parse_config
+from support.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
 
 
 @dataclass

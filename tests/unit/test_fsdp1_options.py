@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fsdp1 import fsdp1_mixed_precision, fsdp1_sharding_strategy, wrap_fsdp1
 from models import build
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-
-from fsdp2kit.fsdp1 import _mixed_precision, fsdp1_sharding_strategy, wrap_fsdp1
 
 
 def test_strategy_names(mesh):
@@ -20,8 +19,8 @@ def test_strategy_names(mesh):
 
 
 def test_mixed_precision_names():
-    assert _mixed_precision(None) is None and _mixed_precision("fp32") is None
-    bf16 = _mixed_precision("bf16")
+    assert fsdp1_mixed_precision(None) is None and fsdp1_mixed_precision("fp32") is None
+    bf16 = fsdp1_mixed_precision("bf16")
     assert bf16.param_dtype is torch.bfloat16 and bf16.reduce_dtype is torch.float32 and bf16.buffer_dtype is None
 
 

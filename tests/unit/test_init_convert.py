@@ -19,7 +19,7 @@ from weights import hf_config, hf_model, pretrained, tokens
 
 import fsdp2kit as fk
 from fsdp2kit.checkpoint import CheckpointError
-from fsdp2kit.convert import parse_size
+from fsdp2kit.weights.export import parse_size
 
 pytestmark = pytest.mark.timeout(120)
 

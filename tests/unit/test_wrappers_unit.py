@@ -10,8 +10,8 @@ from models import TinyGPT, build, lm_loss
 from wrappers_world import WRAPPERS  # the same wrapper set the multi-process tests use
 
 import fsdp2kit as fk
-from fsdp2kit.activation import SELECTIVE_SAVE, resolve_ac_mode
-from fsdp2kit.wrap import BlockForward
+from fsdp2kit.wrappers.activation import SELECTIVE_SAVE, resolve_ac_mode
+from fsdp2kit.wrappers.forward import BlockForward
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,6 @@ The FSDP1-only knobs keep FSDP1's own defaults (``backward_prefetch="BACKWARD_PR
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -35,8 +34,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp2kit.blocks import BlockSpec, find_blocks
+from fsdp2kit.dist import mesh_device
 from fsdp2kit.precision import resolve_mixed_precision
-from fsdp2kit.shard import _assign_units, resolve_strategy
+from fsdp2kit.shard import assign_units, resolve_strategy
 
 __all__ = ["fsdp1_sharding_strategy", "wrap_fsdp1"]
 
@@ -61,7 +61,7 @@ def fsdp1_sharding_strategy(strategy: str | None, mesh: DeviceMesh) -> ShardingS
     return _SHARDING[resolved.name]
 
 
-def _mixed_precision(mixed_precision) -> MixedPrecision | None:
+def fsdp1_mixed_precision(mixed_precision) -> MixedPrecision | None:
     policy = resolve_mixed_precision(mixed_precision)
     if policy.param_dtype is None and policy.reduce_dtype is None:
         return None
@@ -107,21 +107,17 @@ def wrap_fsdp1(
     found = find_blocks(model, blocks)
     if any(b is model for b in found):
         raise ValueError("the root module cannot be one of its own blocks")
-    groups, _ = _assign_units(model, found)
+    groups, _ = assign_units(model, found)
     units = {id(m) for m in found} | {id(g[0]) for g in groups if len(g) == 1}
     if backward_prefetch not in _PREFETCH:
         raise ValueError(f"backward_prefetch={backward_prefetch!r}: expected one of {list(_PREFETCH)}")
-    device = (
-        torch.device(mesh.device_type, torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device(mesh.device_type)
-    )
+    device = mesh_device(mesh.device_type)
     return FullyShardedDataParallel(
         model,
         device_mesh=mesh,
         sharding_strategy=sharding,
         auto_wrap_policy=CustomPolicy(lambda m: id(m) in units),
-        mixed_precision=_mixed_precision(mixed_precision),
+        mixed_precision=fsdp1_mixed_precision(mixed_precision),
         cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
         backward_prefetch=_PREFETCH[backward_prefetch],
         forward_prefetch=forward_prefetch,

@@ -10,7 +10,7 @@ hooks around ``self.forward``, so FSDP2's all-gather and reshard hooks stay outs
 the new forward does: outside the checkpointed region (no all-gather is replayed on
 recompute) and outside the compiled graph.
 
-The order, and why (also in DESIGN.md):
+The order, and why (also in docs/design.md):
 float8 (swaps Linear modules, so it must see them first) -> activation checkpointing (wraps the
 forward that runs float8) -> compile (compiles the checkpointed forward, so the checkpoint
 becomes part of the graph) -> shard_model (FSDP2 hooks go around all of it) -> set_prefetch
@@ -29,10 +29,6 @@ from torch.distributed.tensor import DTensor
 __all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward", "set_forward"]
 
 ORDER = "enable_float8 -> apply_activation_checkpointing -> compile_blocks -> shard_model -> set_prefetch"
-
-# Markers a wrapper leaves on each block it changed, read by the wrappers that come later.
-CHECKPOINTED = "_fsdp2kit_checkpointed"
-COMPILED = "_fsdp2kit_compiled"
 
 
 class BlockForward:

@@ -32,8 +32,9 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
+from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks, shared_parameters
-from fsdp2kit.wrap import CHECKPOINTED, COMPILED, ORDER, check_unsharded
+from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
 __all__ = ["enable_float8", "float8_eligible"]
 
@@ -97,7 +98,7 @@ def enable_float8(
     Raises ``ValueError`` if no layer is eligible: float8 silently doing nothing is worse than
     an error. Parameter names are unchanged (``Float8Linear`` is an ``nn.Linear``).
     """
-    # (torchao's import-time log lines on a CPU build are filtered by fsdp2kit._quiet)
+    # (torchao's import-time log lines on a CPU build are filtered by fsdp2kit._internal.quiet)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 

@@ -7,7 +7,7 @@ blocks (in backward) as soon as its own parameters are ready, so communication i
 and can overlap more compute; each extra block in flight costs one unsharded block of memory.
 
 The order comes from `shard_model`, which records the blocks in forward order as
-``model._fsdp2kit_blocks``.
+an attribute of the model (`fsdp2kit._internal.markers.BLOCK_ORDER`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp2kit.wrap import ORDER
+from fsdp2kit._internal.markers import BLOCK_ORDER
+from fsdp2kit.wrappers.forward import ORDER
 
 __all__ = ["set_prefetch"]
 
@@ -42,7 +43,7 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Mo
     embedding and root units keep FSDP2's default.
     """
     forward, backward = _depth("forward", forward), _depth("backward", backward)
-    blocks = getattr(model, "_fsdp2kit_blocks", None)
+    blocks = getattr(model, BLOCK_ORDER, None)
     if blocks is None:
         raise ValueError(
             "set_prefetch needs the block order that shard_model records: call it after shard_model "

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.markers import COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrap import COMPILED, check_unsharded, current_forward, set_forward
+from fsdp2kit.wrappers.forward import check_unsharded, current_forward, set_forward
 
 __all__ = ["compile_blocks"]
 

@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp2kit._internal.fmt import fmt_bytes
 from fsdp2kit.checkpoint import Checkpointer
 from fsdp2kit.dist import DistInfo
 from fsdp2kit.grads import clip_grad_norm_
-from fsdp2kit.metrics import peak_memory_bytes
-from fsdp2kit.plan import ShardPlan, fmt_bytes
+from fsdp2kit.plan import ShardPlan
+from support.metrics import peak_memory_bytes
 
 __all__ = ["run_smoke"]
 

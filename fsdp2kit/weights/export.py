@@ -13,11 +13,8 @@ is renamed into place at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,10 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit._hf import export_groups, to_hf_layout
-from fsdp2kit.checkpoint import _SafeReader, list_steps, read_metadata
-from fsdp2kit.checkpoint import step_dir as _step_dir
-from fsdp2kit.init import _agree_failed, _meshes, _model_tensors, _reshard
+from fsdp2kit._internal.agree import agree_failed
+from fsdp2kit._internal.dtensor import model_meshes, reshard_all
+from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
+from fsdp2kit.checkpoint.unpickler import SafeReader
+from fsdp2kit.dist import mesh_device
+from fsdp2kit.weights.hf_layout import export_groups, model_tensors, to_hf_layout
+from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
 
 __all__ = ["dcp_to_hf", "export_hf", "parse_size"]
 
@@ -54,80 +54,6 @@ def parse_size(size: int | str) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # Writing
-
-
-class _ShardedWriter:
-    """Accumulates tensors and writes a file each time ``max_bytes`` would be exceeded."""
-
-    def __init__(self, directory: Path, max_bytes: int):
-        self.dir = directory
-        self.max = max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.parts: list[tuple[Path, list[str]]] = []
-        self.total = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.pending or any(name in keys for _, keys in self.parts):
-            raise ValueError(f"two tensors would be saved as {name!r}")
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max:
-            self.flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += nbytes
-        self.total += nbytes
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        from safetensors.torch import save_file
-
-        path = self.dir / f".part-{len(self.parts):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.parts.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> None:
-        self.flush()
-        if not self.parts:
-            raise ValueError("nothing to write: the model has no parameters or persistent buffers")
-        if len(self.parts) == 1:
-            self.parts[0][0].rename(self.dir / "model.safetensors")
-            return
-        n = len(self.parts)
-        weight_map = {}
-        for i, (path, keys) in enumerate(self.parts, start=1):
-            name = f"model-{i:05d}-of-{n:05d}.safetensors"
-            path.rename(self.dir / name)
-            weight_map.update(dict.fromkeys(keys, name))
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-class _Stage:
-    """A hidden sibling directory to write into; `commit` renames it to ``out_dir``, `abort` removes it."""
-
-    def __init__(self, out_dir: Path, overwrite: bool):
-        self.out = Path(out_dir)
-        if self.out.exists() and not self.out.is_dir():
-            raise FileExistsError(f"{self.out} exists and is not a directory")
-        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
-            raise FileExistsError(f"{self.out} exists and is not empty; pass overwrite=True to replace it")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
-        self.dir.mkdir()
-
-    def commit(self) -> None:
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-            self.out.rename(old)
-        self.dir.rename(self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> list[str]:
@@ -173,13 +99,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
     local = t._local_tensor
     if local.device.type != t.device_mesh.device_type:  # CPU-offloaded shards of a CUDA mesh
-        dev = torch.device("cuda", torch.cuda.current_device()) if t.device_mesh.device_type == "cuda" else "cpu"
-        t = DTensor.from_local(local.to(dev), t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+        t = DTensor.from_local(
+            local.to(mesh_device(t.device_mesh.device_type)),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
+        )
     return t.full_tensor()
 
 
 def _is_writer(model: nn.Module) -> bool:
-    meshes = _meshes(model)
+    meshes = model_meshes(model)
     if meshes:
         return dist.get_rank() == int(meshes[0].mesh.flatten()[0])
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -216,19 +147,19 @@ def export_hf(
     """
     out_dir = Path(out_dir)
     max_bytes = parse_size(max_shard_size)
-    _reshard(model)
-    tensors, aliases = _model_tensors(model)
+    reshard_all(model)
+    tensors, aliases = model_tensors(model)
     names = _export_names(model, tensors, aliases)
     writer_rank = _is_writer(model)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
 
     error: BaseException | None = None
-    stage: _Stage | None = None
-    writer: _ShardedWriter | None = None
+    stage: StagedDir | None = None
+    writer: ShardedWriter | None = None
     if writer_rank:
         try:
-            stage = _Stage(out_dir, overwrite)
-            writer = _ShardedWriter(stage.dir, max_bytes)
+            stage = StagedDir(out_dir, overwrite)
+            writer = ShardedWriter(stage.dir, max_bytes)
         except BaseException as exc:
             error = exc
     # A failure on the writer must not stop it from taking part in the remaining gathers, or the
@@ -254,7 +185,7 @@ def export_hf(
             error = exc
         if error is not None:
             stage.abort()
-    if _agree_failed(error is not None, model):
+    if agree_failed(error is not None, model):
         if error is not None:
             raise error
         raise RuntimeError("export_hf failed on another rank (see its error)")
@@ -263,23 +194,6 @@ def export_hf(
 
 # ----------------------------------------------------------------------------------------------
 # DCP checkpoints (as fsdp2kit.Checkpointer writes them) -> Hugging Face
-
-
-def resolve_step_dir(checkpoint: str | os.PathLike) -> Path:
-    """A step directory as given, or the newest complete step under a Checkpointer root."""
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory {path}")
-    if (path / ".metadata").is_file():
-        return path
-    steps = list_steps(path)
-    if not steps:
-        found = sorted(p.name for p in path.iterdir())[:10]
-        raise FileNotFoundError(
-            f"{path} is neither a DCP checkpoint (no .metadata) nor a root with complete step_* directories "
-            f"(found {found})"
-        )
-    return _step_dir(path, steps[-1])
 
 
 def _load_config(config: Any, step_dir: Path):
@@ -348,7 +262,7 @@ def dcp_to_hf(
         raise ValueError(
             f"{step_dir} holds no tensors under {prefix!r} (keys start with {sorted(metadata.state_dict_metadata)[:3]})"
         )
-    tensors, aliases = _model_tensors(model)
+    tensors, aliases = model_tensors(model)
     names = _export_names(model, tensors, aliases)
     by_root: dict[str, list[str]] = {}
     for n in tensors:
@@ -387,12 +301,12 @@ def dcp_to_hf(
         state = {prefix: dict(want)}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(state, storage_reader=_SafeReader(reader_path), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(reader_path), no_dist=True)
         return {n: state[prefix][source[n]] for n in batch}
 
-    stage = _Stage(Path(out_dir), overwrite)
+    stage = StagedDir(Path(out_dir), overwrite)
     try:
-        writer = _ShardedWriter(stage.dir, max_bytes)
+        writer = ShardedWriter(stage.dir, max_bytes)
         batch: list[list[str]] = []
         batch_bytes = 0
 

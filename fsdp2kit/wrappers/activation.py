@@ -21,7 +21,7 @@ works with keyword arguments, with inputs that do not require grad, and with tor
 it is the only kind that composes with FSDP2.
 
 Parameter names do not change: the block keeps its place in the module tree and only its
-forward is replaced (see `fsdp2kit.wrap`). Blocks from Hugging Face transformers
+forward is replaced (see `fsdp2kit.wrappers.forward`). Blocks from Hugging Face transformers
 (``GradientCheckpointingLayer``) are checkpointed through their own switch instead, because
 they know which of their arguments are a KV cache that a recompute must not update twice; they
 drop it, and say so once ("Caching is incompatible with gradient checkpointing"). Train with
@@ -38,8 +38,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrap import CHECKPOINTED, COMPILED, ORDER, check_unsharded, current_forward, set_forward
+from fsdp2kit.wrappers.forward import ORDER, check_unsharded, current_forward, set_forward
 
 __all__ = ["AC_MODES", "SELECTIVE_SAVE", "apply_activation_checkpointing", "resolve_ac_mode", "selective_policy"]
 

@@ -1,0 +1,26 @@
+"""Numbers and lists as people read them in tables and error messages."""
+
+from __future__ import annotations
+
+__all__ = ["fmt_bytes", "fmt_count", "fmt_list"]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_list(items: list[str], limit: int = 12) -> str:
+    """The first ``limit`` items of a list for an error message, and how many there are in all."""
+    shown = ", ".join(map(str, items[:limit]))
+    return f"{shown}, ... ({len(items)} in all)" if len(items) > limit else shown
+
+
+def fmt_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

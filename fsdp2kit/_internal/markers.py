@@ -1,0 +1,14 @@
+"""The attributes fsdp2kit leaves on modules and tensors it changed, each named once.
+
+Later steps read what earlier ones left (prefetch needs the block order shard_model recorded;
+compile refuses blocks already compiled), so every name lives here and nowhere else.
+"""
+
+# On a block: the activation-checkpointing mode applied to it ("full", "selective", "every N").
+CHECKPOINTED = "_fsdp2kit_checkpointed"
+# On a block: True once compile_blocks compiled its forward.
+COMPILED = "_fsdp2kit_compiled"
+# On the root: the blocks in forward order, recorded by shard_model for set_prefetch.
+BLOCK_ORDER = "_fsdp2kit_blocks"
+# On a parameter fully_shard is about to replace: its name, so a stale optimizer can be named.
+SHARDED_AS = "_fsdp2kit_sharded_as"

@@ -1,0 +1,388 @@
+"""The Checkpointer: atomic, resumable, optionally asynchronous DCP checkpoints, resharded on load.
+
+Layout under ``root`` (other tools rely on it):
+
+    root/step_00000100/          a complete step: DCP files (``__<rank>_<n>.distcp``, ``.metadata``),
+                                 ``fsdp2kit.json`` (who saved it, when, which keys) and, for a
+                                 Hugging Face model, ``config.json``
+    root/.tmp-step_00000200-ab12  a save in progress (or one a crash interrupted): never read
+    root/.trash-step_...          a step on its way out (pruned or replaced): never read
+
+A save writes into a hidden temporary directory; only after every rank has written its files
+(DCP's own final collective says so) does rank 0 fsync and publish it with one atomic
+``rename``. So a ``step_*`` directory is complete by construction, and a crash at any moment
+leaves the previous step loadable. Pruning renames a step out of the way before deleting it, so
+a crash mid-delete never leaves a half-deleted ``step_*`` behind either.
+
+The DCP state dict has three top-level keys: ``model`` (`get_model_state_dict`: full FQNs, each
+rank writing only its shards), ``optimizer`` (`get_optimizer_state_dict`, flattened to one key
+per parameter and state so it reshards like the model) and ``extra``. Because DCP records the
+global shape and the offsets of every chunk, a checkpoint loads at any world size or mesh shape.
+Under ``extra``, ``shared.<name>`` holds rank 0's values and ``rank.<r>.<name>`` each rank's
+`PerRank` values and RNG states (``__rng__``); every value is ``json`` (a uint8 tensor of JSON
+text) plus ``tensors.<i>`` for the tensors it contains.
+
+Nothing from a checkpoint is ever unpickled with arbitrary globals: ``.metadata`` (a pickle, as
+DCP writes it) is read with an unpickler that admits only DCP's metadata classes, optimizer
+hyper-parameters (DCP stores non-tensors as small pickles) are read with
+``torch.load(weights_only=True)``, and ``extra`` is stored as JSON text in a uint8 tensor plus
+plain tensors, never as a pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
+from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_without_process_group, raise_gathered
+from fsdp2kit.checkpoint.extras import PerRank, RNGState
+from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, resolve_step, step_dir
+from fsdp2kit.checkpoint.publish import prepare_dir, publish
+from fsdp2kit.checkpoint.state import OPTIM_OPTIONS, restore_extra, state_to_load, state_to_save
+from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
+
+
+class _AlreadyStaged(AsyncStager):
+    """Hands dcp.async_save a state dict the Checkpointer has staged (copied) itself."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+
+class _Pending:
+    def __init__(self, step: int, tmp: Path, done: Future):
+        self.step, self.tmp, self.done = step, tmp, done
+
+
+class Checkpointer:
+    """Atomic, resumable checkpoints of a sharded model, its optimizer and anything stateful.
+
+    ::
+
+        ck = fk.Checkpointer("ckpt/", keep_last=2, async_save=False)
+        start = ck.load(model, optimizer=opt, extra={"scheduler": sched}) or 0
+        for step in range(start + 1, steps + 1):
+            ...
+            if step % 100 == 0:
+                ck.save(step, model, optimizer=opt, extra={"scheduler": sched, "data": {"index": i}})
+        ck.wait()
+
+    Every method but `steps` is collective: call it on every rank, in the same order. Errors (a
+    bad value in ``extra``, a checkpoint of another model, a corrupt file, a failed write) are
+    raised on every rank as `CheckpointError` with the same message, never as a hang on the
+    ranks that did not see the problem. A rank that dies mid-save turns into a CheckpointError
+    on the others within the process group's timeout.
+
+    Synchronous saves and loads coordinate on the default process group; an asynchronous
+    Checkpointer makes a gloo group of its own on first use (see `Comm` for why), so make one
+    per run, not one per save. Works without any process group too (one process).
+
+    Args:
+        root: directory that holds ``step_XXXXXXXX`` subdirectories; created on the first save.
+            One training run (one Checkpointer) per root at a time: a save deletes the leftovers
+            of interrupted saves, which another writer's save in flight would look like.
+        keep_last: how many complete steps to keep; older ones are deleted only after a newer
+            one is complete, and the step just saved is never deleted. ``None`` keeps all.
+        async_save: ``save`` copies the state to CPU memory and returns; a background thread
+            writes it and rank 0 publishes the step when every rank is done. The training loop
+            then stalls only for the copy, not the write, at the price of one extra copy of the
+            sharded state in CPU memory (kept between saves so it is not reallocated each time)
+            and of disk traffic that competes with training. Saves never overlap: a save waits
+            for the one before. A failed asynchronous save raises at the next ``save``, ``load``,
+            ``wait`` or ``close``.
+        rng: save every rank's RNG states (torch, CUDA, Python, NumPy; see `RNGState`) and
+            restore them on load, so a resumed run continues exactly as an uninterrupted one.
+            Ranks that did not exist at save time keep their generators.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike, keep_last: int | None = 2, async_save: bool = False, *, rng: bool = True
+    ):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be None (keep every step) or an int >= 1, got {keep_last!r}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.async_save = bool(async_save)
+        self.rng = bool(rng)
+        self.loaded_extra: dict[str, Any] = {}
+        """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
+        self._comm = Comm(own_group=self.async_save)
+        self._pending: _Pending | None = None
+        self._stager: DefaultStager | None = None
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_save={self.async_save})"
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> list[int]:
+        """Complete steps under root, ascending (a file-system look-up, not collective)."""
+        return list_steps(self.root)
+
+    # ---- save ------------------------------------------------------------------------------
+
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
+    ) -> None:
+        """Save ``model`` (and ``optimizer``, ``extra``) as ``root/step_{step:08d}``.
+
+        ``extra`` maps names to JSON-able values, tensors, NumPy arrays or objects with
+        ``state_dict()``/``load_state_dict()`` (a scheduler, a stateful data loader), whose state
+        is taken now. Values are taken from rank 0; wrap a value in `PerRank` to keep every
+        rank's own. Names starting with "__" are reserved.
+
+        Saving a step that already exists replaces it (the old one is moved aside first).
+        Synchronous: returns once the step is published on disk. Asynchronous: returns once the
+        state is copied; `wait` publishes it.
+        """
+        check_step(step)
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
+        for key in extra or {}:
+            if not isinstance(key, str) or not key or key.startswith("__"):
+                raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")
+        self.wait()
+        comm = self._comm
+        comm.setup()
+        rank = comm.rank
+
+        error, tmp, state = None, None, None
+        try:
+            state = state_to_save(model, optimizer, extra, rank=rank, rng=self.rng)
+            if self.async_save:
+                state = self._stage(state)
+            if rank == 0:
+                tmp = prepare_dir(self.root, step, model, self._info(optimizer, extra, comm.world))
+        except Exception as e:  # reported to every rank below, so none enters DCP alone
+            error = f"rank {rank} could not prepare the state: {describe(e)}"
+        what = f"save of step {step} to {self.root} did not start"
+        replies = comm.gather((error, str(tmp) if tmp else None, step), what, error)
+        steps = sorted({r[2] for r in replies})
+        if len(steps) > 1:
+            replies[0] = (f"ranks disagree on the step to save: {steps}", *replies[0][1:])
+        if any(r[0] for r in replies):
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise_gathered([r[0] for r in replies], what)
+        tmp = Path(replies[0][1])
+
+        writer = FileSystemWriter(tmp, sync_files=True, overwrite=False)
+        if self.async_save:
+            quiet_without_process_group(comm.active)
+            try:
+                upload = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(),
+                    process_group=comm.group,
+                    async_stager=_AlreadyStaged(),
+                    no_dist=not comm.active,
+                )
+            except FAILURES as e:  # before any collective: the other ranks' writers fail at wait()
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(
+                    f"asynchronous save of step {step} to {self.root} did not start: {describe(e)}"
+                ) from e
+            self._pending = _Pending(step, tmp, self._chain_publish(upload, step, tmp, rank))
+            return
+
+        error = None
+        try:
+            quiet_without_process_group(comm.active)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
+            if rank == 0:
+                publish(self.root, step, tmp, self.keep_last)
+        except FAILURES as e:
+            error = describe(e)
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        comm.agree(error, f"save of step {step} to {self.root} failed")
+
+    def wait(self) -> int | None:
+        """Finish the asynchronous save in flight, if any; return its step (None if none).
+
+        Raises `CheckpointError` on every rank if it failed on any; the step is then not
+        published and the previous one stays the newest.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        error = None
+        try:
+            pending.done.result()
+        except BaseException as e:
+            error = describe(e)
+        self._comm.agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
+        return pending.step
+
+    def close(self) -> None:
+        """`wait` for a save in flight and free the CPU staging memory of asynchronous saves."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _info(self, optimizer, extra: dict | None, world: int) -> dict[str, Any]:
+        """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``)."""
+        per_rank = {k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))}
+        return {
+            "world_size": world,
+            "async": self.async_save,
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "extra": sorted(set(extra or {}) - per_rank),
+            "extra_per_rank": sorted(per_rank),
+            "rng": self.rng,
+        }
+
+    def _stage(self, state: dict) -> dict:
+        """Copy the state to CPU memory that later saves reuse (pinned on CUDA)."""
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+        return self._stager.stage(state)
+
+    def _chain_publish(self, upload: Future, step: int, tmp: Path, rank: int) -> Future:
+        """A future that completes once the background write is done and rank 0 has published
+        it. Publishing from the writer thread makes the step durable as soon as it is written,
+        even if the training loop never calls wait()."""
+        done: Future = Future()
+
+        def finish(f: Future) -> None:
+            try:
+                f.result()
+                if rank == 0:
+                    publish(self.root, step, tmp, self.keep_last)
+                done.set_result(step)
+            except BaseException as e:  # kept for wait(): never lost in a callback
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                done.set_exception(e)
+
+        upload.add_done_callback(finish)
+        return done
+
+    # ---- load ------------------------------------------------------------------------------
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        extra: dict | None = None,
+    ) -> int | None:
+        """Load the newest complete step (or ``step``) into ``model`` (and ``optimizer``, ``extra``).
+
+        Returns the step loaded, or None when ``root`` holds no complete step (a fresh start).
+        The model may be sharded differently from the save: another world size, uneven shards,
+        a 2-D HSDP mesh instead of a 1-D one or back, or no sharding at all in one process.
+        Build the optimizer before loading; its state and hyper-parameters (learning rate
+        included) come from the checkpoint.
+
+        ``extra``: the same kind of dict as for `save`. Objects with ``load_state_dict`` are
+        restored in place; other values are replaced in the dict. Every value of the checkpoint's
+        extra, asked for or not, is in ``self.loaded_extra`` afterwards (tensors on the CPU).
+
+        Before anything is read, every rank checks the checkpoint's metadata against the model:
+        missing or unexpected keys, shapes, dtypes, missing or truncated files, and raises
+        `CheckpointError` naming them, on every rank. If reading fails after that (an I/O error),
+        the error is raised too, but the model may then hold a mix of old and new values.
+        """
+        if step is not None:
+            check_step(step)
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
+        self.wait()
+        comm = self._comm
+        comm.setup()
+
+        # Rank 0 chooses the step, so that every rank loads the same one.
+        choice, error = None, None
+        if comm.rank == 0:
+            try:
+                choice = resolve_step(self.root, step)
+            except Exception as e:
+                error = describe(e)
+        what = f"cannot load from {self.root}"
+        replies = comm.gather((choice, error), what, error)
+        raise_gathered([r[1] for r in replies], what)
+        choice = replies[0][0]
+        if choice is None:
+            return None
+        path = step_dir(self.root, choice)
+
+        problems: list[str] = []
+        state: dict[str, Any] = {}
+        try:
+            metadata = read_metadata(path)
+            state = state_to_load(model, optimizer, metadata, rank=comm.rank)
+            problems = check_against(state, metadata, path, optimizer is not None) + check_files(metadata, path)
+            problems += check_extra_keys(extra, metadata)
+        except Exception as e:
+            problems = [describe(e)]
+        comm.agree(problems, f"cannot load {path}")
+
+        try:
+            quiet_without_process_group(comm.active)
+            dcp.load(
+                state,
+                storage_reader=SafeReader(path),
+                planner=SafeLoadPlanner(allow_partial_load=False),
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
+        except FAILURES as e:  # DCP raises on every rank when any rank fails to read
+            raise CheckpointError(f"reading {path} failed: {describe(e)}") from e
+
+        error = None
+        try:
+            set_model_state_dict(model, state["model"])
+            if optimizer is not None:
+                set_optimizer_state_dict(model, optimizer, state["optimizer"], options=OPTIM_OPTIONS)
+            self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
+        except Exception as e:
+            error = describe(e)
+        comm.agree(error, f"restoring {path} failed")
+        return choice

@@ -1,0 +1,98 @@
+"""Checks a checkpoint against the model before anything is read, in sentences that name the keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, metadata_paths
+
+MAX_LISTED = 8
+
+
+def check_against(state: dict, metadata: Metadata, path: Path, with_optimizer: bool) -> list[str]:
+    """What stands between this state dict and the checkpoint, in sentences that name the keys."""
+    saved = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict({k: v for k, v in state.items() if k != "extra"})
+    missing, kind, shape, dtype = [], [], [], []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if md is None:
+            missing.append(key)
+        elif isinstance(value, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                kind.append(f"{key} (checkpoint: not a tensor)")
+            elif tuple(md.size) != tuple(value.shape):
+                shape.append(f"{key}: checkpoint {tuple(md.size)}, here {tuple(value.shape)}")
+            elif md.properties.dtype != value.dtype:
+                dtype.append(f"{key}: checkpoint {md.properties.dtype}, here {value.dtype}")
+        elif not isinstance(md, BytesStorageMetadata):
+            kind.append(f"{key} (checkpoint: a tensor, here a {type(value).__name__})")
+    prefixes = ("model.", "optimizer.") if with_optimizer else ("model.",)
+    unexpected = [k for k in saved if k.startswith(prefixes) and k not in flat]
+
+    problems = []
+    if with_optimizer and not any(k.startswith("optimizer.") for k in saved):
+        problems.append(
+            f"{path.name} was saved without optimizer state: load it with optimizer=None to start the optimizer afresh"
+        )
+        missing = [k for k in missing if not k.startswith("optimizer.")]
+    if missing:
+        problems.append(f"{len(missing)} key(s) missing from the checkpoint: {fmt_list(missing, MAX_LISTED)}")
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} key(s) in the checkpoint that this model/optimizer lacks: "
+            f"{fmt_list(unexpected, MAX_LISTED)}"
+        )
+    if shape:
+        problems.append(f"shape mismatch: {fmt_list(shape, MAX_LISTED)}")
+    if dtype:
+        problems.append(f"dtype mismatch: {fmt_list(dtype, MAX_LISTED)}")
+    if kind:
+        problems.append(f"tensor/non-tensor mismatch: {fmt_list(kind, MAX_LISTED)}")
+    if missing or unexpected or shape:
+        problems.append("is this a checkpoint of another model (or another optimizer)?")
+    return problems
+
+
+def check_files(metadata: Metadata, path: Path) -> list[str]:
+    """Every file the metadata points into exists and is long enough."""
+    if not isinstance(metadata.storage_data, dict):
+        return []
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), info.offset + info.length)
+    problems = []
+    for rel, end in sorted(needed.items()):
+        file = path / rel
+        if not file.is_file():
+            problems.append(f"data file {file} is missing")
+        elif file.stat().st_size < end:
+            problems.append(f"data file {file} is truncated ({file.stat().st_size} bytes, metadata needs {end})")
+    return problems
+
+
+def check_extra_keys(extra: dict | None, metadata: Metadata) -> list[str]:
+    """Every key asked for was saved: shared ones by rank 0, per-rank ones by at least one rank
+    (a rank that did not exist at save time keeps its value, see PerRank)."""
+    if not extra:
+        return []
+    shared, per_rank = set(), set()
+    for path in metadata_paths(metadata).values():
+        if path[:2] == ("extra", "shared") and len(path) > 2:
+            shared.add(path[2])
+        elif path[:2] == ("extra", "rank") and len(path) > 3 and path[3] != RNG_KEY:
+            per_rank.add(path[3])
+    missing = [
+        k for k, v in extra.items() if k not in (per_rank | shared if isinstance(v, (PerRank, RNGState)) else shared)
+    ]
+    if missing:
+        have = sorted(shared) + [f"{k} (per rank)" for k in sorted(per_rank)]
+        return [f"extra key(s) {missing} not in the checkpoint, which has {have or 'no extra'}"]
+    return []

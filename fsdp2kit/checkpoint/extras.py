@@ -1,0 +1,190 @@
+"""`extra`: user values stored as JSON text plus tensors (never a pickle), shared or per rank."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+try:  # numpy is optional: only its RNG state and arrays in `extra` need it
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
+
+
+class PerRank:
+    """Marks an ``extra`` value that differs by rank (a data-loader position, a sampler state).
+
+    Plain ``extra`` values are taken from rank 0 (they are meant to be the same everywhere);
+    a ``PerRank`` value is stored once per rank and each rank loads its own. At a different world
+    size, ranks that did not exist at save time keep their current value, with a warning.
+    An `RNGState` is always per rank, wrapped or not.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
+
+
+class RNGState:
+    """The calling process's random generators as a stateful object: torch CPU, every CUDA device
+    (when CUDA is initialised), Python's ``random`` and NumPy's global generator.
+
+    `Checkpointer` saves one per rank by default (``rng=True``), so a resumed run draws the same
+    dropout masks and random data as one that was never interrupted. Put one in ``extra`` (it is
+    stored per rank, like a `PerRank` value) to also save it with ``rng=False`` or to name it.
+    """
+
+    def state_dict(self) -> dict:
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        if np is not None:
+            name, keys, pos, has_gauss, cached = np.random.get_state()
+            state["numpy"] = {
+                "name": name,
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            saved = state["cuda"]
+            for device in range(min(len(saved), torch.cuda.device_count())):
+                torch.cuda.set_rng_state(saved[device], device)
+        if "numpy" in state and np is not None:
+            s = state["numpy"]
+            np.random.set_state(
+                (s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+            )
+
+
+def is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _to_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
+    """``value`` as JSON-able data; tensors go to ``tensors`` and leave a placeholder.
+
+    Tuples, non-string dict keys and NumPy arrays are tagged so they come back as they went in.
+    Plain dicts never carry a key starting with "__", so a tag cannot be confused with data.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, DTensor):
+        raise TypeError(
+            f"{where} is a DTensor: sharded state belongs in the model or the optimizer, which are "
+            "saved shard by shard; extra holds small replicated or per-rank values"
+        )
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach())
+        return {"__tensor__": len(tensors) - 1}
+    if np is not None and isinstance(value, np.ndarray):
+        tensors.append(torch.from_numpy(np.ascontiguousarray(value)).clone())
+        return {"__ndarray__": len(tensors) - 1}
+    if np is not None and isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list):
+        return [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _to_tree(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
+        return {
+            "__items__": [
+                [_to_tree(k, tensors, f"{where} key"), _to_tree(v, tensors, f"{where}[{k!r}]")]
+                for k, v in value.items()
+            ]
+        }
+    hint = " (a nested object with state_dict(): put it at the top level of extra)" if is_stateful(value) else ""
+    raise TypeError(
+        f"{where} is a {type(value).__qualname__}, which a checkpoint does not store{hint}. extra takes "
+        "JSON-able values (dict, list, tuple, str, int, float, bool, None), tensors, NumPy arrays, and "
+        "top-level objects with state_dict()/load_state_dict()"
+    )
+
+
+def _from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, list):
+        return [_from_tree(v, tensors) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if len(tree) == 1:
+        ((tag, inner),) = tree.items()
+        if tag == "__tensor__":
+            return tensors[str(inner)]
+        if tag == "__ndarray__":
+            return tensors[str(inner)].numpy()
+        if tag == "__tuple__":
+            return tuple(_from_tree(v, tensors) for v in inner)
+        if tag == "__items__":
+            return {_hashable(_from_tree(k, tensors)): _from_tree(v, tensors) for k, v in inner}
+    return {k: _from_tree(v, tensors) for k, v in tree.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+def encode(value: Any, where: str) -> dict:
+    """One ``extra`` entry as DCP leaves: {"json": uint8 tensor, "tensors": {"0": ..., ...}}."""
+    tensors: list[torch.Tensor] = []
+    if is_stateful(value):
+        value = value.state_dict()
+    text = json.dumps(_to_tree(value, tensors, where), allow_nan=True, separators=(",", ":"))
+    entry: dict[str, Any] = {"json": torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)}
+    if tensors:
+        entry["tensors"] = {str(i): t for i, t in enumerate(tensors)}
+    return entry
+
+
+def decode(entry: dict) -> Any:
+    text = bytes(entry["json"].numpy()).decode()
+    return _from_tree(json.loads(text), entry.get("tensors", {}))
+
+
+def extra_entries(metadata: Metadata, prefix: tuple[str, ...]) -> dict[str, dict]:
+    """Templates for the ``extra`` entries stored under ``prefix`` (e.g. ("extra", "shared")),
+    built from the metadata alone: {key: {"json": empty uint8, "tensors": {...}}}."""
+    paths = metadata_paths(metadata)
+    entries: dict[str, dict] = {}
+    for flat, path in paths.items():
+        if tuple(path[: len(prefix)]) != prefix or len(path) < len(prefix) + 2:
+            continue
+        md = metadata.state_dict_metadata[flat]
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        key, rest = path[len(prefix)], path[len(prefix) + 1 :]
+        empty = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        entry = entries.setdefault(key, {})
+        if rest == ("json",):
+            entry["json"] = empty
+        elif len(rest) == 2 and rest[0] == "tensors":
+            entry.setdefault("tensors", {})[rest[1]] = empty
+    return {k: v for k, v in entries.items() if "json" in v}
+
+
+def metadata_paths(metadata: Metadata) -> dict[str, tuple]:
+    """Flat DCP key -> path of keys in the saved nested state dict."""
+    if isinstance(metadata.planner_data, dict):
+        return {
+            k: tuple(str(p) for p in v) for k, v in metadata.planner_data.items() if k in metadata.state_dict_metadata
+        }
+    return {k: tuple(k.split(".")) for k in metadata.state_dict_metadata}
+
+
+RNG_KEY = "__rng__"

@@ -1,0 +1,113 @@
+"""Where a checkpoint's steps live on disk: step directories, the one step resolver, errors and fsync."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+STEP_RE = re.compile(r"^step_(\d{8,})$")
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+METADATA_FILE = ".metadata"
+INFO_FILE = "fsdp2kit.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; raised on every rank with the same message."""
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """The directory a complete ``step`` lives in: ``root/step_{step:08d}``."""
+    return Path(root) / f"step_{check_step(step):08d}"
+
+
+def list_steps(root: str | os.PathLike) -> list[int]:
+    """Complete steps under ``root``, ascending; ``[]`` when there are none or no ``root``.
+
+    Complete means a ``step_*`` directory holding DCP's ``.metadata``: temporary and trash
+    directories, and anything else, are ignored.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        m = STEP_RE.match(entry.name)
+        if m and entry.is_dir() and (entry / METADATA_FILE).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def incomplete_dirs(root: str | os.PathLike) -> list[Path]:
+    """Directories under ``root`` that are not complete steps: saves in progress or interrupted,
+    steps being deleted, and ``step_*`` directories without ``.metadata``."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        interrupted = STEP_RE.match(entry.name) and not (entry / METADATA_FILE).is_file()
+        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) or interrupted:
+            found.append(entry)
+    return found
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not supported (e.g. Windows): the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def resolve_step(root: str | os.PathLike, step: int | None = None) -> int | None:
+    """``step`` if it is complete under ``root``, the newest complete step if ``step`` is None,
+    None if there is none; a step that is asked for but not complete is a `CheckpointError`."""
+    steps = list_steps(root)
+    if step is None:
+        return steps[-1] if steps else None
+    if check_step(step) in steps:
+        return step
+    where = step_dir(root, step)
+    why = "is incomplete (no .metadata: an interrupted save?)" if where.exists() else "does not exist"
+    raise CheckpointError(
+        f"step {step} is not a complete step in {root}: {where.name} {why}; complete steps: {steps or 'none'}"
+    )
+
+
+def resolve_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
+    """A step directory: ``path`` itself when it holds DCP's ``.metadata``, else the step chosen
+    by `resolve_step` under the root ``path``; raises when there is none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    if (path / METADATA_FILE).is_file() and step is None:
+        return path
+    chosen = resolve_step(path, step)
+    if chosen is None:
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise FileNotFoundError(
+            f"{path} is neither a DCP checkpoint (no .metadata) nor a root with complete step_* directories "
+            f"(found {found})"
+        )
+    return step_dir(path, chosen)

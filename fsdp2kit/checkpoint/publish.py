@@ -1,0 +1,89 @@
+"""Making a save visible: the temporary directory, the atomic rename that publishes a step, pruning."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit.checkpoint.layout import (
+    INFO_FILE,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    fsync_dir,
+    fsync_file,
+    incomplete_dirs,
+    list_steps,
+    step_dir,
+)
+
+
+def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any]) -> Path:
+    """Rank 0: clear leftovers of interrupted saves, make the temporary directory and write
+    the small files that ride along with the DCP files (``info`` plus the save time and step)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in incomplete_dirs(root):
+        if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(leftover, ignore_errors=True)
+    tmp = root / f"{TMP_PREFIX}step_{step:08d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    info = {
+        "step": step,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        **info,
+    }
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_json_string", None)) and callable(getattr(config, "to_dict", None)):
+        # What transformers' save_pretrained writes, so an exporter can rebuild the model.
+        (tmp / "config.json").write_text(config.to_json_string())
+    return tmp
+
+
+def publish(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
+    """Rank 0, after every rank has written: make the step visible with one rename, then prune."""
+    for name in (INFO_FILE, "config.json"):
+        if (tmp / name).exists():
+            fsync_file(tmp / name)
+    fsync_dir(tmp)
+    final = step_dir(root, step)
+    trash = None
+    if final.exists():
+        # Replacing a step takes two renames; a crash between them loses this step number
+        # (older steps stay), never leaves a mix of old and new files under it.
+        trash = root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    prune(root, keep_last, just_saved=step)
+
+
+def prune(root: Path, keep_last: int | None, just_saved: int) -> None:
+    """Delete all but the newest ``keep_last`` steps, never the one just saved. A failure
+    here is a warning: the save itself is complete and published."""
+    if keep_last is None:
+        return
+    steps = list_steps(root)
+    keep = set(steps[-keep_last:]) | {just_saved}
+    for old in steps:
+        if old in keep:
+            continue
+        # Renamed first: a crash mid-delete must not leave a half-deleted step_* behind.
+        trash = root / f"{TRASH_PREFIX}step_{old:08d}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(step_dir(root, old), trash)
+        except OSError as e:
+            warnings.warn(f"keep_last={keep_last}: could not remove step {old}: {e}", stacklevel=2)
+            continue
+        shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""The state dict a checkpoint holds: model and optimizer shards, and `extra` encoded per rank or shared."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
+
+__all__ = ["OPTIM_OPTIONS", "restore_extra", "state_to_load", "state_to_save"]
+
+# One key per parameter and optimizer state ("state.<fqn>.exp_avg"): resharding then works key by
+# key exactly as for the model, and the checkpoint lists what it holds in plain names.
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def state_to_save(model: nn.Module, optimizer, extra: dict | None, *, rank: int, rng: bool) -> dict:
+    """The nested state dict DCP writes: the model's and optimizer's sharded tensors, and ``extra``
+    encoded (shared values from rank 0, `PerRank` values and RNG states from every rank)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+    shared, mine = {}, {}
+    for key, value in (extra or {}).items():
+        if isinstance(value, (PerRank, RNGState)):
+            mine[key] = encode(value.value if isinstance(value, PerRank) else value, f"extra[{key!r}]")
+        else:
+            # Encoded on every rank so that a bad value fails on every rank alike, but stored
+            # from rank 0 only: DCP would otherwise keep an arbitrary rank's copy.
+            entry = encode(value, f"extra[{key!r}]")
+            if rank == 0:
+                shared[key] = entry
+    if rng:
+        mine[RNG_KEY] = encode(RNGState(), "RNG state")
+    state["extra"] = {"shared": shared, "rank": {str(rank): mine}}
+    return state
+
+
+def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int) -> dict:
+    """The state dict DCP fills in place: the model's own (sharded) tensors, the optimizer's,
+    and templates for ``extra`` shaped after the metadata."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+    key = str(rank)
+    state["extra"] = {
+        "shared": extra_entries(metadata, ("extra", "shared")),
+        "rank": {key: extra_entries(metadata, ("extra", "rank", key))},
+    }
+    return state
+
+
+def restore_extra(loaded: dict, extra: dict | None, *, rank: int, rng: bool) -> dict[str, Any]:
+    """Put the loaded ``extra`` back: stateful objects in place, plain values into the dict, this
+    rank's RNG states into its generators; returns every decoded value (for ``loaded_extra``)."""
+    values = {k: decode(v) for k, v in loaded["shared"].items()}
+    mine = {k: decode(v) for k, v in next(iter(loaded["rank"].values())).items()}
+    rng_state = mine.pop(RNG_KEY, None)
+    values.update(mine)
+    if extra:
+        missing_here = []
+        for key, target in extra.items():
+            inner = target.value if isinstance(target, PerRank) else target
+            if key not in values:
+                missing_here.append(key)  # only PerRank values get here: checked before loading
+            elif is_stateful(inner):
+                inner.load_state_dict(values[key])
+            else:
+                extra[key] = PerRank(values[key]) if isinstance(target, PerRank) else values[key]
+        if missing_here:
+            warnings.warn(
+                f"rank {rank} has no saved value for per-rank extra {missing_here} (the checkpoint "
+                "was saved by fewer ranks); keeping the current values",
+                stacklevel=4,
+            )
+    if rng:
+        if rng_state is not None:
+            RNGState().load_state_dict(rng_state)
+        else:
+            warnings.warn(
+                f"rank {rank}: the checkpoint holds no RNG state for this rank (saved by fewer ranks, "
+                "or with rng=False); its random generators are left as they are",
+                stacklevel=4,
+            )
+    return values

@@ -1,0 +1,93 @@
+"""Reading DCP checkpoints without unpickling arbitrary objects: an allow-list for `.metadata` and a safe planner."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from fsdp2kit.checkpoint.layout import METADATA_FILE, CheckpointError
+
+# What DCP's .metadata pickle refers to. Anything else in that file is refused, not run.
+_METADATA_GLOBALS = (
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    }
+    | {
+        (mod, cls)
+        for mod in ("pathlib", "pathlib._local")
+        for cls in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type DCP metadata is made of")
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """DCP metadata of the checkpoint directory ``path``, read with an allow-list unpickler.
+
+    DCP's own reader calls ``pickle.load`` on ``.metadata``, which runs any code a tampered file
+    names; this one admits only the classes DCP metadata consists of. Needs no process group.
+    """
+    file = Path(path) / METADATA_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no {METADATA_FILE}: not a complete DCP checkpoint")
+    try:
+        with open(file, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except Exception as e:
+        raise CheckpointError(f"{file} is corrupt or not DCP metadata ({type(e).__name__}: {e})") from e
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{file} is not DCP metadata (it holds a {type(metadata).__name__})")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self.path)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that non-tensor values (optimizer hyper-parameters) are read
+    with ``weights_only=True``: the default unpickles them with ``weights_only=False``."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

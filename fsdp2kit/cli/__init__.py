@@ -1,0 +1,57 @@
+"""The ``fsdp2kit`` command line.
+
+Each subcommand is a module of this package with an ``add_<name>(subparsers)`` function that
+declares its arguments and sets ``func`` to its ``run_<name>(args) -> int``; `SUBCOMMANDS` lists
+them. Adding a command means writing that module and appending one entry.
+
+    fsdp2kit inspect CKPT_DIR [--step N] [--json]
+    fsdp2kit export-hf CKPT_DIR OUT_DIR [--step N] [--dtype bf16] [--config DIR] [--max-shard-size 5GB]
+    fsdp2kit plan MODEL --shard N [--replicate M] [--strategy S] [--mixed-precision bf16] [--cpu-offload]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fsdp2kit.cli.export import add_export_hf
+from fsdp2kit.cli.inspect import add_inspect
+from fsdp2kit.cli.plan import add_plan
+
+__all__ = ["SUBCOMMANDS", "main"]
+
+
+SUBCOMMANDS = [add_inspect, add_export_hf, add_plan]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp2kit", description="fsdp2kit: checkpoints, export and planning for FSDP2."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fsdp2kit`` command; returns the exit status (0 ok, 1 error, 2 usage)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    from fsdp2kit.checkpoint import CheckpointError
+
+    try:
+        return int(args.func(args) or 0)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"fsdp2kit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `fsdp2kit inspect ... | head`: the reader has what it wanted
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

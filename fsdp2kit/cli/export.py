@@ -1,0 +1,43 @@
+"""`fsdp2kit export-hf`: a Checkpointer directory to Hugging Face safetensors, offline, in one process."""
+
+from __future__ import annotations
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_export_hf(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export-hf",
+        help="convert a checkpoint to Hugging Face safetensors that from_pretrained loads",
+        description="Convert the newest complete step under CKPT_DIR (or --step, or CKPT_DIR as a step "
+        "directory) to consolidated safetensors plus config in OUT_DIR, in one process, with the model's "
+        "usual Hugging Face layout. Nothing is unpickled beyond DCP's tensor descriptions.",
+    )
+    p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
+    p.add_argument("out_dir", help="where to write model*.safetensors and config.json")
+    p.add_argument("--step", type=int, default=None, help="the step to export (default: the newest complete one)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast on export (default: as saved)")
+    p.add_argument("--config", default=None, help="a Hugging Face config directory, when the step has no config.json")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.set_defaults(func=run_export_hf)
+
+
+def run_export_hf(args) -> int:
+    import torch
+
+    from fsdp2kit.checkpoint import resolve_step_dir
+    from fsdp2kit.weights.export import dcp_to_hf
+
+    source = resolve_step_dir(args.ckpt_dir, args.step)
+    config = None
+    if args.config:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.config, local_files_only=True)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    out = dcp_to_hf(
+        source, args.out_dir, config=config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite
+    )
+    print(f"wrote {out}")
+    return 0

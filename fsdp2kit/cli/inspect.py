@@ -1,0 +1,150 @@
+"""`fsdp2kit inspect`: a checkpoint's steps and one step's keys, shapes, dtypes and sizes, from metadata alone."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fsdp2kit._internal.fmt import fmt_bytes
+
+
+def describe_step(path: Path) -> dict:
+    """What a step directory holds, from DCP metadata alone: no process group, no tensor read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fsdp2kit.checkpoint import INFO_FILE, read_metadata
+
+    metadata = read_metadata(path)
+    stored: dict[str, int] = {}
+    if isinstance(metadata.storage_data, dict):
+        for index, info in metadata.storage_data.items():
+            stored[index.fqn] = stored.get(index.fqn, 0) + getattr(info, "length", 0)
+    entries = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            numel = 1
+            for d in md.size:
+                numel *= d
+            dtype = md.properties.dtype
+            entries.append(
+                {
+                    "key": key,
+                    "shape": list(md.size),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "numel": numel,
+                    "bytes": numel * dtype.itemsize,
+                }
+            )
+        else:  # a small pickled value (an optimizer hyper-parameter): its size on disk
+            entries.append({"key": key, "shape": None, "dtype": "object", "numel": None, "bytes": stored.get(key, 0)})
+    info_file = path / INFO_FILE
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    files = sorted(p for p in path.iterdir() if p.suffix == ".distcp")
+    return {
+        "path": str(path),
+        "info": info,
+        "has_hf_config": (path / "config.json").is_file(),
+        "data_files": len(files),
+        "data_bytes": sum(p.stat().st_size for p in files),
+        "entries": entries,
+    }
+
+
+def inspect(ckpt_dir: str | Path, step: int | None = None) -> dict:
+    """A checkpoint root's steps (complete and incomplete) and one step's contents.
+
+    ``ckpt_dir`` may also be a single step directory (one holding ``.metadata``).
+    """
+    from fsdp2kit.checkpoint import incomplete_dirs, list_steps, resolve_step, step_dir
+
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    if (root / ".metadata").is_file():  # a step directory itself
+        return {
+            "root": str(root.parent),
+            "steps": None,
+            "incomplete": [],
+            "step": None,
+            "contents": describe_step(root),
+        }
+    steps = list_steps(root)
+    report = {
+        "root": str(root),
+        "steps": steps,
+        "incomplete": [p.name for p in incomplete_dirs(root)],
+        "step": None,
+        "contents": None,
+    }
+    chosen = resolve_step(root, step)
+    if chosen is not None:
+        report["step"] = chosen
+        report["contents"] = describe_step(step_dir(root, chosen))
+    return report
+
+
+def _print_inspect(report: dict, out) -> None:
+    if report["steps"] is not None:
+        print(f"checkpoint root: {report['root']}", file=out)
+        print(f"complete steps: {', '.join(map(str, report['steps'])) or 'none'}", file=out)
+        for name in report["incomplete"]:
+            print(f"incomplete (ignored): {name}", file=out)
+    contents = report["contents"]
+    if contents is None:
+        return
+    info = contents["info"]
+    print(f"\nstep {info.get('step', report['step'])}: {contents['path']}", file=out)
+    if info:
+        extras = ", ".join(info.get("extra", [])) or "none"
+        per_rank = info.get("extra_per_rank", []) + (["rng"] if info.get("rng") else [])
+        print(
+            f"  saved {info.get('saved_at', '?')} by {info.get('world_size', '?')} rank(s), "
+            f"torch {info.get('torch', '?')}, "
+            f"optimizer {info.get('optimizer') or 'none'}",
+            file=out,
+        )
+        print(f"  extra: {extras}; per rank: {', '.join(per_rank) or 'none'}", file=out)
+    hf = ", Hugging Face config.json" if contents["has_hf_config"] else ""
+    print(f"  {contents['data_files']} data file(s), {fmt_bytes(contents['data_bytes'])} on disk{hf}", file=out)
+
+    groups: dict[str, list[dict]] = {}
+    for e in contents["entries"]:
+        groups.setdefault(e["key"].split(".", 1)[0], []).append(e)
+    for group, entries in groups.items():
+        tensors = [e for e in entries if e["shape"] is not None]
+        numel = sum(e["numel"] for e in tensors)
+        print(
+            f"  {group:<10} {len(tensors):>5} tensor(s), {numel:,} elements, "
+            f"{fmt_bytes(sum(e['bytes'] for e in tensors))}"
+            + (f"; {len(entries) - len(tensors)} other value(s)" if len(entries) > len(tensors) else ""),
+            file=out,
+        )
+    width = max(len(e["key"]) for e in contents["entries"]) if contents["entries"] else 3
+    print(f"\n{'key':<{width}}  {'shape':<16} {'dtype':<9} size", file=out)
+    for e in contents["entries"]:
+        shape = "-" if e["shape"] is None else "(" + ", ".join(map(str, e["shape"])) + ")"
+        print(f"{e['key']:<{width}}  {shape:<16} {e['dtype']:<9} {fmt_bytes(e['bytes'])}", file=out)
+
+
+def add_inspect(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="list a checkpoint's steps and one step's keys, shapes, dtypes and sizes",
+        description="List the steps under CKPT_DIR (complete and incomplete) and, for the newest complete "
+        "step or --step, every key with its shape, dtype and size. Reads DCP metadata only.",
+    )
+    p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
+    p.add_argument("--step", type=int, default=None, help="the step to describe (default: the newest complete one)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.set_defaults(func=run_inspect)
+
+
+def run_inspect(args) -> int:
+    report = inspect(args.ckpt_dir, args.step)
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        _print_inspect(report, sys.stdout)
+    return 0

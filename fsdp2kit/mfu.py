@@ -1,0 +1,37 @@
+"""Model FLOPs utilisation: a transformer's training FLOPs per token, and a device's dense bf16 peak."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["peak_flops", "transformer_flops_per_token"]
+
+# Dense bf16 peak FLOP/s (without sparsity) by device name fragment; MFU is reported only for these.
+_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is lower, and is matched by name below
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "4090": 165e12,
+}
+
+
+def transformer_flops_per_token(model: nn.Module, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention's
+    ``12 * layers * hidden * seq_len`` (the PaLM appendix formula). Embedding tables do no
+    matmul, so they are not counted."""
+    n = sum(p.numel() for p in model.parameters())
+    n -= sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    return 6.0 * n + 12.0 * n_layers * hidden * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None when unknown (CPUs: MFU is not reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    matches = [k for k in _PEAK_BF16 if k in name]
+    return _PEAK_BF16[max(matches, key=len)] if matches else None

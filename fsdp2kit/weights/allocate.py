@@ -1,0 +1,62 @@
+"""Real storage for a model built on the meta device: where the shards live, and ties kept."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit._internal.dtensor import model_meshes, reshard_all
+from fsdp2kit.dist import mesh_device
+
+
+def target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # Offloaded shards live in CPU memory whatever the mesh's device is.
+            group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is not None and isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy):
+                return torch.device("cpu")
+    meshes = model_meshes(model)
+    kind = meshes[0].device_type if meshes else ("cuda" if torch.cuda.is_available() else "cpu")
+    return mesh_device(kind)
+
+
+def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    slots: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                slots[id(p)].append((module, name))
+    return [s for s in slots.values() if len(s) > 1]
+
+
+def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]]:
+    """Give every meta tensor storage on ``device``; returns the names of those that were meta.
+
+    ``to_empty`` replaces each module's tensors one module at a time, so a weight shared by two
+    modules would come out as two tensors: we re-tie them (DTensor parameters keep their object,
+    plain ones do not). FSDP2 re-pads its sharded storage inside ``to_empty`` itself.
+    """
+    params = {n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+    buffers = {n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
+    if not params and not buffers:
+        return params, buffers
+    ties = _tied_slots(model)
+    reshard_all(model)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, device=device) if t.is_meta else t
+
+    model._apply(fn)
+    for slots in ties:
+        module, name = slots[0]
+        shared = module._parameters[name]
+        for other, other_name in slots[1:]:
+            other._parameters[other_name] = shared
+    return params, buffers

@@ -1,0 +1,162 @@
+"""Buffers of a meta-built model recomputed by its own construction code (rotary inv_freq and the like).
+
+Buffers are the trap of meta-device initialisation: parameters get initialised by an init
+function, but buffers (rotary ``inv_freq``, Gemma's ``embed_scale``, attention masks) are computed
+in ``__init__`` and nothing recomputes them: after ``to_empty`` they hold whatever was in memory.
+We take every buffer from a construction of its owner on CPU whose parameters are put on the meta
+device as they are registered, so the buffers come out of the model's own code and the parameters
+cost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit.weights.hf_layout import clean_fqn, is_pretrained, original_class
+
+
+@contextlib.contextmanager
+def parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
+    """Build modules for real on CPU, except that each parameter moves to meta as it is registered.
+
+    The constructor's own code computes the buffers; ``torch.empty`` for a parameter reserves
+    address space without touching it, and the meta copy costs nothing, so this is cheap even
+    for a very large model.
+    """
+    register = nn.Module.register_parameter
+
+    def to_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    previous = torch.get_default_dtype()
+    rng = torch.get_rng_state()  # a constructor may draw (nn.Parameter(torch.randn(...))): not from ours
+    nn.Module.register_parameter = to_meta
+    try:
+        if dtype is not None and dtype.is_floating_point:
+            torch.set_default_dtype(dtype)
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register
+        torch.set_default_dtype(previous)
+        torch.set_rng_state(rng)
+
+
+def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:
+    """A new module of the same class, built from the arguments it kept as attributes of the same name.
+
+    Most modules that own a computed buffer store their constructor's arguments (``dim``,
+    ``base``, ``max_seq_len``, ``config``...); when every required argument is found this way we
+    can run the class's own ``__init__`` again. Returns None when it cannot.
+    """
+    cls = original_class(module)
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return None
+    kwargs = {}
+    for name, p in list(sig.parameters.items())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if name in module.__dict__ or hasattr(module, name):
+            value = getattr(module, name)
+            if isinstance(value, (nn.Module, torch.Tensor)):
+                return None  # a submodule or tensor argument: rebuilding it is not ours to guess
+            kwargs[name] = value
+        elif p.default is p.empty:
+            return None
+    try:
+        return cls(**kwargs)
+    except Exception:
+        return None
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype | None:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
+    """CPU values for the buffers ``names`` (raw names) as constructing their owners gives them.
+
+    Hugging Face models are rebuilt whole from their config (one call covers every buffer of
+    every submodule, whatever it is called); any other module that owns one of the buffers is
+    rebuilt from its own attributes. Buffers found neither way are left out.
+    """
+    if not names:
+        return {}
+    dtype = _param_dtype(model)
+    found: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+
+    def twin_buffers(prefix: str, build: Callable[[], nn.Module]) -> None:
+        wanted = [n for n in names if n not in found and (not prefix or n.startswith(prefix + "."))]
+        if not wanted:
+            return
+        try:
+            with parameters_on_meta(dtype):
+                twin = build()
+        except Exception:
+            return
+        values = {clean_fqn(n): b for n, b in twin.named_buffers(remove_duplicate=False)}
+        cut = len(clean_fqn(prefix)) + 1 if prefix else 0
+        for n in wanted:
+            twin_value = values.get(clean_fqn(n)[cut:])
+            target = model.get_buffer(n)
+            if twin_value is not None and twin_value.shape == target.shape and not twin_value.is_meta:
+                found[n] = twin_value
+
+    # Outermost transformers models first: one construction from the config covers everything.
+    claimed: list[str] = []
+    for prefix, module in modules.items():
+        if any(c == "" or prefix == c or prefix.startswith(c + ".") for c in claimed):
+            continue
+        if is_pretrained(module) and getattr(module, "config", None) is not None:
+            claimed.append(prefix)
+            cls = original_class(module)
+            twin_buffers(prefix, lambda cls=cls, module=module: cls(copy.deepcopy(module.config)))
+
+    # Whatever is left: the owning module, rebuilt from its attributes.
+    owners = defaultdict(list)
+    for n in names:
+        if n not in found:
+            owners[n.rpartition(".")[0]].append(n)
+    for owner in owners:
+        module = modules[owner]
+        twin_buffers(owner, lambda module=module: _rebuild_from_attributes(module) or _fail())
+    return found
+
+
+def _fail() -> nn.Module:
+    raise LookupError
+
+
+def fill_buffers(model: nn.Module, names: set[str], *, missing_ok: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Copy construction values into the buffers ``names``; returns them, and the names not found."""
+    values = _construction_buffers(model, names)
+    copy_buffers(model, values)
+    unfound = sorted(set(names) - set(values))
+    if unfound and not missing_ok:
+        raise ValueError(
+            f"cannot recompute buffers {unfound}: their modules could not be rebuilt on CPU (not a "
+            "transformers model, and constructor arguments not kept as attributes of the same name). "
+            "Pass materialize(model, init_fn=...) and fill them there, or build those modules on a real device."
+        )
+    return values, unfound
+
+
+def copy_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, value in values.items():
+            model.get_buffer(n).copy_(value)

@@ -1,0 +1,86 @@
+"""Writing Hugging Face safetensors: files split at a size limit, in a directory that appears complete or not at all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+__all__ = ["ShardedWriter", "StagedDir"]
+
+
+class ShardedWriter:
+    """Accumulates tensors and writes a file each time ``max_bytes`` would be exceeded."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.dir = directory
+        self.max = max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.pending or any(name in keys for _, keys in self.parts):
+            raise ValueError(f"two tensors would be saved as {name!r}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from safetensors.torch import save_file
+
+        path = self.dir / f".part-{len(self.parts):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.parts.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        if not self.parts:
+            raise ValueError("nothing to write: the model has no parameters or persistent buffers")
+        if len(self.parts) == 1:
+            self.parts[0][0].rename(self.dir / "model.safetensors")
+            return
+        n = len(self.parts)
+        weight_map = {}
+        for i, (path, keys) in enumerate(self.parts, start=1):
+            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(self.dir / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+class StagedDir:
+    """A hidden sibling directory to write into; `commit` renames it to ``out_dir``, `abort` removes it."""
+
+    def __init__(self, out_dir: Path, overwrite: bool):
+        self.out = Path(out_dir)
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"{self.out} exists and is not a directory")
+        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{self.out} exists and is not empty; pass overwrite=True to replace it")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+
+    def commit(self) -> None:
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+            self.out.rename(old)
+        self.dir.rename(self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,298 @@
+"""`materialize`: a meta-built, sharded model gets storage and the values its own initialisation gives it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from fsdp2kit._internal.agree import all_ranks_or_none
+from fsdp2kit._internal.dtensor import local_index, local_shard, model_meshes
+from fsdp2kit.dist import mesh_device
+from fsdp2kit.weights.allocate import allocate, target_device
+from fsdp2kit.weights.buffers import copy_buffers, fill_buffers
+from fsdp2kit.weights.hf_layout import is_pretrained
+
+_INIT_FUNCTIONS = (
+    "uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+# Modules that bind torch.nn.init functions by name at import (transformers patches the same list).
+_TORCH_INIT_MODULES = (
+    "torch.nn.init", "torch.nn.modules.activation", "torch.nn.modules.transformer", "torch.nn.modules.linear",
+    "torch.nn.modules.loss", "torch.nn.modules.batchnorm", "torch.nn.modules.conv",
+    "torch.nn.modules.normalization", "torch.nn.modules.rnn", "torch.nn.modules.sparse",
+)  # fmt: skip
+
+
+class _NoShardWrites(TorchFunctionMode):
+    """Turns an in-place write to a sharded parameter that bypassed the replay into an error.
+
+    Init code that reaches a DTensor parameter through anything but a ``torch.nn.init`` function
+    (``child.weight.data.normal_()``, ``weight[0].zero_()``) would write each rank's shard with
+    the same random numbers, or write a temporary copy: never silently.
+    """
+
+    def __init__(self, replay: _Replay):
+        super().__init__()
+        self.replay = replay
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if (
+            args
+            and isinstance(args[0], DTensor)
+            and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_")))
+        ):
+            raise RuntimeError(
+                f"{self.replay.current}'s initialisation calls {name} on a sharded parameter directly; "
+                "materialize replays initialisation through torch.nn.init functions (or on the module's own "
+                "parameters). Use torch.nn.init.* there, or pass materialize(model, init_fn=...)."
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class _Replay:
+    """Runs init calls with full-size plain tensors in place of a module's sharded parameters.
+
+    Every rank builds each full tensor, runs the init code on it with the same random state,
+    and keeps its own rows: so the sharded model holds exactly what the same init gives an
+    unsharded model, at any world size, and no rank ever holds more than the parameters of the
+    one module being initialised.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, write: set[str]):
+        self.device = device
+        self.names: dict[int, str] = {}
+        self.owners: Counter = Counter()
+        self.write: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), name)
+            self.owners[id(p)] += 1
+            if name in write:
+                self.write.add(id(p))
+        self.done: set[int] = set()
+        self.current = "(none)"
+
+    def _blank(self, p: torch.Tensor) -> torch.Tensor:
+        t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+        # NaN marks "not written": an init that leaves any of it is found out below.
+        return t.fill_(math.nan) if (t.is_floating_point() or t.is_complex()) else t.zero_()
+
+    def _commit(self, p: torch.Tensor, full: torch.Tensor, *, through_owner: bool) -> None:
+        pid = id(p)
+        name = self.names[pid]
+        if through_owner and pid in self.done and self.owners[pid] > 1:
+            # A tied weight is initialised by its first owner; a later owner's init ran on a
+            # scratch tensor so that the random stream matches the untied model's.
+            return
+        if tuple(full.shape) != tuple(p.shape):
+            raise RuntimeError(f"{self.current}'s initialisation replaced {name} with shape {tuple(full.shape)}")
+        if full.numel() and (full.is_floating_point() or full.is_complex()):
+            unset = torch.isnan(full)
+            if unset.all():
+                return  # this call did not touch it
+            if unset.any():
+                raise RuntimeError(f"{self.current}'s initialisation wrote only part of {name}")
+        if pid in self.write:
+            with torch.no_grad():
+                local_shard(p).copy_(full[local_index(p)])
+        self.done.add(pid)
+
+    def call(self, module: nn.Module, label: str, fn: Callable[[], object]) -> None:
+        self.current = label
+        saved = {n: p for n, p in module._parameters.items() if p is not None}
+        for n, p in saved.items():
+            module._parameters[n] = nn.Parameter(self._blank(p), requires_grad=p.requires_grad)
+        try:
+            fn()
+        finally:
+            result = {n: module._parameters[n] for n in saved}
+            for n, p in saved.items():
+                module._parameters[n] = p
+        for n, p in saved.items():
+            self._commit(p, result[n].detach(), through_owner=True)
+
+    def init_function(self, original: Callable, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """A torch.nn.init function called on a sharded parameter of another module."""
+        if id(tensor) not in self.names:
+            raise RuntimeError(
+                f"{self.current}'s initialisation calls torch.nn.init.{original.__name__} on a slice or copy of "
+                "a sharded parameter; only whole parameters can be initialised after sharding"
+            )
+        full = self._blank(tensor)
+        original(full, *args, **kwargs)
+        self._commit(tensor, full, through_owner=False)
+        return tensor
+
+    def undone(self) -> list[str]:
+        return sorted(self.names[pid] for pid in self.write if pid not in self.done)
+
+
+@contextlib.contextmanager
+def _route_init_functions(replay: _Replay) -> Iterator[None]:
+    """torch.nn.init.* (and transformers' wrappers over them) route sharded parameters to ``replay``."""
+    patched: list[tuple[object, str, object]] = []
+
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def routed(tensor, *args, **kwargs):
+            if isinstance(tensor, DTensor):
+                return replay.init_function(original, tensor, *args, **kwargs)
+            return original(tensor, *args, **kwargs)
+
+        return routed
+
+    originals = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for mod_name in _TORCH_INIT_MODULES:
+            mod = sys.modules.get(mod_name)
+            for name in _INIT_FUNCTIONS:
+                if mod is not None and getattr(mod, name, None) is originals[name]:
+                    patched.append((mod, name, originals[name]))
+                    setattr(mod, name, wrap(originals[name]))
+        hf_init = sys.modules.get("transformers.initialization")
+        table = getattr(hf_init, "TORCH_INIT_FUNCTIONS", None)
+        if isinstance(table, dict):
+            for name, fn in list(table.items()):
+                patched.append((table, name, fn))
+                table[name] = wrap(fn)
+        with _NoShardWrites(replay):
+            yield
+    finally:
+        for owner, name, fn in reversed(patched):
+            if isinstance(owner, dict):
+                owner[name] = fn
+            else:
+                setattr(owner, name, fn)
+
+
+def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[], object]]]:
+    """The model's own initialisation as a sequence of per-module calls, in the model's order.
+
+    transformers models: ``owner._init_weights(module)`` children first, each module dispatched
+    to its nearest enclosing PreTrainedModel (what ``PreTrainedModel.initialize_weights`` does).
+    Other modules: ``module.reset_parameters()`` in ``model.modules()`` order, as construction
+    runs them.
+    """
+
+    def visit(prefix: str, module: nn.Module, owner: nn.Module | None) -> Iterator:
+        label = prefix or "(root)"
+        if owner is None and callable(getattr(module, "reset_parameters", None)):
+            yield module, label, module.reset_parameters
+        for name, child in module.named_children():
+            child_owner = child if is_pretrained(child) else owner
+            yield from visit(f"{prefix}.{name}" if prefix else name, child, child_owner)
+        if owner is not None:
+            yield module, label, functools.partial(owner._init_weights, module)
+
+    yield from visit("", model, model if is_pretrained(model) else None)
+
+
+def _sync_rng(model: nn.Module, device: torch.device) -> None:
+    """Every rank takes the random state of the mesh's first rank, so that full tensors agree."""
+    meshes = model_meshes(model)
+    if not meshes or not dist.is_initialized():
+        return
+    mesh = meshes[0]
+    comm = mesh_device(mesh.device_type)
+    getters = [(torch.get_rng_state, torch.set_rng_state)]
+    if device.type == "cuda":
+        getters.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    for get, put in getters:
+        state = get().to(comm)
+        for d in range(mesh.ndim):
+            dist.broadcast(state, group=mesh.get_group(d), group_src=0)
+        put(state.cpu())
+
+
+def materialize(
+    model: nn.Module,
+    *,
+    device: torch.device | str | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Give a model built on the meta device (and usually sharded) real storage and initial values.
+
+    Call it after `fsdp2kit.shard_model`, on every rank of the mesh (it is collective). Only
+    tensors still on the meta device are touched: calling it on a materialised model does nothing.
+
+    Parameters are initialised by the model's own code: transformers models by their
+    ``_init_weights`` (in the order ``initialize_weights`` uses), other modules by their
+    ``reset_parameters``, or by ``init_fn(module)`` for every module in ``model.modules()``
+    order if you pass one. That code runs on full-size, unsharded plain tensors standing in for
+    the module's own parameters, one module at a time, on every rank from the random state of
+    the mesh's first rank (every rank leaves with that state); each rank keeps its own rows.
+    So ``init_fn`` is written as for an unsharded model, and what you get is guaranteed to be:
+
+    - the same, bit for bit, as running the same init on an unsharded copy on the same device
+      from the same random state, at every world size and mesh shape (the sharded and a
+      single-process model agree exactly);
+    - drawn from the model's own distributions (same std, same zeroed padding row...);
+    - not in general equal to an ordinary construction with the same seed: constructing a
+      transformers model on CPU first draws torch's default init for every layer and then
+      overwrites it, so its random stream differs from a replay of ``_init_weights`` alone. For
+      models whose construction is only their modules' ``reset_parameters`` (plain torch
+      layers) the two agree.
+
+    A weight tied between modules stays one tensor and takes the value of its first owner's init.
+    A parameter that no init writes raises a ``ValueError`` naming it (pass ``init_fn``).
+
+    Every buffer that was on the meta device gets exactly the value an ordinary CPU construction
+    gives it (cast to the buffer's dtype): transformers models are rebuilt from their config
+    with parameters on meta (cheap), other buffer owners from their constructor arguments kept
+    as attributes. Buffers neither can recompute must be filled by ``init_fn``, or it raises.
+
+    Args:
+        model: built under ``torch.device("meta")``, after `shard_model` (or unsharded).
+        device: where the shards live; default: the mesh's device (CPU for ``cpu_offload``).
+        init_fn: replaces the model's initialisation; called once per module with that module's
+            direct parameters as full, unsharded tensors.
+    """
+    device = target_device(model, device)
+    with all_ranks_or_none(model, "materialize"):
+        params, buffers = allocate(model, device)
+    if not params and not buffers:
+        return model
+    _sync_rng(model, device)
+    with all_ranks_or_none(model, "materialize"):
+        # Buffers before the init (init code may read them) and again after (it may write them):
+        # what stays is the construction's value.
+        values, unfound = fill_buffers(model, buffers, missing_ok=init_fn is not None)
+        with torch.no_grad():
+            for name in unfound:  # init_fn must fill these: NaN shows if it did not
+                if model.get_buffer(name).is_floating_point():
+                    model.get_buffer(name).fill_(math.nan)
+            replay = _Replay(model, device, params)
+            with _route_init_functions(replay):
+                if init_fn is None:
+                    calls = _init_calls(model)
+                else:
+                    calls = ((m, n or "(root)", functools.partial(init_fn, m)) for n, m in model.named_modules())
+                for module, label, fn in calls:
+                    replay.call(module, label, fn)
+            copy_buffers(model, values)
+        undone = replay.undone()
+        if undone:
+            how = "init_fn" if init_fn is not None else "the model's initialisation (_init_weights / reset_parameters)"
+            raise ValueError(
+                f"{how} left {len(undone)} parameter(s) unset: {undone[:20]}. "
+                + ("Initialise them in init_fn." if init_fn else "Pass materialize(model, init_fn=...) that sets them.")
+            )
+        unset = [
+            n for n in unfound if model.get_buffer(n).is_floating_point() and torch.isnan(model.get_buffer(n)).any()
+        ]
+        if unset:
+            raise ValueError(
+                f"init_fn left buffers {unset} unset; they cannot be recomputed from the model's construction"
+            )
+    return model

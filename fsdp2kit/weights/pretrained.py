@@ -1,0 +1,143 @@
+"""`load_pretrained`: a local Hugging Face checkpoint read straight into each rank's shards."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit._internal.agree import all_ranks_or_none
+from fsdp2kit._internal.dtensor import local_index, local_shard
+from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit.weights.allocate import allocate, target_device
+from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.hf_layout import model_tensors, plan_load
+from fsdp2kit.weights.materialize import materialize
+from fsdp2kit.weights.safetensors import SafetensorsReader, checkpoint_files
+
+
+@dataclass
+class LoadResult:
+    """What `load_pretrained` did on this rank."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    files: int = 0
+    tensors: int = 0
+    bytes_read: int = 0  # bytes this rank read from the files (its shards only, where it could)
+    seconds: float = 0.0
+
+
+def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+    """Read a local Hugging Face safetensors checkpoint straight into each rank's shards.
+
+    Call it after `shard_model`, on every rank (the model may still be on the meta device: its
+    storage is allocated here). Each rank reads, for every tensor, only the part its shard
+    holds, as the DTensor's placements say: rows ``[a, b)`` of FSDP's ``torch.chunk`` split on
+    the "shard" mesh dimension, everything along "replicate" (every replica group reads its
+    own copy). Rows are one contiguous byte range of a safetensors file: they are read with
+    plain file reads, straight into the shard when the dtypes agree, and never memory-mapped,
+    so a rank's memory is its shards plus one tensor's rows in the file's dtype when they do not
+    (benchmarks/results/load_pretrained.md). No rank ever holds the full model; a checkpoint
+    whose layout differs from the model's adds one converted tensor at a time.
+
+    Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
+    one per key but held fused) are mapped with transformers' own renamings and weight
+    converters, exactly as ``from_pretrained`` would. A fusing converter whose fused dimension
+    is the sharded one reads only this rank's experts; any other conversion reads the whole
+    source tensors of that one weight, converts, and keeps this rank's rows.
+
+    Values are cast to each parameter's dtype (the master dtype, e.g. fp32 for bf16 files).
+    A tied weight needs only one of its names on disk.
+
+    With ``strict=True`` (the default) a key the model needs but the checkpoint lacks, a key the
+    checkpoint has but the model does not, or a shape that differs, is a ``ValueError`` naming
+    the keys, raised before anything is read. With ``strict=False`` mismatched shapes still
+    raise, and the missing / unexpected keys are returned; missing parameters keep the values
+    `materialize` gives them (it is run first when the model is still on the meta device).
+
+    Non-persistent buffers (not in checkpoints) are recomputed as in `materialize`.
+    """
+    start = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    with all_ranks_or_none(model, "load_pretrained"):
+        files = checkpoint_files(hf_dir)
+        reader = SafetensorsReader(files)
+        shapes = {k: reader.shape(k) for k in files}
+        tensors, aliases = model_tensors(model)
+        plan = plan_load(model, shapes, tensors, aliases)
+        problems = []
+        if plan.mismatched:
+            problems.append(f"shapes differ: {fmt_list(plan.mismatched, 6)}")
+        if strict and plan.missing:
+            problems.append(f"missing from the checkpoint: {fmt_list(plan.missing)}")
+        if strict and plan.unexpected:
+            problems.append(f"in the checkpoint but not in the model: {fmt_list(plan.unexpected)}")
+        if problems:
+            hint = " Is this the checkpoint of another model?" if len(plan.groups) < len(tensors) // 2 else ""
+            raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)
+    if plan.missing and any(t.is_meta for t in tensors.values()):
+        materialize(model)  # the parameters the checkpoint lacks get the model's own init
+    else:
+        device = target_device(model, None)
+        with all_ranks_or_none(model, "load_pretrained"):
+            _, buffers = allocate(model, device)
+            fill_buffers(model, buffers, missing_ok=False)
+    tensors, _ = model_tensors(model)  # allocation may have replaced plain (unsharded) tensors
+
+    result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected, files=len(set(files.values())))
+    with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
+        try:
+            for group in plan.groups:
+                _load_group(model, group, tensors, reader)
+                result.tensors += len(group.targets)
+        finally:
+            result.bytes_read = reader.bytes
+            reader.close()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
+    local = local_shard(target)
+    if tuple(part.shape) != tuple(local.shape):
+        raise RuntimeError(
+            f"internal: read a part of shape {tuple(part.shape)} for a shard of shape {tuple(local.shape)}"
+        )
+    local.copy_(part)
+
+
+def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reader: SafetensorsReader) -> None:
+    if group.converter is None:
+        target = tensors[group.targets[0]]
+        local = local_shard(target)
+        if local.numel() == 0:
+            return
+        if local.device.type == "cpu":  # straight from the file into the shard when dtypes agree
+            reader.read(group.source_keys[0], local_index(target), into=local)
+        else:
+            _copy_into(target, reader.read(group.source_keys[0], local_index(target)))
+        return
+    target = tensors[group.targets[0]]
+    index = local_index(target)
+    whole_inner = all(s.indices(n) == (0, n, 1) for s, n in zip(index[1:], target.shape[1:]))
+    if group.merges_dim0() and whole_inner:
+        # The target's dim 0 is the list of sources (experts) and only dim 0 is sharded: this
+        # rank reads its own experts and nothing else.
+        if local_shard(target).numel() == 0:
+            return
+        parts = {}
+        for keys in group.sources.values():
+            for i in range(*index[0].indices(len(keys))):
+                parts[keys[i]] = reader.read(keys[i])
+        _copy_into(target, group.convert(model, parts)[group.targets[0]])
+        return
+    # General conversion: whole sources for this one weight, then this rank's part of each output.
+    parts = {k: reader.read(k) for k in group.source_keys}
+    for name, full in group.convert(model, parts).items():
+        target = tensors[name]
+        _copy_into(target, full[local_index(target)])
