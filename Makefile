@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install test test-all demo bench bench-search clean
+.PHONY: install lint fmt test test-all demo bench bench-search clean
 
 install: $(VENV)/.installed
 
@@ -24,10 +24,19 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-test: install
+# ruff's configuration is in pyproject.toml; `make fmt` applies what `make lint` asks for.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
 	$(PY) -m pytest -m "not slow"
 
-test-all: install
+test-all: lint
 	$(PY) -m pytest
 
 # The main job: train on the embedded corpus, stop at step 120, then a second launch resumes
