@@ -21,10 +21,8 @@ software path, not the disk.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -36,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import machine as common_machine
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -186,23 +185,6 @@ def bench_rank(workdir: str, repeats: int) -> dict:
         "times": times,
         "stall": stall,
         "async_wait_s": waits,
-    }
-
-
-def _machine() -> dict:
-    def sh(cmd: str) -> str:
-        try:
-            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception as e:
-            return f"unavailable ({e})"
-
-    return {
-        "uname": sh("uname -a"),
-        "nproc": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "uptime_before": sh("uptime"),
     }
 
 
@@ -362,7 +344,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-bench-"))
-    machine = _machine()
+    machine = common_machine()
+    machine["uptime_before"] = machine["uptime"]
     try:
         if "RANK" in os.environ:  # under torchrun
             import fsdp2kit as fk
@@ -378,7 +361,7 @@ def main(argv=None) -> None:
             from fsdp2kit.testing import run_world
 
             ranks = run_world(bench_rank, 2, str(workdir), args.repeats, timeout=300)
-        machine["uptime_after"] = subprocess.run("uptime", shell=True, capture_output=True, text=True).stdout.strip()
+        machine["uptime_after"] = common_machine()["uptime"]
         load = max(
             float(u.split("load average:")[1].split(",")[0])
             for u in (machine["uptime_before"], machine["uptime_after"])

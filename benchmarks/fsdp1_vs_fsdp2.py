@@ -42,20 +42,18 @@ import gc
 import json
 import math
 import os
-import platform
-import re
 import statistics
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from fsdp1 import wrap_fsdp1
-from torch.nn.parallel import DistributedDataParallel
+from bench_memory import measure_memory
+from bench_stats import loss_parity, summarize_time, throughput_ratio
+from bench_variants import GRID, Config, Variant, build_variant, make_batches, train_step
+from common import machine
 
 import fsdp2kit as fk  # first: quiet imports
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
@@ -72,186 +70,9 @@ DEFAULT_SIZES = "bench-256x4:256,bench-512x8:256,bench-768x6:512"
 TARGETS = {"fsdp2_over_fsdp1": 1.0, "best_fsdp2_over_best_fsdp1": 1.15, "fsdp2_over_ddp": 0.97}
 
 
-@dataclass(frozen=True)
-class Config:
-    """One way to run a library. The axes of `GRID` exist in both FSDP1 and FSDP2; knobs that
-    exist in only one keep that library's default (FSDP1: backward_prefetch=BACKWARD_PRE,
-    limit_all_gathers=True; FSDP2: fsdp2kit's reshard defaults, one block of backward prefetch)."""
-
-    strategy: str = "FULL_SHARD"  # or SHARD_GRAD_OP (ZeRO-2: no re-gather in backward)
-    forward_prefetch: bool = False  # FSDP1 forward_prefetch=True / fk.set_prefetch(forward=1)
-    compile: bool = False  # every block compiled with fk.compile_blocks (FSDP1: use_orig_params=True)
-
-    def describe(self) -> str:
-        parts = [self.strategy]
-        if self.forward_prefetch:
-            parts.append("fwd prefetch")
-        if self.compile:
-            parts.append("compiled")
-        return ", ".join(parts)
-
-
-GRID = [Config(s, p, c) for s in ("FULL_SHARD", "SHARD_GRAD_OP") for p in (False, True) for c in (False, True)]
-
-
-@dataclass(frozen=True)
-class Variant:
-    key: str  # the JSON key: ddp, fsdp1, fsdp2, fsdp1_best, fsdp2_best, or a search candidate
-    impl: str  # "ddp" | "fsdp1" | "fsdp2"
-    config: Config = Config()
-
-    @property
-    def label(self) -> str:
-        name = {"ddp": "DDP", "fsdp1": "FSDP1", "fsdp2": "FSDP2 (fsdp2kit)"}[self.impl]
-        if self.impl == "ddp":
-            return name
-        if self.key.endswith("_best"):
-            return f"{name} best [{self.config.describe()}]"
-        return f"{name} defaults" if self.config == Config() else f"{name} [{self.config.describe()}]"
-
-
-# ---------------------------------------------------------------------------------------------
-# Building and stepping a variant
-
-
-def build_variant(
-    v: Variant, model: nn.Module, mesh, info: fk.DistInfo, args
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Wrap ``model`` (a fresh copy of the base model, on the device) as ``v`` says; optimizer last."""
-    c = v.config
-    blocks = fk.find_blocks(model)
-    if args.ac and v.impl == "fsdp2":
-        fk.apply_activation_checkpointing(model, mode="full")  # before compile and shard_model
-    if c.compile:
-        fk.compile_blocks(model)
-    if v.impl == "ddp":
-        if args.ac:
-            _checkpoint_wrap(model, blocks)
-        model = DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
-    elif v.impl == "fsdp1":
-        model = wrap_fsdp1(
-            model,
-            mesh,
-            strategy=c.strategy,
-            mixed_precision=args.mixed_precision,
-            forward_prefetch=c.forward_prefetch,
-            use_orig_params=c.compile,
-        )
-        if args.ac:
-            # after wrapping, as FSDP1's docs do it: the checkpoint goes inside each FSDP unit, so
-            # the recompute does not run the unit's all-gather hooks a second time
-            _checkpoint_wrap(model, blocks)
-    else:
-        fk.shard_model(model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision)
-        if c.forward_prefetch:
-            fk.set_prefetch(model, forward=1, backward=1)
-    # foreach=None is torch's default: the multi-tensor path on CUDA, a per-parameter loop on CPU
-    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True if args.foreach else None)
-
-
-def _checkpoint_wrap(model: nn.Module, blocks: list[nn.Module]) -> None:
-    """Full activation checkpointing of ``blocks`` with torch's non-reentrant checkpoint wrapper
-    (FSDP1 and DDP; FSDP2 uses fsdp2kit's, which keeps parameter names)."""
-    from functools import partial
-
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    ids = {id(b) for b in blocks}
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: id(m) in ids,
-    )
-
-
-def train_step(v: Variant, model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, args) -> torch.Tensor:
-    # DDP has no parameter casting: under --mixed-precision it runs the forward in autocast,
-    # which is how DDP users get bf16 (FSDP casts the gathered parameters instead).
-    autocast = (
-        torch.autocast(
-            tokens.device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.mixed_precision])
-        )
-        if v.impl == "ddp" and args.mixed_precision not in (None, "fp32")
-        else nullcontext()
-    )
-    with autocast:
-        logits = model(tokens[:, :-1]).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
-def make_batches(n: int, vocab: int, seq: int, batch: int, info: fk.DistInfo, seed: int) -> list[torch.Tensor]:
-    """This rank's slice of ``n`` global batches, the same for every variant."""
-    out = []
-    for step in range(n):
-        g = torch.Generator().manual_seed(seed * 100_003 + step)
-        tokens = torch.randint(0, vocab, (info.world_size * batch, seq + 1), generator=g)
-        out.append(tokens[info.rank * batch : (info.rank + 1) * batch].to(info.device))
-    return out
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory: one variant at a time
-
-
-def measure_memory(v: Variant, base: nn.Module, mesh, info, batches, args) -> dict:
-    """Peak and resident live-tensor bytes on this rank during a steady-state step of ``v``."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    eager = replace(v, config=replace(v.config, compile=False))
-    model = copy.deepcopy(base).to(info.device)
-    tracker = MemTracker()
-    # The copy is made outside the tracker and registered: deepcopy under the tracker's
-    # dispatch mode double-counts every parameter (its clone is seen twice).
-    tracker.track_external(model)
-    cuda = info.device.type == "cuda"
-    with tracker:
-        model, opt = build_variant(eager, model, mesh, info, args)
-        train_step(eager, model, opt, batches[0], args)  # optimizer state, FSDP1's lazy buffers
-        _sync(info.device)
-        tracker.reset_mod_stats()
-        _reset_peak(tracker)
-        resident = _total(tracker.get_tracker_snapshot("current"))
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(info.device)
-        train_step(eager, model, opt, batches[1], args)
-        _sync(info.device)
-        peak_snap = tracker.get_tracker_snapshot("peak")
-    out = {
-        "peak_bytes": _total(peak_snap),
-        "resident_bytes": resident,  # between steps: parameters + optimizer state + persistent buffers
-        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(info.device) if cuda else None,
-        "measured_eager": v.config.compile,
-    }
-    del model, opt, tracker
-    gc.collect()
-    return out
-
-
-def _total(snapshot: dict) -> int:
-    return int(sum(dev_snap["Total"] for dev_snap in snapshot.values()))
-
-
-def _reset_peak(tracker) -> None:
-    """Start a new peak from the current figure. MemTracker has no public reset of its peak
-    (only of per-module stats); these two attributes are the ones its __enter__ initialises."""
-    current = tracker.get_tracker_snapshot("current")
-    if not (hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap")):
-        raise RuntimeError("this torch's MemTracker keeps its peak elsewhere: update _reset_peak")
-    tracker._peak_mem = {dev: snap["Total"] for dev, snap in current.items()}
-    tracker._peak_mem_snap = copy.deepcopy(current)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,54 +119,6 @@ def time_variants(variants: list[Variant], base: nn.Module, mesh, info, batches,
     return out
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def summarize_time(t: dict, tokens_per_step: int, flops_per_token: float, peak: float | None) -> dict:
-    xs = t["step_times_s"]
-    med = statistics.median(xs)
-    tps = tokens_per_step / med
-    return {
-        "median_step_s": med,
-        "p25_step_s": _quantile(xs, 0.25),
-        "p75_step_s": _quantile(xs, 0.75),
-        "min_step_s": min(xs),
-        "max_step_s": max(xs),
-        "tokens_per_s_per_rank": tps,
-        "mfu": tps * flops_per_token / peak if peak else None,
-        **t,
-    }
-
-
-def throughput_ratio(num: dict, den: dict) -> dict:
-    """Throughput of ``num`` over ``den``: the ratio of median step times, and the quartiles of
-    the per-round ratios (the two steps of a round ran back to back, so each ratio carries
-    little of the machine's drift)."""
-    per_round = [td / tn for tn, td in zip(num["step_times_s"], den["step_times_s"])]
-    return {
-        "ratio": den["median_step_s"] / num["median_step_s"],
-        "round_median": statistics.median(per_round),
-        "round_p25": _quantile(per_round, 0.25),
-        "round_p75": _quantile(per_round, 0.75),
-    }
-
-
-def loss_parity(results: dict[str, dict], reference: str, compiled: set[str], tol: float, tol_compiled: float) -> dict:
-    ref = results[reference]["losses_per_rank"]
-    per_variant = {}
-    for key, r in results.items():
-        worst = max(
-            abs(a - b) / abs(b) for mine, theirs in zip(r["losses_per_rank"], ref) for a, b in zip(mine, theirs)
-        )
-        limit = tol_compiled if key in compiled else tol
-        per_variant[key] = {"max_rel_diff": worst, "tolerance": limit, "ok": worst <= limit}
-    return {"reference": reference, "variants": per_variant, "ok": all(p["ok"] for p in per_variant.values())}
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -369,34 +142,6 @@ def size_key(name: str, seq: int, sizes: list[tuple[str, int]]) -> str:
     """The results' key for a size: its config name, with the sequence length when the sweep
     has that name more than once."""
     return name if sum(n == name for n, _ in sizes) == 1 else f"{name}:{seq}"
-
-
-def machine(info: fk.DistInfo) -> dict:
-    if info.device.type == "cuda":
-        name = torch.cuda.get_device_name(info.device)
-        desc = f"{info.world_size}x {name}"
-    else:
-        name = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        desc = f"{name}, {os.cpu_count()} cores, {info.world_size} ranks x {torch.get_num_threads()} thread(s)"
-    slug = re.sub(
-        r"[^a-z0-9]+", "-", f"{info.device.type}-{name}-{os.cpu_count() if info.device.type == 'cpu' else ''}c".lower()
-    )
-    slug = re.sub(r"-+c$", "", slug).strip("-") if info.device.type == "cuda" else slug.strip("-")
-    return {
-        "description": desc,
-        "slug": f"{slug}-w{info.world_size}",
-        "device": info.device.type,
-        "host": platform.node(),
-        "torch": torch.__version__,
-        "threads_per_rank": torch.get_num_threads(),
-    }
 
 
 def run_size(name: str, seq: int, variants: list[Variant], mesh, info, args, *, memory: bool) -> dict:
@@ -495,7 +240,7 @@ def bench(args, info, mesh) -> dict:
     result = {
         "benchmark": "fsdp1_vs_fsdp2",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(info),
+        "machine": machine(info.device, info.world_size),
         "world_size": info.world_size,
         "args": _recorded(args),
         "best_configs": best_meta,
@@ -556,7 +301,7 @@ def search(args, info, mesh) -> dict:
     out = {
         "benchmark": "fsdp1_vs_fsdp2 --search",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(info),
+        "machine": machine(info.device, info.world_size),
         "world_size": info.world_size,
         "args": _recorded(args),
         "grid": [asdict(c) for c in GRID],
@@ -649,7 +394,10 @@ def main() -> None:
     mesh = fk.make_mesh()
     if info.device.type == "cpu" and torch.get_num_threads() > max(1, (os.cpu_count() or 1) // info.world_size):
         _log(info, f"note: {torch.get_num_threads()} threads per rank on {os.cpu_count()} cores; set OMP_NUM_THREADS")
-    _log(info, f"{machine(info)['description']}; torch {torch.__version__}; load average {os.getloadavg()}")
+    _log(
+        info,
+        f"{machine(info.device, info.world_size)['description']}; torch {torch.__version__}; load average {os.getloadavg()}",
+    )
 
     result = search(args, info, mesh) if args.search else bench(args, info, mesh)
     if info.is_main:

@@ -29,21 +29,16 @@ rank). Results go to benchmarks/results/load_pretrained.{json,md}.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import datetime
 import gc
 import json
-import os
-import platform
-import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import machine as common_machine
+from common import reset_rss_peak, rss, rss_peak
 
 HERE = Path(__file__).resolve().parent
 CONFIG = dict(
@@ -53,31 +48,17 @@ CONFIG = dict(
 MB = 1e6
 
 
-def _status() -> dict[str, int]:
-    text = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"{k}:\s+(\d+) kB", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
-
-
-def _reset_peak() -> int:
-    gc.collect()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status()["VmRSS"]
-
-
 def _phase(fn) -> dict:
-    start = _reset_peak()
+    start = reset_rss_peak()
     t0 = time.perf_counter()
     model = fn()
     seconds = time.perf_counter() - t0
-    st = _status()
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     return {
         "start_rss": start,
-        "peak_rss": st["VmHWM"],
-        "peak_increase": st["VmHWM"] - start,
-        "end_increase": st["VmRSS"] - start,
+        "peak_rss": rss_peak(),
+        "peak_increase": rss_peak() - start,
+        "end_increase": rss() - start,
         "shard_bytes": shard,
         "seconds": seconds,
         "model": model,
@@ -117,26 +98,6 @@ def measure(hf_dir: str) -> dict:
     return out
 
 
-def _machine() -> dict:
-    def run(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return "?"
-
-    import transformers
-
-    return {
-        "uname": run(["uname", "-a"]),
-        "nproc": os.cpu_count(),
-        "memory": run(["free", "-m"]).splitlines()[1] if run(["free", "-m"]) != "?" else "?",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", help="world sizes (default: fp32 at 2, bf16 at 2 and 4)")
@@ -153,8 +114,8 @@ def main() -> None:
     else:  # about two minutes on a 2-core machine; each run is a fresh set of processes
         runs = [("float32", 2), ("bfloat16", 2), ("bfloat16", 4)]
     dtypes = sorted({d for d, _ in runs})
-    machine = _machine()
-    machine["uptime_before"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    machine = common_machine()
+    machine["uptime_before"] = machine["uptime"]
     results = {"machine": machine, "config": CONFIG, "worlds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -178,7 +139,7 @@ def main() -> None:
                     f"+{a['peak_increase'] / MB:.0f} MB ({a['seconds']:.1f}s) | naive peak "
                     f"+{b['peak_increase'] / MB:.0f} MB ({b['seconds']:.1f}s)"
                 )
-    machine["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    machine["uptime_after"] = common_machine()["uptime"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load_pretrained.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "load_pretrained.md").write_text(_markdown(results))
@@ -238,7 +199,7 @@ def _markdown(results: dict) -> str:
         "Machine:",
         "",
         f"- `{m['uname']}`",
-        f"- {m['nproc']} CPUs; memory (free -m): `{m['memory']}`",
+        f"- {m['nproc']} CPUs; memory: {m['memory']}",
         f"- torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}",
         f"- {m['date']}",
         f"- shared with other jobs? load before: `{m['uptime_before']}`; after: `{m['uptime_after']}` "

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fsdp1_vs_fsdp2 import Variant, build_variant, load_best, make_batches, parse_sizes
+from bench_variants import Variant, build_variant, make_batches
+from fsdp1_vs_fsdp2 import load_best, parse_sizes
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fsdp2kit as fk  # first: quiet imports

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.agree import agree_failed
 from fsdp2kit._internal.dtensor import model_meshes, reshard_all
+from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.checkpoint.unpickler import SafeReader
 from fsdp2kit.dist import mesh_device
@@ -282,11 +283,11 @@ def dcp_to_hf(
     if missing or mismatched or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing {missing[:12]}{' ...' if len(missing) > 12 else ''}")
+            parts.append(f"missing: {fmt_list(missing)}")
         if unexpected:
-            parts.append(f"not in {type(model).__name__}: {unexpected[:12]}{' ...' if len(unexpected) > 12 else ''}")
+            parts.append(f"not in {type(model).__name__}: {fmt_list(unexpected)}")
         if mismatched:
-            parts.append(f"shapes differ: {mismatched[:6]}")
+            parts.append(f"shapes differ: {fmt_list(mismatched, 6)}")
         raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(parts))
 
     max_bytes = parse_size(max_shard_size)
