@@ -1,3 +1,5 @@
+"""Test-wide set-up: the shared tiny models and the recipe/benchmark support on sys.path, and the parity table."""
+
 import os
 import sys
 

@@ -1,3 +1,5 @@
+"""Unit tests run in a world of one: a gloo group started in the pytest process, for the whole session."""
+
 import pytest
 
 import fsdp2kit as fk
