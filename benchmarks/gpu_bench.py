@@ -1,0 +1,431 @@
+"""The GPU benchmark of `make gpu-check`: speed, MFU and memory of a ~1B Llama on one GPU, and more.
+
+On one GPU (world 1; under torchrun every rank reports its own memory), in this order, as long as
+the time budget lasts (each case is skipped, and says so, when it would overrun):
+
+1. training steps of a Llama-3.2-1B-shaped model (1.24 B parameters, tied embeddings), bf16
+   compute over fp32 master weights, AdamW, at a few batch x sequence sizes: plain, selective
+   activation checkpointing, per-block compile, float8 (eager, and compiled as torchao intends):
+   tokens/s, MFU against the device's dense bf16 peak (`fsdp2kit.mfu`), per-rank
+   ``max_memory_allocated`` / ``max_memory_reserved``, and the memory planner's prediction beside
+   them when ``fsdp2kit.plan_memory`` exists;
+2. `Checkpointer` save and load throughput from GPU memory, and the asynchronous save's stall;
+3. `load_pretrained` of the same model from a local safetensors directory: time and GPU peak;
+4. Llama-3-8B with fsdp2kit's CPU offload, when the host holds its fp32 state.
+
+    python benchmarks/gpu_bench.py                  # on a GPU machine (make gpu-check runs it)
+    python benchmarks/gpu_bench.py --dry-run        # CPU, tiny model, seconds: the code path only
+
+Writes one JSON and one markdown file under benchmarks/results/ named after the device (the
+dry run writes under a temporary directory unless --out-dir is given), rewritten after every case
+so that a run cut short still leaves what it measured. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from gpu_report import describe_machine, write_results  # noqa: E402
+
+import fsdp2kit as fk  # noqa: E402
+from fsdp2kit.mfu import peak_flops, transformer_flops_per_token  # noqa: E402
+from fsdp2kit.models import NAMED_CONFIGS  # noqa: E402
+
+MODELS = {
+    # Llama 3.2 1B's published shape (config.json numbers; no weights are fetched).
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    "llama-8b": NAMED_CONFIGS["llama3-8b"],
+    # --dry-run: every Linear dimension a multiple of 16, so float8 runs too.
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    ),
+}
+VARIANTS = {
+    "plain": {},
+    "AC selective": {"ac": "selective"},
+    "compile": {"compile": True},
+    "float8": {"float8": True},
+    "float8+compile": {"float8": True, "compile": True},
+}
+# Rough seconds per case on an H100, to skip what would overrun the budget (compile pays inductor).
+COST = {"eager": 25, "compile": 100, "checkpoint": 90, "load_pretrained": 60, "offload": 240}
+
+
+def log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_per_rank(device: torch.device) -> list[dict]:
+    """Every rank's allocator high-water marks since the last reset (None on CPU)."""
+    mine = {"max_allocated": None, "max_reserved": None}
+    if device.type == "cuda":
+        mine = {
+            "max_allocated": torch.cuda.max_memory_allocated(device),
+            "max_reserved": torch.cuda.max_memory_reserved(device),
+        }
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def build(name: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**MODELS[name])
+    config.use_cache = False  # training: no KV cache (and compile_blocks warns otherwise)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model, config
+
+
+def planner_prediction(name: str, batch: int, seq: int, ac: str | None, offload: bool) -> dict:
+    """The memory planner's per-rank peak for this case, or why there is none."""
+    plan_memory = getattr(fk, "plan_memory", None)
+    if plan_memory is None:
+        return {"status": "planner not available"}
+    model, _ = build(name)
+    kwargs = dict(shard=dist.get_world_size(), batch=batch, seq=seq, activation_checkpointing=ac)
+    kwargs["mixed_precision"] = "bf16"
+    if offload:
+        kwargs["cpu_offload"] = True
+    try:
+        report = plan_memory(model, **kwargs)
+    except Exception as e:  # a planner that cannot model this case says why, the benchmark goes on
+        return {"status": f"planner failed: {type(e).__name__}: {str(e)[:300]}"}
+    peak = report.get("peak_bytes") if isinstance(report, dict) else getattr(report, "peak_bytes", None)
+    if peak is None and hasattr(report, "to_dict"):
+        peak = report.to_dict().get("peak_bytes")
+    return {"status": "ok" if peak is not None else "no peak_bytes in the report", "peak_bytes": peak}
+
+
+def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, offload=False, optim="adamw") -> dict:
+    """Build, shard and train one configuration; time the steps after warm-up."""
+    device, world = info.device, dist.get_world_size()
+    opts = VARIANTS[variant]
+    out = {"model": name, "variant": variant, "batch": batch, "seq": seq, "world": world, "cpu_offload": offload}
+    out["optimizer"] = optim
+    if opts.get("float8") and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return {**out, "status": "skipped: float8 needs compute capability 8.9 or newer"}
+    out["planner"] = planner_prediction(name, batch, seq, opts.get("ac"), offload)
+    model, config = build(name)
+    if opts.get("float8"):
+        fk.enable_float8(model)
+    if opts.get("ac"):
+        fk.apply_activation_checkpointing(model, mode=opts["ac"])
+    if opts.get("compile"):
+        # The dry run checks the code path on CPU without paying for inductor's C++ build.
+        fk.compile_blocks(model, **({"backend": "eager"} if args.dry_run else {}))
+    fk.shard_model(model, fk.make_mesh(), mixed_precision="bf16", cpu_offload=offload)
+    start = time.perf_counter()
+    fk.materialize(model)
+    sync(device)
+    out["materialize_s"] = time.perf_counter() - start
+    params = model.parameters()
+    opt = torch.optim.AdamW(params, lr=1e-5) if optim == "adamw" else torch.optim.SGD(params, lr=1e-5)
+    out["params"] = sum(p.numel() for p in model.parameters())
+    flops_per_token = transformer_flops_per_token(model, config.num_hidden_layers, config.hidden_size, seq)
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    free_memory()
+    reset_peak(device)
+    times, losses = [], []
+    warmup = args.warmup + (1 if opts.get("compile") else 0)
+    steps = args.steps if not offload else max(2, args.steps // 3)
+    for _ in range(warmup + steps):
+        tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=gen)
+        sync(device)
+        t0 = time.perf_counter()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    timed = sorted(times[warmup:])
+    step_s = timed[len(timed) // 2]
+    tokens_per_s = batch * seq * world / step_s
+    peak = peak_flops(device)
+    out.update(
+        status="ok",
+        first_step_s=times[0],
+        step_s=step_s,
+        step_s_min=timed[0],
+        step_s_max=timed[-1],
+        tokens_per_s=tokens_per_s,
+        flops_per_token=flops_per_token,
+        tflops_per_gpu=flops_per_token * tokens_per_s / world / 1e12,
+        mfu=flops_per_token * tokens_per_s / world / peak if peak else None,
+        memory=memory_per_rank(device),
+        loss_first=losses[0],
+        loss_last=losses[-1],
+        loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
+    )
+    return out
+
+
+def checkpoint_case(name: str, args, info, workdir: Path) -> dict:
+    """Checkpointer save / load throughput from device memory, and the asynchronous save's stall."""
+    device = info.device
+    model, config = build(name)
+    fk.shard_model(model, fk.make_mesh(), mixed_precision="bf16")
+    fk.materialize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> float:
+        tokens = torch.randint(0, config.vocab_size, (1, 256), device=device)
+        sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        return time.perf_counter() - t0
+
+    step()  # the optimizer state exists from here on
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    local += sum(t.to_local().numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+    free = shutil.disk_usage(workdir).free
+    out = {"model": name, "rank_bytes": local, "disk_free": free, "fs": filesystem(workdir)}
+    if free < 2.5 * local * dist.get_world_size():
+        return {**out, "status": f"skipped: {free / 2**30:.0f} GiB free under {workdir}, too little"}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    ck = fk.Checkpointer(workdir / "sync", keep_last=1)
+    out["save_s"] = timed(lambda: ck.save(1, model, optimizer=opt))
+    out["load_s"] = timed(lambda: ck.load(model, optimizer=opt))
+    shutil.rmtree(workdir / "sync", ignore_errors=True)
+    out["plain_step_s"] = min(step() for _ in range(3))
+    with fk.Checkpointer(workdir / "async", keep_last=1, async_save=True) as ack:
+        for i in (1, 2):  # the first save also allocates the pinned staging buffers; the second reuses them
+            stall = timed(lambda i=i: ack.save(i, model, optimizer=opt))
+            step_during = step()  # a training step while the write is in flight
+            out[f"async_{i}"] = {"stall_s": stall, "step_during_write_s": step_during, "write_s": timed(ack.wait)}
+    shutil.rmtree(workdir / "async", ignore_errors=True)
+    out["status"] = "ok"
+    for key in ("save", "load"):
+        out[f"{key}_gb_per_s_per_rank"] = local / out[f"{key}_s"] / 1e9
+    out["staging_gb_per_s_per_rank"] = local / out["async_2"]["stall_s"] / 1e9
+    return out
+
+
+def load_pretrained_case(name: str, args, info, workdir: Path) -> dict:
+    """load_pretrained of a local safetensors checkpoint into GPU shards: time and peaks."""
+    device = info.device
+    model, _ = build(name)
+    fk.shard_model(model, fk.make_mesh())
+    fk.materialize(model)
+    hf_dir = workdir / "hf"
+    start = time.perf_counter()
+    fk.export_hf(model, hf_dir, dtype=torch.bfloat16, overwrite=True)
+    dist.barrier()
+    out = {"model": name, "export_hf_s": time.perf_counter() - start, "file_dtype": "bfloat16"}
+    del model
+    free_memory()
+    fresh, _ = build(name)
+    fk.shard_model(fresh, fk.make_mesh())
+    rss_before = rss_bytes()
+    reset_peak(device)
+    start = time.perf_counter()
+    result = fk.load_pretrained(fresh, hf_dir)
+    sync(device)
+    dist.barrier()
+    out.update(
+        status="ok",
+        load_s=time.perf_counter() - start,
+        bytes_read_rank0=result.bytes_read,
+        tensors=result.tensors,
+        memory=memory_per_rank(device),
+        rss_growth=rss_bytes() - rss_before,
+        fs=filesystem(workdir),
+    )
+    out["gb_per_s_rank0"] = result.bytes_read / out["load_s"] / 1e9
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    return out
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def filesystem(path: Path) -> str:
+    """The file system type holding ``path`` (tmpfs makes disk figures memory figures)."""
+    best, kind = "", "unknown"
+    real = str(path.resolve())
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if real.startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    return kind
+
+
+def offload_fit(name: str) -> tuple[str | None, str]:
+    """The optimizer whose fp32 state fits in host memory beside the offloaded parameters, or None."""
+    model, _ = build(name)
+    n = sum(p.numel() for p in model.parameters())
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    for optim, per_param in (("adamw", 16), ("sgd", 8)):  # params + grads (+ two moments), fp32
+        if n * per_param < 0.8 * avail:
+            return optim, f"{n / 1e9:.2f} B parameters x {per_param} bytes fit in {avail / 2**30:.0f} GiB available"
+    return None, f"{n / 1e9:.2f} B parameters need {n * 8 / 2**30:.0f} GiB or more; {avail / 2**30:.0f} GiB available"
+
+
+def plan(args) -> list[tuple[str, tuple, int]]:
+    """(kind, arguments, estimated seconds) in priority order."""
+    if args.dry_run:
+        shapes, model = [(2, 32)], "tiny"
+    else:
+        shapes, model = args.shapes, args.model
+    first, *rest = shapes
+    items = [("train", (model, v, *first), COST["compile" if "compile" in v else "eager"]) for v in VARIANTS]
+    items += [("checkpoint", (model,), COST["checkpoint"]), ("load_pretrained", (model,), COST["load_pretrained"])]
+    for shape in rest:
+        items += [("train", (model, v, *shape), COST["compile" if "compile" in v else "eager"]) for v in VARIANTS]
+    if not args.no_offload:
+        model, shape = ("tiny", (1, 32)) if args.dry_run else (args.offload_model, args.offload_shape)
+        items.append(("offload", (model, "AC selective", *shape), COST["offload"]))
+    return items
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, a few seconds: exercises the code path")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip cases that would end after this many seconds")
+    p.add_argument("--model", default="llama-1b", choices=sorted(MODELS))
+    p.add_argument(
+        "--shapes", default="4x2048,1x8192,8x2048", help="batch x seq, comma-separated; the first is measured first"
+    )
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--offload-model", default="llama-8b", choices=sorted(MODELS))
+    p.add_argument("--offload-shape", default="1x2048")
+    p.add_argument("--no-offload", action="store_true")
+    p.add_argument("--tests-junit", help="JUnit XML of the cuda tests, summarised in the result")
+    p.add_argument("--workdir", help="where checkpoints and the HF export go (default: a temporary directory)")
+    p.add_argument("--out-dir", help="default: benchmarks/results (a temporary directory for --dry-run)")
+    args = p.parse_args(argv)
+    args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    args.offload_shape = tuple(int(x) for x in args.offload_shape.split("x"))
+    if args.dry_run:
+        args.steps, args.warmup = 2, 1
+    t_start = time.monotonic()
+
+    info = fk.init_distributed(device="cpu" if args.dry_run else None)
+    if info.device.type != "cuda" and not args.dry_run:
+        print(
+            "gpu_bench.py needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run on CPU", file=sys.stderr
+        )
+        return 2
+    out_dir = Path(args.out_dir) if args.out_dir else (Path(tempfile.mkdtemp()) if args.dry_run else HERE / "results")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_bench_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": "gpu_bench", "dry_run": args.dry_run, "budget_s": args.budget_s, **describe_machine(info)}
+    result.update(planner="fsdp2kit.plan_memory" if hasattr(fk, "plan_memory") else "planner not available")
+    result.update(
+        train=[], checkpoint=None, load_pretrained=None, offload=None, skipped=[], tests_junit=args.tests_junit
+    )
+    paths = write_results(result, out_dir)
+    for kind, case_args, cost in plan(args):
+        elapsed = time.monotonic() - t_start
+        label = f"{kind} {case_args}"
+        if not args.dry_run and elapsed + cost > args.budget_s:
+            result["skipped"].append(
+                f"{label}: time budget ({elapsed:.0f} s used of {args.budget_s:.0f}, ~{cost} s needed)"
+            )
+            log(f"skip {label}: time budget")
+            continue
+        log(f"run {label}")
+        try:
+            if kind == "train":
+                rec = train_case(*case_args, args, info)
+            elif kind == "offload":
+                optim, why = offload_fit(case_args[0])
+                rec = {"model": case_args[0], "status": f"skipped: {why}", "cpu_offload": True}
+                if optim is not None:
+                    rec = {**train_case(*case_args, args, info, offload=True, optim=optim), "host_fit": why}
+            elif kind == "checkpoint":
+                rec = checkpoint_case(*case_args, args, info, workdir)
+            else:
+                rec = load_pretrained_case(*case_args, args, info, workdir)
+        except torch.OutOfMemoryError as e:
+            rec = {"case": label, "status": f"out of memory: {str(e).splitlines()[0][:200]}"}
+        except Exception as e:  # one broken case must not cost the others their figures
+            rec = {"case": label, "status": f"error: {type(e).__name__}: {str(e)[:500]}"}
+        rec["case_s"] = time.monotonic() - t_start - elapsed
+        log(f"done {label}: {rec.get('status')} ({rec['case_s']:.0f} s)")
+        if kind == "train":
+            result["train"].append(rec)
+        else:
+            result[kind] = rec
+        free_memory()
+        result["elapsed_s"] = time.monotonic() - t_start
+        paths = write_results(result, out_dir)
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    log(f"wrote {paths[0]} and {paths[1]}")
+    print(paths[1].read_text())
+    bad = [
+        r
+        for r in [*result["train"], result["checkpoint"], result["load_pretrained"]]
+        if r and r["status"].startswith("error")
+    ]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
