@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gpu_report import describe_machine, write_results  # noqa: E402
+from gpu_report import describe_machine, filesystem, rss_bytes, write_results  # noqa: E402
 
 import fsdp2kit as fk  # noqa: E402
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token  # noqa: E402
@@ -294,23 +293,6 @@ def load_pretrained_case(name: str, args, info, workdir: Path) -> dict:
     out["gb_per_s_rank0"] = result.bytes_read / out["load_s"] / 1e9
     shutil.rmtree(hf_dir, ignore_errors=True)
     return out
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def filesystem(path: Path) -> str:
-    """The file system type holding ``path`` (tmpfs makes disk figures memory figures)."""
-    best, kind = "", "unknown"
-    real = str(path.resolve())
-    with open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if real.startswith(parts[1]) and len(parts[1]) > len(best):
-                best, kind = parts[1], parts[2]
-    return kind
 
 
 def offload_fit(name: str) -> tuple[str | None, str]:

@@ -77,6 +77,23 @@ def describe_machine(info) -> dict:
     }
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def filesystem(path: Path) -> str:
+    """The file system type holding ``path`` (tmpfs makes disk figures memory figures)."""
+    best, kind = "", "unknown"
+    real = str(path.resolve())
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if real.startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    return kind
+
+
 def junit_summary(path: str | None) -> dict | None:
     """Counts and failures of a pytest JUnit XML file (the cuda tests of `make gpu-check`)."""
     if not path:
