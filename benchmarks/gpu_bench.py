@@ -24,7 +24,6 @@ so that a run cut short still leaves what it measured. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import gc
 import shutil
 import sys
 import tempfile
@@ -37,7 +36,8 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gpu_report import describe_machine, filesystem, rss_bytes, write_results  # noqa: E402
+from gpu_io import checkpoint_case, load_pretrained_case  # noqa: E402
+from gpu_report import describe_machine, free_memory, memory_per_rank, reset_peak, sync, write_results  # noqa: E402
 
 import fsdp2kit as fk  # noqa: E402
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token  # noqa: E402
@@ -85,35 +85,6 @@ def log(msg: str) -> None:
         print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def memory_per_rank(device: torch.device) -> list[dict]:
-    """Every rank's allocator high-water marks since the last reset (None on CPU)."""
-    mine = {"max_allocated": None, "max_reserved": None}
-    if device.type == "cuda":
-        mine = {
-            "max_allocated": torch.cuda.max_memory_allocated(device),
-            "max_reserved": torch.cuda.max_memory_reserved(device),
-        }
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return out
-
-
 def build(name: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -159,6 +130,9 @@ def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, off
     if opts.get("ac"):
         fk.apply_activation_checkpointing(model, mode=opts["ac"])
     if opts.get("compile"):
+        # Each case compiles a new model: start from an empty dynamo cache, or the cases before would
+        # count against the recompile limit and a later case could silently run in eager.
+        torch._dynamo.reset()
         # The dry run checks the code path on CPU without paying for inductor's C++ build.
         fk.compile_blocks(model, **({"backend": "eager"} if args.dry_run else {}))
     fk.shard_model(model, fk.make_mesh(), mixed_precision="bf16", cpu_offload=offload)
@@ -175,7 +149,10 @@ def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, off
     reset_peak(device)
     times, losses = [], []
     warmup = args.warmup + (1 if opts.get("compile") else 0)
-    steps = args.steps if not offload else max(2, args.steps // 3)
+    if offload:  # seconds per step: the optimizer runs on the CPU
+        warmup, steps = 1, max(2, args.steps // 3)
+    else:
+        steps = args.steps
     for _ in range(warmup + steps):
         tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=gen)
         sync(device)
@@ -209,92 +186,6 @@ def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, off
     return out
 
 
-def checkpoint_case(name: str, args, info, workdir: Path) -> dict:
-    """Checkpointer save / load throughput from device memory, and the asynchronous save's stall."""
-    device = info.device
-    model, config = build(name)
-    fk.shard_model(model, fk.make_mesh(), mixed_precision="bf16")
-    fk.materialize(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def step() -> float:
-        tokens = torch.randint(0, config.vocab_size, (1, 256), device=device)
-        sync(device)
-        t0 = time.perf_counter()
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        return time.perf_counter() - t0
-
-    step()  # the optimizer state exists from here on
-    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    local += sum(t.to_local().numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
-    free = shutil.disk_usage(workdir).free
-    out = {"model": name, "rank_bytes": local, "disk_free": free, "fs": filesystem(workdir)}
-    if free < 2.5 * local * dist.get_world_size():
-        return {**out, "status": f"skipped: {free / 2**30:.0f} GiB free under {workdir}, too little"}
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
-
-    ck = fk.Checkpointer(workdir / "sync", keep_last=1)
-    out["save_s"] = timed(lambda: ck.save(1, model, optimizer=opt))
-    out["load_s"] = timed(lambda: ck.load(model, optimizer=opt))
-    shutil.rmtree(workdir / "sync", ignore_errors=True)
-    out["plain_step_s"] = min(step() for _ in range(3))
-    with fk.Checkpointer(workdir / "async", keep_last=1, async_save=True) as ack:
-        for i in (1, 2):  # the first save also allocates the pinned staging buffers; the second reuses them
-            stall = timed(lambda i=i: ack.save(i, model, optimizer=opt))
-            step_during = step()  # a training step while the write is in flight
-            out[f"async_{i}"] = {"stall_s": stall, "step_during_write_s": step_during, "write_s": timed(ack.wait)}
-    shutil.rmtree(workdir / "async", ignore_errors=True)
-    out["status"] = "ok"
-    for key in ("save", "load"):
-        out[f"{key}_gb_per_s_per_rank"] = local / out[f"{key}_s"] / 1e9
-    out["staging_gb_per_s_per_rank"] = local / out["async_2"]["stall_s"] / 1e9
-    return out
-
-
-def load_pretrained_case(name: str, args, info, workdir: Path) -> dict:
-    """load_pretrained of a local safetensors checkpoint into GPU shards: time and peaks."""
-    device = info.device
-    model, _ = build(name)
-    fk.shard_model(model, fk.make_mesh())
-    fk.materialize(model)
-    hf_dir = workdir / "hf"
-    start = time.perf_counter()
-    fk.export_hf(model, hf_dir, dtype=torch.bfloat16, overwrite=True)
-    dist.barrier()
-    out = {"model": name, "export_hf_s": time.perf_counter() - start, "file_dtype": "bfloat16"}
-    del model
-    free_memory()
-    fresh, _ = build(name)
-    fk.shard_model(fresh, fk.make_mesh())
-    rss_before = rss_bytes()
-    reset_peak(device)
-    start = time.perf_counter()
-    result = fk.load_pretrained(fresh, hf_dir)
-    sync(device)
-    dist.barrier()
-    out.update(
-        status="ok",
-        load_s=time.perf_counter() - start,
-        bytes_read_rank0=result.bytes_read,
-        tensors=result.tensors,
-        memory=memory_per_rank(device),
-        rss_growth=rss_bytes() - rss_before,
-        fs=filesystem(workdir),
-    )
-    out["gb_per_s_rank0"] = result.bytes_read / out["load_s"] / 1e9
-    shutil.rmtree(hf_dir, ignore_errors=True)
-    return out
-
-
 def offload_fit(name: str) -> tuple[str | None, str]:
     """The optimizer whose fp32 state fits in host memory beside the offloaded parameters, or None."""
     model, _ = build(name)
@@ -308,20 +199,26 @@ def offload_fit(name: str) -> tuple[str | None, str]:
 
 
 def plan(args) -> list[tuple[str, tuple, int]]:
-    """(kind, arguments, estimated seconds) in priority order."""
+    """(kind, arguments, cost key) in priority order."""
     if args.dry_run:
         shapes, model = [(2, 32)], "tiny"
     else:
         shapes, model = args.shapes, args.model
     first, *rest = shapes
-    items = [("train", (model, v, *first), COST["compile" if "compile" in v else "eager"]) for v in VARIANTS]
-    items += [("checkpoint", (model,), COST["checkpoint"]), ("load_pretrained", (model,), COST["load_pretrained"])]
+    items = [("train", (model, v, *first), "compile" if "compile" in v else "eager") for v in VARIANTS]
+    items += [("checkpoint", (model,), "checkpoint"), ("load_pretrained", (model,), "load_pretrained")]
     for shape in rest:
-        items += [("train", (model, v, *shape), COST["compile" if "compile" in v else "eager"]) for v in VARIANTS]
+        items += [("train", (model, v, *shape), "compile" if "compile" in v else "eager") for v in VARIANTS]
     if not args.no_offload:
         model, shape = ("tiny", (1, 32)) if args.dry_run else (args.offload_model, args.offload_shape)
-        items.append(("offload", (model, "AC selective", *shape), COST["offload"]))
-    return items
+        items.append(("offload", (model, "AC selective", *shape), "offload"))
+    return [item for item in items if item[0] in args.cases]
+
+
+def _what(kind: str, case_args: tuple) -> dict:
+    if kind in ("train", "offload"):
+        return dict(zip(("model", "variant", "batch", "seq"), case_args), cpu_offload=kind == "offload")
+    return {"model": case_args[0]}
 
 
 def main(argv=None) -> int:
@@ -337,11 +234,14 @@ def main(argv=None) -> int:
     p.add_argument("--offload-model", default="llama-8b", choices=sorted(MODELS))
     p.add_argument("--offload-shape", default="1x2048")
     p.add_argument("--no-offload", action="store_true")
+    p.add_argument("--cases", default="train,checkpoint,load_pretrained,offload", help="which kinds of case to run")
+    p.add_argument("--tag", default="", help="added to the result files' names (e.g. a second run on the same day)")
     p.add_argument("--tests-junit", help="JUnit XML of the cuda tests, summarised in the result")
     p.add_argument("--workdir", help="where checkpoints and the HF export go (default: a temporary directory)")
     p.add_argument("--out-dir", help="default: benchmarks/results (a temporary directory for --dry-run)")
     args = p.parse_args(argv)
     args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    args.cases = set(args.cases.split(","))
     args.offload_shape = tuple(int(x) for x in args.offload_shape.split("x"))
     if args.dry_run:
         args.steps, args.warmup = 2, 1
@@ -356,18 +256,20 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else (Path(tempfile.mkdtemp()) if args.dry_run else HERE / "results")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    result = {"benchmark": "gpu_bench", "dry_run": args.dry_run, "budget_s": args.budget_s, **describe_machine(info)}
+    result = {"benchmark": "gpu_bench", "dry_run": args.dry_run, "budget_s": args.budget_s, "tag": args.tag}
+    result.update(describe_machine(info), argv=sys.argv[1:])
     result.update(planner="fsdp2kit.plan_memory" if hasattr(fk, "plan_memory") else "planner not available")
     result.update(
         train=[], checkpoint=None, load_pretrained=None, offload=None, skipped=[], tests_junit=args.tests_junit
     )
     paths = write_results(result, out_dir)
-    for kind, case_args, cost in plan(args):
-        elapsed = time.monotonic() - t_start
+    cost_of = dict(COST)  # raised to what a case of each kind really took here
+    for kind, case_args, cost_key in plan(args):
+        elapsed, cost = time.monotonic() - t_start, cost_of[cost_key]
         label = f"{kind} {case_args}"
         if not args.dry_run and elapsed + cost > args.budget_s:
             result["skipped"].append(
-                f"{label}: time budget ({elapsed:.0f} s used of {args.budget_s:.0f}, ~{cost} s needed)"
+                f"{label}: time budget ({elapsed:.0f} s used of {args.budget_s:.0f}, ~{cost:.0f} s needed)"
             )
             log(f"skip {label}: time budget")
             continue
@@ -381,14 +283,15 @@ def main(argv=None) -> int:
                 if optim is not None:
                     rec = {**train_case(*case_args, args, info, offload=True, optim=optim), "host_fit": why}
             elif kind == "checkpoint":
-                rec = checkpoint_case(*case_args, args, info, workdir)
+                rec = checkpoint_case(build, *case_args, info, workdir)
             else:
-                rec = load_pretrained_case(*case_args, args, info, workdir)
+                rec = load_pretrained_case(build, *case_args, info, workdir)
         except torch.OutOfMemoryError as e:
-            rec = {"case": label, "status": f"out of memory: {str(e).splitlines()[0][:200]}"}
+            rec = {**_what(kind, case_args), "status": f"out of memory: {str(e).splitlines()[0][:200]}"}
         except Exception as e:  # one broken case must not cost the others their figures
-            rec = {"case": label, "status": f"error: {type(e).__name__}: {str(e)[:500]}"}
+            rec = {**_what(kind, case_args), "status": f"error: {type(e).__name__}: {str(e)[:500]}"}
         rec["case_s"] = time.monotonic() - t_start - elapsed
+        cost_of[cost_key] = max(cost_of[cost_key], rec["case_s"])
         log(f"done {label}: {rec.get('status')} ({rec['case_s']:.0f} s)")
         if kind == "train":
             result["train"].append(rec)

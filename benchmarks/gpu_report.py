@@ -1,8 +1,9 @@
-"""The machine description and the JSON + markdown files of the GPU benchmark (benchmarks/gpu_bench.py)."""
+"""Machine description, memory readers and the JSON + markdown files of the GPU benchmark (gpu_bench.py)."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from fsdp2kit.mfu import peak_flops
 
@@ -75,6 +77,35 @@ def describe_machine(info) -> dict:
         "host_memory_bytes": mem,
         "loadavg_start": os.getloadavg(),
     }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_per_rank(device: torch.device) -> list[dict]:
+    """Every rank's allocator high-water marks since the last reset (None on CPU)."""
+    mine = {"max_allocated": None, "max_reserved": None}
+    if device.type == "cuda":
+        mine = {
+            "max_allocated": torch.cuda.max_memory_allocated(device),
+            "max_reserved": torch.cuda.max_memory_reserved(device),
+        }
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def rss_bytes() -> int:
@@ -240,7 +271,8 @@ def write_results(result: dict, out_dir: Path) -> tuple[Path, Path]:
     result["loadavg_now"] = os.getloadavg()
     out_dir.mkdir(parents=True, exist_ok=True)
     day = result["date"][:10]
-    stem = f"gpu-{'dryrun-' if result['dry_run'] else ''}{result['slug']}-{day}"
+    tag = f"-{result['tag']}" if result.get("tag") else ""
+    stem = f"gpu-{'dryrun-' if result['dry_run'] else ''}{result['slug']}-{day}{tag}"
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     md_path.write_text(markdown(result))
