@@ -5,8 +5,8 @@
 # Python: the first of $GPU_PYTHON, the project's .venv, python3 whose torch sees a GPU (a lent GPU
 # machine's own CUDA torch is kept as it is). If none does but a GPU is there, `make install` builds
 # .venv-cuda with the pinned torch from PyPI, whose Linux x86-64 wheels are CUDA builds (needs network).
-# Packages that python lacks (torchao on most images) are installed from wheels carried in $WHEELS
-# (default .whl/; `make gpu-wheels` fills it, see README "GPU") into a private folder, else from the
+# Wheels carried in $WHEELS (default .whl/; `make gpu-wheels` fills it, see README "GPU") are installed
+# into a private folder ahead of that python's own packages; what is still missing then comes from the
 # package index if one is reachable. The project itself is imported from this checkout (PYTHONPATH).
 #
 # Time: $GPU_CHECK_BUDGET_S seconds in all (default 540): the tests get at most half, the benchmark
@@ -53,12 +53,12 @@ missing() {
     done
     echo "$out"
 }
-need=$(missing)
-if [ -n "$need" ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
-    say "missing:$need; installing the wheels in $WHEELS into $SITE"
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    # Carried wheels always win (they come first on the path): e.g. the transformers this project is tested with.
+    say "installing the wheels in $WHEELS into $SITE: $(cd "$WHEELS" && echo *.whl)"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
-    need=$(missing)
 fi
+need=$(missing)
 if [ -n "$need" ]; then
     say "missing:$need; trying the package index"
     # shellcheck disable=SC2086  # one word per package
