@@ -42,6 +42,14 @@ def _git_rev() -> str | None:
         return None
 
 
+def _nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # a build without NCCL: the record says so instead of failing the run
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def describe_machine(info) -> dict:
     """Device, software and host, as recorded beside every figure."""
     device = info.device
@@ -56,7 +64,7 @@ def describe_machine(info) -> dict:
             "gpu_count": torch.cuda.device_count(),
             "peak_bf16_flops": peak_flops(device),
             "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl": _nccl_version(),
         }
     else:
         name = "cpu"
