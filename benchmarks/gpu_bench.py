@@ -24,6 +24,7 @@ so that a run cut short still leaves what it measured. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import inspect
 import shutil
 import sys
 import tempfile
@@ -95,24 +96,27 @@ def build(name: str):
     return model, config
 
 
-def planner_prediction(name: str, batch: int, seq: int, ac: str | None, offload: bool) -> dict:
-    """The memory planner's per-rank peak for this case, or why there is none."""
+def planner_prediction(name: str, batch: int, seq: int, ac: str | None, offload: bool, optim: str, device) -> dict:
+    """The memory planner's per-rank peak for this case (float8 and compile are not modelled), or why not."""
     plan_memory = getattr(fk, "plan_memory", None)
     if plan_memory is None:
         return {"status": "planner not available"}
     model, _ = build(name)
     kwargs = dict(shard=dist.get_world_size(), batch=batch, seq=seq, activation_checkpointing=ac)
     kwargs["mixed_precision"] = "bf16"
-    if offload:
-        kwargs["cpu_offload"] = True
+    optional = {"cpu_offload": offload, "optimizer": optim, "device": device.type}
+    accepted = inspect.signature(plan_memory).parameters
+    kwargs.update({k: v for k, v in optional.items() if k in accepted})
     try:
         report = plan_memory(model, **kwargs)
     except Exception as e:  # a planner that cannot model this case says why, the benchmark goes on
         return {"status": f"planner failed: {type(e).__name__}: {str(e)[:300]}"}
     peak = report.get("peak_bytes") if isinstance(report, dict) else getattr(report, "peak_bytes", None)
-    if peak is None and hasattr(report, "to_dict"):
-        peak = report.to_dict().get("peak_bytes")
-    return {"status": "ok" if peak is not None else "no peak_bytes in the report", "peak_bytes": peak}
+    details = report.to_dict() if hasattr(report, "to_dict") else None
+    if peak is None and details:
+        peak = details.get("peak_bytes")
+    status = "ok" if peak is not None else "no peak_bytes in the report"
+    return {"status": status, "peak_bytes": peak, "kwargs": kwargs, "report": details}
 
 
 def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, offload=False, optim="adamw") -> dict:
@@ -123,7 +127,7 @@ def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, off
     out["optimizer"] = optim
     if opts.get("float8") and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         return {**out, "status": "skipped: float8 needs compute capability 8.9 or newer"}
-    out["planner"] = planner_prediction(name, batch, seq, opts.get("ac"), offload)
+    out["planner"] = planner_prediction(name, batch, seq, opts.get("ac"), offload, optim, device)
     model, config = build(name)
     if opts.get("float8"):
         fk.enable_float8(model)

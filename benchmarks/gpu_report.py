@@ -173,24 +173,26 @@ def _peak(rec: dict, key: str) -> str:
 def _train_rows(recs: list[dict]) -> list[str]:
     rows = [
         "| model | variant | batch x seq | tokens/s | MFU | step ms | max allocated GiB | max reserved GiB "
-        "| planner GiB | first step s | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| planner GiB | planner / allocated | first step s | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in recs:
         if r.get("status") != "ok":
             rows.append(
                 f"| {r.get('model', '')} | {r.get('variant', '')} | {r.get('batch', '')}x{r.get('seq', '')} "
-                f"| | | | | | | | {r.get('status', '')} |"
+                f"| | | | | | | | | {r.get('status', '')} |"
             )
             continue
         planner = r.get("planner", {})
         planned = _gib(planner.get("peak_bytes")) if planner.get("status") == "ok" else planner.get("status", "–")
+        allocated = [m["max_allocated"] for m in r.get("memory") or [] if m and m.get("max_allocated")]
+        ratio = f"{planner['peak_bytes'] / max(allocated):.2f}" if planner.get("peak_bytes") and allocated else "–"
         mfu = "–" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
         name = r["model"] + (" (CPU offload, " + r["optimizer"] + ")" if r.get("cpu_offload") else "")
         rows.append(
             f"| {name} | {r['variant']} | {r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | {mfu} "
             f"| {1000 * r['step_s']:.0f} | {_peak(r, 'max_allocated')} | {_peak(r, 'max_reserved')} | {planned} "
-            f"| {r['first_step_s']:.1f} | ok |"
+            f"| {ratio} | {r['first_step_s']:.1f} | ok |"
         )
     return rows
 
