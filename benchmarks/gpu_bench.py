@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from gpu_io import checkpoint_case, load_pretrained_case  # noqa: E402
-from gpu_report import describe_machine, free_memory, memory_per_rank, reset_peak, sync, write_results  # noqa: E402
+from gpu_report import describe_machine, free_memory, memory_per_rank, reset_peak, rss_bytes, sync, write_results  # noqa: E402
 
 import fsdp2kit as fk  # noqa: E402
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token  # noqa: E402
@@ -183,6 +183,7 @@ def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, off
         tflops_per_gpu=flops_per_token * tokens_per_s / world / 1e12,
         mfu=flops_per_token * tokens_per_s / world / peak if peak else None,
         memory=memory_per_rank(device),
+        host_rss_bytes=rss_bytes(),  # this process's resident memory now (offload: the sharded state is here)
         loss_first=losses[0],
         loss_last=losses[-1],
         loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
@@ -229,6 +230,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, a few seconds: exercises the code path")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip cases that would end after this many seconds")
+    p.add_argument("--end-by", type=float, help="instead of --budget-s: end by this time (seconds since the epoch)")
     p.add_argument("--model", default="llama-1b", choices=sorted(MODELS))
     p.add_argument(
         "--shapes", default="4x2048,1x8192,8x2048", help="batch x seq, comma-separated; the first is measured first"
@@ -250,6 +252,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.steps, args.warmup = 2, 1
     t_start = time.monotonic()
+    if args.end_by:  # an absolute deadline (gpu_check.sh): python's start-up counts against it too
+        args.budget_s = args.end_by - time.time()
 
     info = fk.init_distributed(device="cpu" if args.dry_run else None)
     if info.device.type != "cuda" and not args.dry_run:

@@ -35,8 +35,11 @@ def checkpoint_case(build, name: str, info, workdir: Path) -> dict:
         return time.perf_counter() - t0
 
     step()  # the optimizer state exists from here on
-    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    local += sum(t.to_local().numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+    tensors = [
+        *model.parameters(),
+        *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()),
+    ]
+    local = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
     free = shutil.disk_usage(workdir).free
     out = {"model": name, "rank_bytes": local, "disk_free": free, "fs": filesystem(workdir)}
     if free < 1.5 * local * dist.get_world_size():
