@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install lint fmt test test-all demo bench bench-search clean
+.PHONY: install lint fmt test test-all demo bench bench-search gpu-check gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -60,6 +60,24 @@ bench-search: install $(VENV)/.installed-bench
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"
 	touch $@
+
+# On a machine with NVIDIA GPUs (README, "GPU"): the `cuda` tests, then benchmarks/gpu_bench.py, in about
+# 10 minutes on one GPU; one JSON + markdown result under benchmarks/results/ named after the device. No
+# `install` first: the machine's own CUDA torch is used when it has one. Refuses (exit 3) without a GPU.
+gpu-check:
+	@bash benchmarks/gpu_check.sh
+
+# Wheels to carry to a GPU machine that has no network, for `make gpu-check` to install from .whl/,
+# for CPython $(GPU_PYVER) on x86-64 Linux: torchao (GPU images with torch, transformers and pytest
+# often lack it) and the transformers this project is tested with (fsdp2kit uses its weight-conversion
+# API, which moves between 5.x releases). Its own requirements are usually there; name others in GPU_WHEELS.
+GPU_PYVER  ?= 3.12
+GPU_WHEELS ?= torchao==0.18.0 transformers==5.23.0
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYVER) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	@ls -l .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

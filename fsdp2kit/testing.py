@@ -1,4 +1,4 @@
-"""Run a function on a real multi-process gloo group, from a test or a notebook.
+"""Run a function on a real multi-process group (gloo on CPU, NCCL on GPUs), from a test or a notebook.
 
 Multi-process code is only tested for real when several processes talk over a real backend,
 and such tests fail in two annoying ways: one rank raises and the others hang in a collective
@@ -34,7 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, collective_timeout: float):
+def _child(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, collective_timeout: float, device: str
+):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -51,7 +53,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     try:
         from fsdp2kit.dist import init_distributed
 
-        init_distributed(timeout=collective_timeout, device="cpu")
+        init_distributed(timeout=collective_timeout, device=device)
         results.put((rank, True, fn(*args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -66,8 +68,14 @@ def run_world(
     *args: Any,
     timeout: float = 180.0,
     grace: float = 10.0,
+    device: str = "cpu",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes that form a gloo group on CPU.
+
+    With ``device="cuda"`` each rank takes the GPU of its rank number and the group is NCCL
+    (with gloo beside it for CPU tensors), as `init_distributed` sets it up under torchrun; the
+    world may not be larger than the number of GPUs. Return CPU values from ``fn`` there: a
+    CUDA tensor sent back through the result queue would point into a process that has exited.
 
     ``fn`` must be importable by name (a module-level function). Each process has called
     ``fsdp2kit.init_distributed()`` before ``fn`` runs. Returns the ranks' return values in rank
@@ -76,11 +84,21 @@ def run_world(
     failed, the rest get ``grace`` seconds to report before they are killed, so an error on one
     rank never turns into a hang on the others.
     """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"run_world: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"run_world: {world_size} ranks on device='cuda' need {world_size} GPUs, "
+                f"this machine has {torch.cuda.device_count()}"
+            )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout), daemon=True)
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout, device), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

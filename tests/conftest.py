@@ -27,3 +27,17 @@ def pytest_terminal_summary(terminalreporter):
     width = max(len(r[0]) for r in _PARITY)
     for label, world, rel, name in sorted(_PARITY, key=lambda r: (r[1], r[0])):
         terminalreporter.write_line(f"{label.ljust(width)}  world {world}  {rel:.1e}  ({name})")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the `cuda` tests, cleanly and with the reason, where there is no CUDA GPU."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); `make gpu-check` runs these")
+    for item in cuda_items:
+        item.add_marker(skip)
