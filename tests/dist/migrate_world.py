@@ -53,15 +53,15 @@ def _model(variant: str, seed: int) -> nn.Module:
     return BufferedGPT(vocab=VOCAB, seq=SEQ, **kwargs)
 
 
-def _optimizer(variant: str, model: nn.Module, names_of) -> torch.optim.Optimizer:
+def _optimizer(variant: str, model: nn.Module, names_of, lr: float = 1e-2) -> torch.optim.Optimizer:
     _, _, groups = VARIANTS[variant]
     params = list(model.named_parameters())
     if not groups:
-        return torch.optim.AdamW([p for _, p in params], lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=0.1)
     # By name, not by p.dim(): FSDP1's use_orig_params parameters are 1-D views of the flat shard.
     decay = [p for n, p in params if names_of(n).endswith("weight") and "norm" not in n]
     rest = [p for n, p in params if not (names_of(n).endswith("weight") and "norm" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=lr)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
@@ -212,7 +212,7 @@ def load_and_compare(root: str) -> dict[str, list[str]]:
             path = Path(root) / variant / layout.removesuffix("-meta")
             if meta:  # weights straight into a meta-built model, then the optimizer built and loaded
                 fk.load_fsdp1_checkpoint(model, path)
-            opt = _optimizer(variant, model, lambda n: n)
+            opt = _optimizer(variant, model, lambda n: n, lr=5e-3)  # the load must restore the saved lr, 1e-2
             # FSDP1's full optimizer file is wrong under use_orig_params (see save_fsdp1): it must be refused
             bad_file = layout == "full" and VARIANTS[variant][1]
             with_optim = layout != "zero_to_fp32" and not bad_file
