@@ -252,3 +252,24 @@ def test_fsdp1_layout_errors(tmp_path: Path) -> None:
     torch.save(opt.state_dict(), tmp_path / "full" / "optimizer.bin")  # keyed by index: FSDP1's flat shards
     with pytest.raises(ValueError, match="keyed by parameter index"):
         fk.load_fsdp1_checkpoint(model, tmp_path / "full", opt)
+
+
+def test_deepspeed_style_file_into_a_meta_built_hf_model(tmp_path: Path) -> None:
+    """zero_to_fp32 output of a transformers model: in-memory names, rotary inv_freq included."""
+    from models import tiny_llama
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = tiny_llama(tied=True)
+    state = {k: v.clone() for k, v in source.state_dict().items() if k != "lm_head.weight"}  # tied: once
+    state.update({n: b.clone() for n, b in source.named_buffers() if n.endswith("inv_freq")})
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = tiny_llama(tied=True)
+    result = fk.load_full_state_dict(model, tmp_path)
+    assert result.skipped_keys == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    for (name, got), want in zip(model.state_dict().items(), source.state_dict().values()):
+        assert torch.equal(got, want), name
+    rotary = model.model.rotary_emb.inv_freq
+    assert torch.equal(rotary, source.model.rotary_emb.inv_freq)  # recomputed, not left as garbage
+    assert model.lm_head.weight is model.model.embed_tokens.weight
