@@ -120,7 +120,7 @@ class Conversion:
 
     def unknown(self, src: str, src_value: Any, known: list[str] | tuple[str, ...]) -> None:
         near = ", ".join(sorted(known)[:60])
-        self.refuse(src, src_value, f"not a {self.source} key this converter knows (known here: {near})")
+        self.refuse(src, src_value, f"unknown {self.source} key: not converted (known here: {near})")
 
     # ---- reading ----
 

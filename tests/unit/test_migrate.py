@@ -151,7 +151,7 @@ def test_unknown_and_unsupported_keys_are_refused(tmp_path: Path) -> None:
     )
     refused = {e.key: e.note for e in conv.refused}
     assert "distributed_type" in refused and "torch_xla" in refused["distributed_type"]
-    assert "not a Accelerate key" in refused["something_new"]
+    assert "unknown Accelerate key" in refused["something_new"]
     assert conv.settings["parallel"] == {"mixed_precision": "bf16", "float8": True}
     assert "fsdp_config" in {e.key for e in conv.entries}  # ignored by accelerate when not FSDP: said so
 
