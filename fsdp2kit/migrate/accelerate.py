@@ -1,54 +1,23 @@
 """Accelerate's `accelerate config` YAML -> recipe settings, key by key (FSDP1 and FSDP2 configs).
 
 The keys and values are those `accelerate config` writes and `accelerate launch` reads
-(accelerate/commands/config/cluster.py and utils/dataclasses.py's FullyShardedDataParallelPlugin):
-``fsdp_sharding_strategy`` by name or as FSDP1's enum number 1-5, ``fsdp_reshard_after_forward`` a
-strategy name under FSDP1 and a bool under FSDP2, and so on. A ``deepspeed_config`` block is
-converted by the DeepSpeed rules (see deepspeed.py) after its Accelerate names are translated.
+(accelerate/commands/config/cluster.py and utils/dataclasses.py): the launch keys become torchrun
+options, precision / dynamo / fp8 / parallelism blocks become [parallel] keys. The ``fsdp_config``
+block is converted in accelerate_fsdp.py; a ``deepspeed_config`` block by the DeepSpeed rules
+(deepspeed.py) after its Accelerate names are translated.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fsdp2kit.migrate.conversion import Conversion
+from fsdp2kit.migrate.accelerate_fsdp import convert_fsdp_config
+from fsdp2kit.migrate.conversion import NO_GAIN, Conversion, truthy
 from fsdp2kit.migrate.deepspeed import convert_accelerate_deepspeed
 
 __all__ = ["convert_accelerate"]
 
-STRATEGY_NAMES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
-NO_GAIN = "nothing to convert (off / empty)"
 TPU_ONLY = "TPU launch setting; fsdp2kit runs on CUDA (NCCL) or CPU (gloo)"
-ORIG_PARAMS = (
-    "FSDP2 always keeps the original parameters (one DTensor each): per-parameter optimizer groups, "
-    "torch.compile and frozen parameters work without it"
-)
-SYNC_STATES = (
-    "nothing to broadcast: the recipe builds on the meta device and every rank fills its own shards "
-    "(materialize from the seed, or load_pretrained from the files)"
-)
-STATE_DICT = (
-    "fsdp2kit.Checkpointer always writes sharded DCP checkpoints that load at any world size; full "
-    "weights come from `fsdp2kit export-hf` / fk.export_hf. Old checkpoints: fk.load_fsdp1_checkpoint"
-)
-
-
-def _strategy(value: Any) -> str | None:
-    """FSDP1's strategy as accelerate accepts it: a name (any case) or the enum number 1-5."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
-        n = int(value)
-        return STRATEGY_NAMES[n - 1] if 1 <= n <= len(STRATEGY_NAMES) else None
-    if isinstance(value, str) and value.strip().upper() in STRATEGY_NAMES:
-        return value.strip().upper()
-    return None
-
-
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "yes", "1", "on")
-    return bool(value)
 
 
 def convert_accelerate(data: dict, path: str) -> Conversion:
@@ -63,7 +32,7 @@ def convert_accelerate(data: dict, path: str) -> Conversion:
         if kind != "FSDP":
             conv.not_needed("fsdp_config", "{...}", f"distributed_type is {kind}, so accelerate ignores fsdp_config")
         else:
-            _fsdp(conv, dict(fsdp), machines)
+            convert_fsdp_config(conv, dict(fsdp), machines)
     elif kind == "FSDP":
         conv.set("parallel", "strategy", "FULL_SHARD", "distributed_type", kind, "no fsdp_config: FULL_SHARD")
     ds = data.pop("deepspeed_config", None)
@@ -162,14 +131,14 @@ def _top_level(conv: Conversion, data: dict, kind: str, machines: int) -> None:
             conv.launch("gpu_ids", ids, f"CUDA_VISIBLE_DEVICES={ids}")
     if "use_cpu" in data:
         value = pop("use_cpu")
-        if _truthy(value):
+        if truthy(value):
             conv.env["CUDA_VISIBLE_DEVICES"] = ""
             conv.launch("use_cpu", value, 'CUDA_VISIBLE_DEVICES=""', "no GPU visible: the recipe runs on CPU (gloo)")
         else:
             conv.not_needed("use_cpu", value, "GPUs are used when there are any")
     if "debug" in data:
         value = pop("debug")
-        if _truthy(value):
+        if truthy(value):
             conv.env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
             conv.launch("debug", value, "TORCH_DISTRIBUTED_DEBUG=DETAIL", "collective checks, as accelerate's debug")
         else:
@@ -178,7 +147,7 @@ def _top_level(conv: Conversion, data: dict, kind: str, machines: int) -> None:
         conv.not_needed("main_training_function", pop("main_training_function"), "torchrun runs the script's __main__")
     if "enable_cpu_affinity" in data:
         value = pop("enable_cpu_affinity")
-        if _truthy(value):
+        if truthy(value):
             conv.refuse("enable_cpu_affinity", value, "torchrun does not pin cores: wrap the command in numactl")
         else:
             conv.not_needed("enable_cpu_affinity", value, NO_GAIN)
@@ -194,7 +163,7 @@ def _top_level(conv: Conversion, data: dict, kind: str, machines: int) -> None:
                 conv.refuse(key, value, TPU_ONLY if key.startswith(("tpu", "command")) else "not supported by fsdp2kit")
     if "fp16" in data:  # accelerate's pre-0.6 spelling of mixed_precision: fp16
         value = pop("fp16")
-        data.setdefault("mixed_precision", "fp16" if _truthy(value) else "no")
+        data.setdefault("mixed_precision", "fp16" if truthy(value) else "no")
         conv.not_needed("fp16", value, "old spelling; read as mixed_precision")
     if "mixed_precision" in data:
         _mixed_precision(conv, pop("mixed_precision"))
@@ -259,7 +228,7 @@ def _fp8(conv: Conversion, cfg: dict) -> None:
     for key, value in cfg.items():
         src = f"fp8_config.{key}"
         if key == "enable_fsdp_float8_all_gather":
-            if _truthy(value):
+            if truthy(value):
                 conv.not_needed(src, value, "float8 = true always all-gathers in float8")
             else:
                 conv.refuse(src, value, "the recipe's float8 always all-gathers in float8")
@@ -289,136 +258,3 @@ def _parallelism(conv: Conversion, cfg: dict) -> None:
             conv.not_needed(src, value, "context parallelism only")
         else:
             conv.unknown(src, value, ["dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"])
-
-
-FSDP_KEYS = [
-    "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
-    "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_backward_prefetch",
-    "fsdp_forward_prefetch", "fsdp_state_dict_type", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
-    "fsdp_sync_module_states", "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload",
-    "fsdp_ignored_modules",
-]  # fmt: skip
-
-
-def _fsdp(conv: Conversion, cfg: dict, machines: int) -> None:
-    p = "fsdp_config."
-    version = int(cfg.pop("fsdp_version", 1) or 1)
-    conv.not_needed(p + "fsdp_version", version, "the recipe is FSDP2 (fully_shard) whatever this says")
-    strategy_key = None
-    if "fsdp_sharding_strategy" in cfg:
-        strategy_key = "fsdp_sharding_strategy"
-    elif "fsdp_reshard_after_forward" in cfg:
-        strategy_key = "fsdp_reshard_after_forward"
-    for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
-        if key not in cfg:
-            continue
-        value = cfg.pop(key)
-        if key != strategy_key:
-            conv.not_needed(p + key, value, f"accelerate takes the strategy from {strategy_key} when both are set")
-            continue
-        if isinstance(value, bool) or (version == 2 and str(value).lower() in ("true", "false")):
-            name = "FULL_SHARD" if _truthy(value) else "SHARD_GRAD_OP"
-        else:
-            name = _strategy(value)
-        if name is None:
-            conv.refuse(p + key, value, f"expected a strategy name or 1-5 ({', '.join(STRATEGY_NAMES)}) or a bool")
-            continue
-        note = ""
-        if name.startswith("HYBRID"):
-            if machines > 1:
-                conv.set(
-                    "parallel", "replicate", machines, p + key, value, "HSDP: shard in a machine, replicate across"
-                )
-            else:
-                name = "FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"
-                note = f"one machine: {value} has nothing to replicate across, which is {name}"
-        conv.set("parallel", "strategy", name, p + key, value, note)
-    if "fsdp_offload_params" in cfg:
-        value = cfg.pop("fsdp_offload_params")
-        conv.set(
-            "parallel", "cpu_offload", _truthy(value), p + "fsdp_offload_params", value,
-            "FSDP2's CPU offload also runs the optimizer step on CPU" if _truthy(value) else "",
-        )  # fmt: skip
-    policy = str(cfg.pop("fsdp_auto_wrap_policy", "") or "")
-    if policy:
-        reasons = {
-            "TRANSFORMER_BASED_WRAP": "shard_model makes every repeated block a unit (blocks='auto'), then the root",
-            "SIZE_BASED_WRAP": "FSDP2 units are the repeated blocks (blocks='auto'); units by parameter count have "
-            "no recipe key (in your own loop pass shard_model(blocks=predicate))",
-            "NO_WRAP": "the recipe always makes the blocks units (one unit would gather the whole model); your own "
-            "loop can pass shard_model(blocks=[])",
-        }
-        if policy.upper() in reasons:
-            conv.not_needed(p + "fsdp_auto_wrap_policy", policy, reasons[policy.upper()])
-        else:
-            conv.refuse(p + "fsdp_auto_wrap_policy", policy, "expected " + ", ".join(reasons))
-    if "fsdp_transformer_layer_cls_to_wrap" in cfg:
-        conv.not_needed(
-            p + "fsdp_transformer_layer_cls_to_wrap", cfg.pop("fsdp_transformer_layer_cls_to_wrap"),
-            "found from the model (its _no_split_modules or its repeated blocks); in your own loop "
-            "shard_model(blocks=[LayerClass]) takes the classes, not their names",
-        )  # fmt: skip
-    if "fsdp_min_num_params" in cfg:
-        conv.not_needed(p + "fsdp_min_num_params", cfg.pop("fsdp_min_num_params"), "units are blocks (see above)")
-    if "fsdp_backward_prefetch" in cfg:
-        value = cfg.pop("fsdp_backward_prefetch")
-        name = str(value).upper() if value is not None else "NO_PREFETCH"
-        if name in ("BACKWARD_PRE", "BACKWARD_POST"):
-            note = "the next block's all-gather is issued before this block's backward"
-            if name == "BACKWARD_POST":
-                note += " (FSDP2 has no BACKWARD_POST; this is BACKWARD_PRE)"
-            conv.set("parallel", "prefetch", 1, p + "fsdp_backward_prefetch", value, note)
-        elif name in ("NO_PREFETCH", "NONE"):
-            conv.set(
-                "parallel", "prefetch", 0, p + "fsdp_backward_prefetch", value,
-                "no explicit prefetch; FSDP2 still overlaps one all-gather implicitly",
-            )  # fmt: skip
-        else:
-            conv.refuse(p + "fsdp_backward_prefetch", value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
-    if "fsdp_forward_prefetch" in cfg:
-        value = cfg.pop("fsdp_forward_prefetch")
-        conv.not_needed(
-            p + "fsdp_forward_prefetch", value,
-            "[parallel] prefetch sets forward and backward prefetch together (fk.set_prefetch(forward=, backward=) "
-            "sets them apart)",
-        )  # fmt: skip
-    if "fsdp_state_dict_type" in cfg:
-        conv.not_needed(p + "fsdp_state_dict_type", cfg.pop("fsdp_state_dict_type"), STATE_DICT)
-    if "fsdp_use_orig_params" in cfg:
-        conv.not_needed(p + "fsdp_use_orig_params", cfg.pop("fsdp_use_orig_params"), ORIG_PARAMS)
-    if "fsdp_sync_module_states" in cfg:
-        conv.not_needed(p + "fsdp_sync_module_states", cfg.pop("fsdp_sync_module_states"), SYNC_STATES)
-    if "fsdp_cpu_ram_efficient_loading" in cfg:
-        value = cfg.pop("fsdp_cpu_ram_efficient_loading")
-        conv.set(
-            "model", "meta_init", _truthy(value), p + "fsdp_cpu_ram_efficient_loading", value,
-            "built on the meta device; load_pretrained reads only each rank's rows" if _truthy(value) else "",
-        )  # fmt: skip
-    if "fsdp_activation_checkpointing" in cfg:
-        value = cfg.pop("fsdp_activation_checkpointing")
-        if _truthy(value):
-            conv.set("parallel", "activation_checkpointing", "full", p + "fsdp_activation_checkpointing", value)
-        else:
-            conv.not_needed(p + "fsdp_activation_checkpointing", value, "off is the recipe's default")
-    if "fsdp_activation_checkpointing_offload" in cfg:
-        value = cfg.pop("fsdp_activation_checkpointing_offload")
-        if _truthy(value):
-            conv.refuse(
-                p + "fsdp_activation_checkpointing_offload", value,
-                "activations are not offloaded to CPU by fsdp2kit; activation_checkpointing = 'full' keeps one "
-                "input per block",
-            )  # fmt: skip
-        else:
-            conv.not_needed(p + "fsdp_activation_checkpointing_offload", value, NO_GAIN)
-    if "fsdp_ignored_modules" in cfg:
-        value = cfg.pop("fsdp_ignored_modules")
-        if value:
-            conv.refuse(
-                p + "fsdp_ignored_modules", value,
-                "no recipe key: in your own loop keep those modules out of shard_model's blocks, or call "
-                "fully_shard(ignored_params=...) yourself",
-            )  # fmt: skip
-        else:
-            conv.not_needed(p + "fsdp_ignored_modules", value, NO_GAIN)
-    for key, value in cfg.items():
-        conv.unknown(p + key, value, FSDP_KEYS)

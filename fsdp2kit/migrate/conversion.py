@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECIPE_KEYS", "ConfigConversionError", "Conversion", "Entry"]
+__all__ = ["NO_GAIN", "RECIPE_KEYS", "ConfigConversionError", "Conversion", "Entry", "truthy"]
 
 # The recipe keys a conversion may set: `recipes/train.py`'s dataclasses, restated here because the
 # library never imports recipes/ (a test checks that every key below is still one of the recipe's).
@@ -39,6 +39,14 @@ RECIPE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 MAPPED, LAUNCH, NOT_NEEDED, REFUSED = "mapped", "launch", "not needed", "refused"
+NO_GAIN = "nothing to convert (off / empty)"
+
+
+def truthy(value: Any) -> bool:
+    """A YAML/JSON switch as accelerate and DeepSpeed read it: bools, or strings such as "yes" / "true"."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "yes", "1", "on")
+    return bool(value)
 
 
 class ConfigConversionError(ValueError):

@@ -13,11 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdp2kit.migrate.conversion import Conversion
+from fsdp2kit.migrate.conversion import NO_GAIN, Conversion
 
 __all__ = ["convert_accelerate_deepspeed", "convert_deepspeed"]
 
-NO_GAIN = "nothing to convert (off / empty)"
 AUTO = "'auto' is filled in by the HF Trainer / Accelerate from the training script; the recipe's default applies"
 TUNING = "DeepSpeed bucket/overlap tuning; FSDP2 overlaps per unit (one all-gather / reduce-scatter per block)"
 EXPORT = "fsdp2kit export-hf / fk.export_hf write consolidated weights from any checkpoint"
