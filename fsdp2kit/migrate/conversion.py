@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,25 @@ class Conversion:
         near = ", ".join(sorted(known)[:60])
         self.refuse(src, src_value, f"unknown {self.source} key: not converted (known here: {near})")
 
+    def finish(self) -> Conversion:
+        """Make the settings agree with each other the way shard_model checks them.
+
+        A source that sets replica groups (``replicate > 1``: a 2-D mesh) with FULL_SHARD or
+        SHARD_GRAD_OP means HSDP, which shard_model names HYBRID_SHARD / HYBRID_SHARD_ZERO2.
+        """
+        parallel = self.settings.get("parallel", {})
+        strategy = parallel.get("strategy")
+        if parallel.get("replicate", 1) > 1 and strategy in _HYBRID:
+            parallel["strategy"] = _HYBRID[strategy]
+            why = f"{strategy} with replicate > 1 is HSDP, which shard_model calls {_HYBRID[strategy]}"
+            self.entries = [
+                replace(e, note=f"{e.note}; {why}" if e.note else why) if e.target == "parallel.strategy" else e
+                for e in self.entries
+            ]
+        elif parallel.get("replicate", 1) > 1 and strategy == "NO_SHARD":
+            self.refuse("parallel.replicate", parallel.pop("replicate"), "NO_SHARD replicates everywhere already")
+        return self
+
     # ---- reading ----
 
     @property
@@ -188,3 +207,4 @@ class Conversion:
 
 
 _UNSET = object()
+_HYBRID = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}

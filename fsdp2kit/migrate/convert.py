@@ -46,9 +46,9 @@ def convert_config(path: str | os.PathLike, *, source: str | None = None) -> Con
     if kind == "deepspeed":
         if "distributed_type" in data or "fsdp_config" in data:
             raise ConfigConversionError(f"{path} looks like an Accelerate config: pass source='accelerate'")
-        return convert_deepspeed(data, str(path))
+        return convert_deepspeed(data, str(path)).finish()
     if "distributed_type" not in data and ("zero_optimization" in data or "train_batch_size" in data):
         raise ConfigConversionError(
             f"{path} looks like a DeepSpeed config (zero_optimization): pass source='deepspeed'"
         )
-    return convert_accelerate(data, str(path))
+    return convert_accelerate(data, str(path)).finish()

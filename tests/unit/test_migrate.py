@@ -85,6 +85,25 @@ def test_toml_is_accepted_by_the_recipe(example: Path, tmp_path: Path) -> None:
     assert tomllib.loads(path.read_text()) == conv.settings
 
 
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if "nvme" not in e.name], ids=lambda p: p.name)
+def test_settings_pass_shard_models_checks(example: Path) -> None:
+    """The converted [parallel] settings are ones shard_model accepts (strategy vs mesh shape, precision)."""
+    from models import TinyGPT
+
+    p = fk.convert_config(example).settings.get("parallel", {})
+    with torch.device("meta"):
+        model = TinyGPT()
+    shard = p.get("shard", 8) if p.get("shard", -1) > 0 else 8
+    fk.estimate_plan(
+        model,
+        shard=shard,
+        replicate=p.get("replicate", 1),
+        strategy=p.get("strategy"),
+        mixed_precision=p.get("mixed_precision"),
+        cpu_offload=p.get("cpu_offload", False),
+    )
+
+
 def test_docs_show_every_example() -> None:
     doc = (ROOT / "docs" / "migrating.md").read_text()
     for example in EXAMPLES:
