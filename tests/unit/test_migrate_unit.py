@@ -213,7 +213,7 @@ def test_bad_files(tmp_path: Path) -> None:
         fk.convert_config(tmp_path / "absent.yaml")
 
 
-# ---- checkpoint loaders, on a plain module (the sharded paths are in tests/dist/test_migrate.py) ----
+# ---- checkpoint loaders, on a plain module (the sharded paths are in tests/dist/test_migrate_checkpoints.py) ----
 
 
 class Net(nn.Module):
