@@ -1,4 +1,4 @@
-"""Rank bodies for test_migrate.py: FSDP1 writes checkpoints at one world size, FSDP2 loads them at others.
+"""Rank bodies for test_migrate_checkpoints.py: FSDP1 writes checkpoints at one world size, FSDP2 loads them at others.
 
 The saves use FSDP1's own state-dict APIs in the layout Accelerate's ``save_state`` writes
 (accelerate/utils/fsdp_utils.py: ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` through DCP with
