@@ -9,6 +9,7 @@ from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
+from fsdp2kit.migrate import ImportResult, convert_config, load_fsdp1_checkpoint, load_full_state_dict
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DistInfo",
+    "ImportResult",
     "LoadResult",
     "PerRank",
     "RNGState",
@@ -34,12 +36,15 @@ __all__ = [
     "apply_activation_checkpointing",
     "clip_grad_norm_",
     "compile_blocks",
+    "convert_config",
     "dcp_to_hf",
     "enable_float8",
     "estimate_plan",
     "export_hf",
     "find_blocks",
     "init_distributed",
+    "load_fsdp1_checkpoint",
+    "load_full_state_dict",
     "load_pretrained",
     "make_mesh",
     "materialize",

@@ -7,6 +7,7 @@ them. Adding a command means writing that module and appending one entry.
     fsdp2kit inspect CKPT_DIR [--step N] [--json]
     fsdp2kit export-hf CKPT_DIR OUT_DIR [--step N] [--dtype bf16] [--config DIR] [--max-shard-size 5GB]
     fsdp2kit plan MODEL --shard N [--replicate M] [--strategy S] [--mixed-precision bf16] [--cpu-offload]
+    fsdp2kit convert-config FILE [--source accelerate|deepspeed] [-o OUT.toml] [--allow-refused]
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fsdp2kit.cli.convert_config import add_convert_config
 from fsdp2kit.cli.export import add_export_hf
 from fsdp2kit.cli.inspect import add_inspect
 from fsdp2kit.cli.plan import add_plan
@@ -21,7 +23,7 @@ from fsdp2kit.cli.plan import add_plan
 __all__ = ["SUBCOMMANDS", "main"]
 
 
-SUBCOMMANDS = [add_inspect, add_export_hf, add_plan]
+SUBCOMMANDS = [add_inspect, add_export_hf, add_plan, add_convert_config]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,260 @@
+"""Accelerate's `accelerate config` YAML -> recipe settings, key by key (FSDP1 and FSDP2 configs).
+
+The keys and values are those `accelerate config` writes and `accelerate launch` reads
+(accelerate/commands/config/cluster.py and utils/dataclasses.py): the launch keys become torchrun
+options, precision / dynamo / fp8 / parallelism blocks become [parallel] keys. The ``fsdp_config``
+block is converted in accelerate_fsdp.py; a ``deepspeed_config`` block by the DeepSpeed rules
+(deepspeed.py) after its Accelerate names are translated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp2kit.migrate.accelerate_fsdp import convert_fsdp_config
+from fsdp2kit.migrate.conversion import NO_GAIN, Conversion, truthy
+from fsdp2kit.migrate.deepspeed import convert_accelerate_deepspeed
+
+__all__ = ["convert_accelerate"]
+
+TPU_ONLY = "TPU launch setting; fsdp2kit runs on CUDA (NCCL) or CPU (gloo)"
+
+
+def convert_accelerate(data: dict, path: str) -> Conversion:
+    """Convert the parsed YAML of an `accelerate config` file."""
+    conv = Conversion("Accelerate", path)
+    data = dict(data)
+    kind = str(data.get("distributed_type", "NO")).upper()
+    machines = int(data.get("num_machines", 1) or 1)
+    _top_level(conv, data, kind, machines)
+    fsdp = data.pop("fsdp_config", None)
+    if fsdp:
+        if kind != "FSDP":
+            conv.not_needed("fsdp_config", "{...}", f"distributed_type is {kind}, so accelerate ignores fsdp_config")
+        else:
+            convert_fsdp_config(conv, dict(fsdp), machines)
+    elif kind == "FSDP":
+        conv.set("parallel", "strategy", "FULL_SHARD", "distributed_type", kind, "no fsdp_config: FULL_SHARD")
+    ds = data.pop("deepspeed_config", None)
+    if ds:
+        if kind != "DEEPSPEED":
+            conv.not_needed("deepspeed_config", "{...}", f"distributed_type is {kind}, so accelerate ignores it")
+        else:
+            convert_accelerate_deepspeed(conv, dict(ds), path)
+    for key, value in data.items():
+        conv.unknown(key, value, [*TOP_LEVEL, "fsdp_config", "deepspeed_config"])
+    return conv
+
+
+TOP_LEVEL = [
+    "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
+    "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "same_network",
+    "gpu_ids", "main_training_function", "enable_cpu_affinity", "downcast_bf16", "dynamo_config", "fp8_config",
+    "parallelism_config", "megatron_lm_config", "mpirun_config", "tpu_name", "tpu_zone", "tpu_use_cluster",
+    "tpu_use_sudo", "tpu_vm", "tpu_env", "command_file", "commands", "fp16", "dynamo_backend",
+]  # fmt: skip
+
+
+def _top_level(conv: Conversion, data: dict, kind: str, machines: int) -> None:
+    pop = data.pop
+    if "compute_environment" in data:
+        env = pop("compute_environment")
+        if str(env).upper() == "LOCAL_MACHINE":
+            conv.not_needed("compute_environment", env, "torchrun runs on the machines you launch it on")
+        else:
+            conv.refuse("compute_environment", env, "SageMaker launching is Accelerate's; run torchrun in the job")
+    if "distributed_type" in data:
+        value = pop("distributed_type")
+        if kind in ("FSDP", "DEEPSPEED"):
+            conv.not_needed("distributed_type", value, "fsdp2kit always shards with FSDP2 (fully_shard)")
+        elif kind == "MULTI_GPU":
+            conv.set(
+                "parallel", "strategy", "NO_SHARD", "distributed_type", value,
+                "DDP -> NO_SHARD: every rank keeps the whole model, gradients all-reduced (FSDP2, not DDP)",
+            )  # fmt: skip
+        elif kind in ("NO", "MULTI_CPU"):
+            conv.not_needed("distributed_type", value, "the recipe runs on CPU (gloo) when no GPU is visible")
+        else:
+            conv.refuse(
+                "distributed_type", value,
+                "fsdp2kit runs on CUDA (NCCL) and CPU (gloo) only; XLA/TPU: torch_xla's own FSDP; "
+                "Megatron-LM: its own launcher (fsdp2kit's tensor parallelism is fk.apply_tensor_parallel)",
+            )  # fmt: skip
+    if "num_processes" in data or "num_machines" in data:
+        total = pop("num_processes", None)
+        if "num_machines" in data:
+            conv.launch("num_machines", pop("num_machines"), f"--nnodes={machines}")
+        conv.nnodes = machines
+        if total is not None:
+            total = int(total)
+            if total > 0 and total % machines:
+                conv.refuse("num_processes", total, f"{total} processes do not split evenly over {machines} machines")
+            elif total > 0:
+                conv.nproc_per_node = total // machines
+                conv.launch(
+                    "num_processes", total, f"--nproc_per_node={total // machines}", "accelerate counts all machines"
+                )
+            else:
+                conv.launch("num_processes", total, "--nproc_per_node=gpu", "-1: one process per visible GPU")
+    if "machine_rank" in data:
+        rank = pop("machine_rank")
+        if machines > 1:
+            conv.torchrun_options.append("--node_rank=$NODE_RANK")
+            conv.launch("machine_rank", rank, "--node_rank", "each machine passes its own rank (0 .. nnodes-1)")
+        else:
+            conv.not_needed("machine_rank", rank, "one machine")
+    ip, port = pop("main_process_ip", None), pop("main_process_port", None)
+    backend = str(pop("rdzv_backend", "static") or "static")
+    if machines > 1:
+        endpoint = f"{ip or '$MASTER_ADDR'}:{port or 29500}"
+        if backend == "static":
+            conv.torchrun_options += [f"--master_addr={ip or '$MASTER_ADDR'}", f"--master_port={port or 29500}"]
+        else:
+            conv.torchrun_options += [f"--rdzv_backend={backend}", f"--rdzv_endpoint={endpoint}"]
+        for key, value in (("main_process_ip", ip), ("main_process_port", port)):
+            if value is not None:
+                conv.launch(key, value, "--master_addr/--master_port" if backend == "static" else "--rdzv_endpoint")
+        conv.launch("rdzv_backend", backend, "static rendezvous" if backend == "static" else "--rdzv_backend")
+    else:
+        for key, value in (("main_process_ip", ip), ("main_process_port", port), ("rdzv_backend", backend)):
+            if value is not None:
+                conv.not_needed(key, value, "one machine: torchrun --standalone needs no rendezvous address")
+        conv.torchrun_options.append("--standalone")
+    if "same_network" in data:
+        conv.not_needed("same_network", pop("same_network"), "torchrun's rendezvous works across networks alike")
+    if "gpu_ids" in data:
+        ids = pop("gpu_ids")
+        if ids in (None, "all", "") or str(ids).lower() == "all":
+            conv.not_needed("gpu_ids", ids, "every visible GPU is used")
+        else:
+            conv.env["CUDA_VISIBLE_DEVICES"] = str(ids)
+            conv.launch("gpu_ids", ids, f"CUDA_VISIBLE_DEVICES={ids}")
+    if "use_cpu" in data:
+        value = pop("use_cpu")
+        if truthy(value):
+            conv.env["CUDA_VISIBLE_DEVICES"] = ""
+            conv.launch("use_cpu", value, 'CUDA_VISIBLE_DEVICES=""', "no GPU visible: the recipe runs on CPU (gloo)")
+        else:
+            conv.not_needed("use_cpu", value, "GPUs are used when there are any")
+    if "debug" in data:
+        value = pop("debug")
+        if truthy(value):
+            conv.env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+            conv.launch("debug", value, "TORCH_DISTRIBUTED_DEBUG=DETAIL", "collective checks, as accelerate's debug")
+        else:
+            conv.not_needed("debug", value, NO_GAIN)
+    if "main_training_function" in data:
+        conv.not_needed("main_training_function", pop("main_training_function"), "torchrun runs the script's __main__")
+    if "enable_cpu_affinity" in data:
+        value = pop("enable_cpu_affinity")
+        if truthy(value):
+            conv.refuse("enable_cpu_affinity", value, "torchrun does not pin cores: wrap the command in numactl")
+        else:
+            conv.not_needed("enable_cpu_affinity", value, NO_GAIN)
+    if "downcast_bf16" in data:
+        conv.not_needed("downcast_bf16", pop("downcast_bf16"), TPU_ONLY)
+    for key in ("tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env", "command_file",
+                "commands", "megatron_lm_config", "mpirun_config"):  # fmt: skip
+        if key in data:
+            value = pop(key)
+            if value in (None, False, [], {}, ""):
+                conv.not_needed(key, value, NO_GAIN)
+            else:
+                conv.refuse(key, value, TPU_ONLY if key.startswith(("tpu", "command")) else "not supported by fsdp2kit")
+    if "fp16" in data:  # accelerate's pre-0.6 spelling of mixed_precision: fp16
+        value = pop("fp16")
+        data.setdefault("mixed_precision", "fp16" if truthy(value) else "no")
+        conv.not_needed("fp16", value, "old spelling; read as mixed_precision")
+    if "mixed_precision" in data:
+        _mixed_precision(conv, pop("mixed_precision"))
+    if "dynamo_backend" in data:  # the old flat spelling
+        data.setdefault("dynamo_config", {"dynamo_backend": pop("dynamo_backend")})
+    if "dynamo_config" in data:
+        _dynamo(conv, pop("dynamo_config") or {})
+    if "fp8_config" in data:
+        _fp8(conv, pop("fp8_config") or {})
+    if "parallelism_config" in data:
+        _parallelism(conv, pop("parallelism_config") or {})
+
+
+def _mixed_precision(conv: Conversion, value: Any) -> None:
+    name = str(value).lower() if value is not None else "no"
+    if name in ("no", "none", "fp32"):
+        conv.set("parallel", "mixed_precision", "fp32", "mixed_precision", value)
+    elif name in ("bf16", "fp16"):
+        note = "bf16 compute, fp32 master weights and fp32 gradient reduction"
+        if name == "fp16":
+            note = "fp16 compute; the recipe does not scale the loss (accelerate uses a GradScaler): prefer bf16"
+        conv.set("parallel", "mixed_precision", name, "mixed_precision", value, note)
+    elif name == "fp8":
+        conv.set("parallel", "mixed_precision", "bf16", "mixed_precision", value, "fp8 matmuls run inside bf16")
+        conv.set("parallel", "float8", True, "mixed_precision", value, "torchao float8 training + float8 all-gather")
+    else:
+        conv.refuse("mixed_precision", value, "expected no, fp16, bf16 or fp8")
+
+
+def _dynamo(conv: Conversion, cfg: dict) -> None:
+    cfg = dict(cfg)
+    backend = str(cfg.pop("dynamo_backend", "NO")).upper()
+    if backend == "NO":
+        conv.not_needed("dynamo_config.dynamo_backend", backend, NO_GAIN)
+    elif backend == "INDUCTOR":
+        conv.set(
+            "parallel", "compile", True, "dynamo_config.dynamo_backend", backend,
+            "regional: each block is compiled in place (compile time flat in depth), not the whole model",
+        )  # fmt: skip
+    else:
+        conv.refuse("dynamo_config.dynamo_backend", backend, "the recipe compiles with inductor only (compile = true)")
+    for key, value in cfg.items():
+        src = f"dynamo_config.{key}"
+        if key == "dynamo_use_regional_compilation":
+            conv.not_needed(src, value, "fsdp2kit always compiles per block (fk.compile_blocks)")
+        elif key in ("dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic"):
+            if value in (None, False, "default"):
+                conv.not_needed(src, value, "torch.compile's default")
+            else:
+                conv.refuse(src, value, "the recipe passes no compile options; fk.compile_blocks(model, **kwargs)")
+        else:
+            conv.unknown(src, value, ["dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic"])
+
+
+def _fp8(conv: Conversion, cfg: dict) -> None:
+    cfg = dict(cfg)
+    backend = str(cfg.pop("backend", "AO")).upper()
+    if backend == "AO":
+        conv.set("parallel", "float8", True, "fp8_config.backend", backend, "torchao float8 (fk.enable_float8)")
+    else:
+        conv.refuse("fp8_config.backend", backend, "fsdp2kit's float8 is torchao's: float8 = true (backend AO)")
+    for key, value in cfg.items():
+        src = f"fp8_config.{key}"
+        if key == "enable_fsdp_float8_all_gather":
+            if truthy(value):
+                conv.not_needed(src, value, "float8 = true always all-gathers in float8")
+            else:
+                conv.refuse(src, value, "the recipe's float8 always all-gathers in float8")
+        elif key == "pad_inner_dim":
+            conv.not_needed(src, value, "torchao's default handling of unaligned dims applies")
+        else:
+            conv.refuse(src, value, f"{backend} option without a torchao counterpart")
+
+
+def _parallelism(conv: Conversion, cfg: dict) -> None:
+    prefix = "parallelism_config_"
+    for key, value in dict(cfg).items():
+        src = f"parallelism_config.{key}"
+        name = key.removeprefix(prefix)
+        if name == "dp_replicate_size":
+            conv.set("parallel", "replicate", int(value), src, value, "HSDP replica groups")
+        elif name == "dp_shard_size":
+            conv.set("parallel", "shard", int(value), src, value)
+        elif name in ("tp_size", "cp_size"):
+            if int(value) <= 1:
+                conv.not_needed(src, value, NO_GAIN)
+            elif name == "tp_size":
+                conv.refuse(src, value, "the recipe has no tp key: fk.apply_tensor_parallel in your own loop")
+            else:
+                conv.refuse(src, value, "context parallelism is not in fsdp2kit")
+        elif name == "cp_comm_strategy":
+            conv.not_needed(src, value, "context parallelism only")
+        else:
+            conv.unknown(src, value, ["dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"])

@@ -1,0 +1,197 @@
+"""`load_fsdp1_checkpoint`: FSDP1 / Accelerate checkpoints (sharded DCP or full files) into an FSDP2 model.
+
+FSDP1 keeps each unit's parameters in one flat tensor, but its state-dict APIs (and so Accelerate's
+``save_state``) write per-parameter names: SHARDED_STATE_DICT goes through DCP, keyed
+``model.<name>`` in ``pytorch_model_fsdp_0/`` and ``optimizer.state.<name>.<exp_avg|...>`` in
+``optimizer_0/``; FULL_STATE_DICT is a ``torch.save`` of the whole state dict
+(``pytorch_model_fsdp.bin``) and of ``FSDP.optim_state_dict`` (``optimizer.bin``), with parameter
+names as optimizer keys. Both are what torch's ``get_/set_model_state_dict`` and
+``get_/set_optimizer_state_dict`` speak for FSDP2's per-parameter DTensors, so the world size and
+the mesh at load need not be those of the save: DCP reshards, and full tensors are split here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit._internal.agree import all_ranks_or_none
+from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit.migrate.full_state import ImportResult, allocate_for_load, load_full_state_dict, torch_load_safely
+from fsdp2kit.weights.hf_layout import clean_fqn
+
+__all__ = ["load_fsdp1_checkpoint"]
+
+MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"  # accelerate's FSDP_MODEL_NAME_{i}, OPTIMIZER_NAME_{i}
+FULL_MODEL, FULL_OPTIM = "pytorch_model_fsdp.bin", "optimizer.bin"
+ZERO_TO_FP32 = (
+    "a DeepSpeed ZeRO checkpoint holds flat per-rank partitions: consolidate it first with the script DeepSpeed "
+    "copied into it, `python {dir}/zero_to_fp32.py {dir} OUT_DIR --safe_serialization`, then load OUT_DIR "
+    "with fk.load_full_state_dict (the optimizer state does not carry over)"
+)
+
+
+def _layout(path: Path) -> tuple[str, Path, Path | None]:
+    """("dcp" | "full", where the model is, where the optimizer state is or None)."""
+    if path.is_file():
+        sibling = path.parent / FULL_OPTIM
+        return "full", path, sibling if path.name == FULL_MODEL and sibling.is_file() else None
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist")
+    if (path / MODEL_DIR / ".metadata").is_file():
+        optim = path / OPTIM_DIR
+        return "dcp", path / MODEL_DIR, optim if (optim / ".metadata").is_file() else None
+    if path.name == OPTIM_DIR:
+        raise ValueError(f"{path} is Accelerate's optimizer directory: pass its parent (the save_state directory)")
+    if (path / ".metadata").is_file():
+        return "dcp", path, path
+    if (path / FULL_MODEL).is_file():
+        optim = path / FULL_OPTIM
+        return "full", path / FULL_MODEL, optim if optim.is_file() else None
+    rank_files = sorted(p.name for p in path.glob("*_rank*.bin"))
+    if rank_files:
+        raise ValueError(
+            f"{path} holds per-rank files ({fmt_list(rank_files, 4)}): Accelerate's use_dcp=False or "
+            "LOCAL_STATE_DICT, which only the same world size under FSDP1 can read. Load it there and save again "
+            "with fsdp_state_dict_type SHARDED_STATE_DICT (DCP) or FULL_STATE_DICT"
+        )
+    if (path / "latest").is_file() or list(path.glob("global_step*")) or list(path.glob("*optim_states.pt")):
+        raise ValueError(ZERO_TO_FP32.format(dir=path))
+    return "full", path, None
+
+
+def _dcp_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _load_dcp_model(model: nn.Module, path: Path) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
+        stored = _dcp_keys(path)
+        state = get_model_state_dict(model)
+        prefix = next((p for p in ("model.", "") if all(p + k in stored for k in state)), None)
+        if prefix is None:
+            best = "model." if any(k.startswith("model.") for k in stored) else ""
+            missing = sorted(k for k in state if best + k not in stored)
+            raise ValueError(
+                f"{path} lacks keys the model has: {fmt_list(missing)}; it holds: {fmt_list(sorted(stored))}"
+            )
+        if prefix:
+            extra = sorted(k[len(prefix) :] for k in stored if k.startswith(prefix) and k[len(prefix) :] not in state)
+            if extra:
+                raise ValueError(f"{path} holds tensors the model does not have: {fmt_list(extra)}")
+    dcp.load({"model": state} if prefix else state, storage_reader=dcp.FileSystemReader(str(path)))
+    set_model_state_dict(model, state)
+    return len(state)
+
+
+def _load_dcp_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)  # per-FQN, with the state the optimizer will have
+    with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
+        stored = _dcp_keys(path)
+        prefix = next((p for p in ("optimizer", "optim") if any(k.startswith(f"{p}.state.") for k in stored)), None)
+        if prefix is None:
+            raise ValueError(f"{path} holds no optimizer state (no optimizer.state.* keys)")
+        wanted = [f"{prefix}.state.{fqn}.{name}" for fqn, entries in state["state"].items() for name in entries]
+        missing = [k for k in wanted if k not in stored]
+        if missing:
+            raise ValueError(
+                f"{path} lacks optimizer state the model's optimizer has: {fmt_list(missing)} (another optimizer "
+                "type, or parameters that were frozen when it was saved?)"
+            )
+    dcp.load({prefix: state}, storage_reader=dcp.FileSystemReader(str(path)))
+    set_optimizer_state_dict(model, optimizer, state)
+
+
+def _check_adam_moments(state: dict, path: Path) -> None:
+    """Refuse Adam state whose first moment equals its second everywhere: a known-bad FSDP1 save.
+
+    FSDP1's FULL_STATE_DICT ``optim_state_dict`` with ``use_orig_params=True`` wrote ``exp_avg``
+    equal to ``exp_avg_sq`` for every parameter in our tests (torch 2.13, CPU/gloo, 2 ranks; the
+    SHARDED_STATE_DICT save of the same optimizer is right). A real first moment is signed and a
+    second moment is not, so all-equal pairs cannot come from training.
+    """
+    pairs = [
+        (e["exp_avg"], e["exp_avg_sq"])
+        for e in state["state"].values()
+        if isinstance(e, dict) and isinstance(e.get("exp_avg"), torch.Tensor) and "exp_avg_sq" in e
+    ]
+    if pairs and all(torch.equal(a, b) and bool((a < 0).sum() == 0) for a, b in pairs):
+        raise ValueError(
+            f"{path}: every exp_avg equals its exp_avg_sq, which training never produces; FSDP1's full optimizer "
+            "state dict with use_orig_params=True writes this (seen with torch 2.13 on CPU). The weights are "
+            "fine: load them with optimizer=None, or save the optimizer with SHARDED_STATE_DICT and load that"
+        )
+
+
+def _load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
+        state = torch_load_safely(path)
+        if not (isinstance(state, dict) and isinstance(state.get("state"), dict) and "param_groups" in state):
+            raise ValueError(f"{path} is not an optimizer state dict (no 'state' and 'param_groups')")
+        if any(not isinstance(k, str) for k in state["state"]):
+            raise ValueError(
+                f"{path} is keyed by parameter index, as optimizer.state_dict() of an FSDP1 model is: those are "
+                "flat per-rank shards. Save it with FSDP.optim_state_dict(model, optimizer) (what Accelerate does) "
+                "under FSDP1 at the original world size, then load that"
+            )
+        _check_adam_moments(state, path)
+        names = {clean_fqn(n) for n, _ in model.named_parameters()}
+        unknown = sorted(k for k in state["state"] if k not in names)
+        if unknown:
+            raise ValueError(f"{path} has optimizer state for parameters the model lacks: {fmt_list(unknown)}")
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_fsdp1_checkpoint(
+    model: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> ImportResult:
+    """Load a checkpoint written by FSDP1 or Accelerate into a model prepared with `shard_model`.
+
+    Call it on every rank after `shard_model` and after building the optimizer (its state is
+    created here when it has none yet). ``path`` is one of:
+
+    - an Accelerate ``save_state`` directory with SHARDED_STATE_DICT: ``pytorch_model_fsdp_0/``
+      (and ``optimizer_0/``), or a DCP directory an FSDP1 loop wrote itself with ``model.``- or
+      un-prefixed keys (and ``optimizer.`` / ``optim.`` state in the same directory);
+    - a FULL_STATE_DICT save: a directory with ``pytorch_model_fsdp.bin`` (and ``optimizer.bin``), or
+      the model file itself; any consolidated file `load_full_state_dict` reads works too.
+
+    The world size and mesh may differ from the save. Files are read with
+    ``torch.load(weights_only=True)``: no pickled code runs. Scheduler, RNG and dataloader state
+    that Accelerate keeps beside the model are not read (``scheduler.bin`` is a plain
+    ``torch.load(..., weights_only=True)`` away; RNG pickles are deliberately not unpickled).
+    Raises ``ValueError`` naming what differs (missing or extra keys, shapes, an optimizer file
+    keyed by index) on every rank, before any tensor is copied; a DeepSpeed ZeRO directory gets
+    the command that consolidates it.
+    """
+    path = Path(path)
+    with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
+        kind, model_at, optim_at = _layout(path)
+        if optimizer is not None and optim_at is None:
+            raise ValueError(f"{path} holds no optimizer state this can read ({OPTIM_DIR}/ or {FULL_OPTIM})")
+    if kind == "full":
+        result = load_full_state_dict(model, model_at)
+        if optimizer is not None:
+            _load_full_optimizer(model, optimizer, optim_at)
+            result.optimizer_source = str(optim_at)
+        return result
+    allocate_for_load(model)  # DCP loads into real storage
+    result = ImportResult("dcp", str(model_at))
+    result.tensors = _load_dcp_model(model, model_at)
+    if optimizer is not None:
+        _load_dcp_optimizer(model, optimizer, optim_at)
+        result.optimizer_source = str(optim_at)
+    return result

@@ -1,0 +1,224 @@
+"""Consolidated state dicts (one ``torch.save`` file or safetensors files) read into each rank's shards.
+
+FSDP1's FULL_STATE_DICT file, DeepSpeed's ``zero_to_fp32`` output and a plain
+``torch.save(model.state_dict())`` are all the same thing: every tensor of the model, whole, under
+its module name. ``.bin`` / ``.pt`` files are opened with ``torch.load(weights_only=True, mmap=True)``
+(no pickled code runs, and only the pages of the rows a rank copies are read); safetensors files
+through fsdp2kit's row reader. Each rank copies only its own rows into its shards, so no
+collective is needed beyond the agreement that every rank's checks passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit._internal.agree import all_ranks_or_none
+from fsdp2kit._internal.dtensor import local_index, local_shard
+from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit.weights.allocate import allocate, target_device
+from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.hf_layout import clean_fqn, model_tensors
+from fsdp2kit.weights.safetensors import SafetensorsReader
+
+__all__ = ["ImportResult", "allocate_for_load", "full_state_files", "load_full_state_dict", "torch_load_safely"]
+
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+# Tried in this order in a directory: Accelerate's FULL_STATE_DICT name, then what zero_to_fp32
+# and save_pretrained write (sharded with an index, or one file).
+DIR_CANDIDATES = (
+    "pytorch_model_fsdp.bin",
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+WRAPPING_KEYS = ("state_dict", "model", "module")
+
+
+@dataclass
+class ImportResult:
+    """What a load from another framework's checkpoint did on this rank."""
+
+    format: str  # "dcp" (sharded: FSDP1 SHARDED_STATE_DICT / Accelerate) or "full" (one state dict)
+    model_source: str
+    optimizer_source: str | None = None
+    tensors: int = 0
+    skipped_keys: list[str] = field(default_factory=list)  # in the file, non-persistent in the model
+
+
+def torch_load_safely(path: Path) -> object:
+    """``torch.load`` that never runs pickled code, memory-mapped where the file format allows."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):  # the legacy (pre-1.6, non-zip) format cannot be mapped
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def full_state_files(path: Path) -> list[Path]:
+    """The files of a consolidated state dict: ``path`` itself, or what a directory holds."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist")
+    for name in DIR_CANDIDATES:
+        candidate = path / name
+        if not candidate.is_file():
+            continue
+        if name.endswith(".index.json"):
+            weight_map = json.loads(candidate.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{candidate} has no weight_map")
+            files = sorted({path / f for f in weight_map.values()})
+            absent = [str(f) for f in files if not f.is_file()]
+            if absent:
+                raise FileNotFoundError(f"{candidate} names files that are not there: {fmt_list(absent)}")
+            return files
+        return [candidate]
+    shards = sorted(path.glob("*.safetensors"))
+    if shards:
+        return shards
+    found = sorted(p.name for p in path.iterdir())
+    raise FileNotFoundError(
+        f"{path} holds no consolidated state dict (looked for {', '.join(DIR_CANDIDATES)}, *.safetensors); "
+        f"it has: {fmt_list(found)}"
+    )
+
+
+class _TorchFiles:
+    """The tensors of ``torch.save``'d state dicts, memory-mapped, behind SafetensorsReader's methods."""
+
+    def __init__(self, files: list[Path]):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.files: dict[str, Path] = {}
+        for f in files:
+            data = torch_load_safely(f)
+            if isinstance(data, dict) and not any(isinstance(v, torch.Tensor) for v in data.values()):
+                inner = [k for k in WRAPPING_KEYS if isinstance(data.get(k), dict)]
+                if inner:  # torch.save({"model": state_dict, ...}) and DeepSpeed-style {"module": ...}
+                    data = data[inner[0]]
+            if not isinstance(data, dict):
+                raise ValueError(f"{f} holds a {type(data).__name__}, not a state dict")
+            for k, v in data.items():
+                if isinstance(v, torch.Tensor):
+                    self.tensors[k], self.files[k] = v, f
+                else:
+                    raise ValueError(
+                        f"{f}: {k!r} is a {type(v).__name__}, not a tensor; is this an optimizer or training-state "
+                        "file rather than model weights?"
+                    )
+        self.bytes = 0
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        part = self.tensors[key][index]
+        self.bytes += part.numel() * part.element_size()
+        return part
+
+    def close(self) -> None:
+        self.tensors.clear()
+
+
+def _reader(files: list[Path]):
+    if all(f.suffix == ".safetensors" for f in files):
+        probe = SafetensorsReader({})
+        keys = {k: f for f in files for k in probe.header(f)[1] if k != "__metadata__"}
+        return SafetensorsReader(keys), list(keys)
+    if any(f.suffix == ".safetensors" for f in files):
+        raise ValueError(f"mixed safetensors and torch files: {fmt_list([str(f) for f in files])}")
+    reader = _TorchFiles(files)
+    return reader, list(reader.tensors)
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    return {
+        clean_fqn(f"{mn}.{bn}" if mn else bn)
+        for mn, m in model.named_modules(remove_duplicate=False)
+        for bn in m._non_persistent_buffers_set
+    }
+
+
+def allocate_for_load(model: nn.Module) -> None:
+    """Storage for a meta-built model whose values all come from a checkpoint (no init is run).
+
+    Non-persistent buffers are in no checkpoint: they are recomputed by the model's own
+    construction code, and a model whose buffers cannot be recomputed that way is an error.
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    with all_ranks_or_none(model, "allocating the meta-built model"):
+        _, buffers = allocate(model, target_device(model, None))
+        fill_buffers(model, buffers, missing_ok=False)
+
+
+def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:
+    """Load a consolidated state dict into a model prepared with `shard_model`, on every rank.
+
+    ``path`` is a file (``.bin`` / ``.pt`` / ``.pth`` from ``torch.save``, or ``.safetensors``) or a
+    directory holding ``pytorch_model_fsdp.bin`` (Accelerate's FULL_STATE_DICT), or what DeepSpeed's
+    ``zero_to_fp32.py`` writes (``pytorch_model.bin``, ``model.safetensors``, or shards with their
+    ``.index.json``). Keys are module names (wrapper segments such as ``_fsdp_wrapped_module`` are
+    ignored); a tied weight needs one of its names. Values are cast to each parameter's dtype.
+
+    Every key the model needs must be in the file and every tensor in the file must be the model's
+    (non-persistent buffers, which DeepSpeed saves, are skipped and listed in the result): any other
+    difference is a ``ValueError`` naming the keys, raised on every rank before anything is copied.
+    A model still on the meta device gets storage first (its non-persistent buffers recomputed).
+    """
+    path = Path(path)
+    with all_ranks_or_none(model, "load_full_state_dict"):
+        files = full_state_files(path)
+        reader, keys = _reader(files)
+        by_name = {clean_fqn(k): k for k in keys}
+        tensors, aliases = model_tensors(model)
+        groups: dict[str, list[str]] = {}
+        for name, first in aliases.items():
+            groups.setdefault(first, []).append(name)
+        sources, missing, mismatched = {}, [], []
+        for first, names in groups.items():
+            present = [n for n in names if n in by_name]
+            if not present:
+                missing.append(first)
+                continue
+            sources[first] = by_name[present[0]]
+            got, want = tuple(reader.shape(sources[first])), tuple(tensors[first].shape)
+            if got != want:
+                mismatched.append(f"{first} {list(got)} in the file, {list(want)} in the model")
+        skippable = _non_persistent(model)
+        extra = sorted(n for n in by_name if n not in tensors)
+        skipped = [n for n in extra if n in skippable]
+        unexpected = [n for n in extra if n not in skippable]
+        problems = []
+        if mismatched:
+            problems.append(f"shapes differ: {fmt_list(mismatched, 6)}")
+        if missing:
+            problems.append(f"missing from the file: {fmt_list(missing)}")
+        if unexpected:
+            problems.append(f"in the file but not in the model: {fmt_list(unexpected)}")
+        if problems:
+            reader.close()
+            raise ValueError(f"load_full_state_dict({path}) into {type(model).__name__}: " + "; ".join(problems))
+    if any(t.is_meta for t in tensors.values()):
+        allocate_for_load(model)
+        tensors, _ = model_tensors(model)  # allocation may replace plain (unsharded) tensors
+    result = ImportResult("full", ", ".join(str(f) for f in files), skipped_keys=skipped)
+    with all_ranks_or_none(model, "load_full_state_dict"), torch.no_grad():
+        try:
+            for first, key in sources.items():
+                target = tensors[first]
+                local = local_shard(target)
+                if local.numel():
+                    local.copy_(reader.read(key, local_index(target)))
+                result.tensors += 1
+        finally:
+            reader.close()
+    return result
