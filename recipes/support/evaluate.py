@@ -44,7 +44,7 @@ def evaluate(model: torch.nn.Module, rows, batch_size: int, *, rank: int, world_
         batch = {k: v.to(device) for k, v in batch.items()}
         sums[0] += answer_loss_sum(model, batch).double()
         sums[1] += (batch["labels"] != IGNORE).sum()
-    if dist.is_initialized():
+    if world_size > 1:
         dist.all_reduce(sums)
     model.train(was_training)
     loss = (sums[0] / sums[1].clamp(min=1)).item()
