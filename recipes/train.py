@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from support.config import ConfigError, config_to_dict, parse_config
-from support.data import DataError, ResumableLoader, describe, setup_data, setup_tokenizer
+from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
 from support.evaluate import evaluate
 from support.export import export_model
 from support.loss import answer_loss_sum, backward_global_mean
@@ -197,6 +197,13 @@ def main(argv: list[str] | None = None) -> None:
         meta=cfg.model.meta_init or cfg.model.pretrained,
         device=info.device,
     )
+    try:
+        check_vocab(tokenizer, model)  # the same answer on every rank: no collective needed
+    except DataError as e:
+        if info.is_main:
+            print(f"data error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(1)
 
     # 3. wrappers that change modules must come before sharding
     if p.float8:

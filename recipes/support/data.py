@@ -22,7 +22,16 @@ from support.loader import ResumableLoader
 from support.rows import DataError, DataSplits, load_rows, prepare_data
 from support.tokenizer import load_tokenizer, train_demo_tokenizer
 
-__all__ = ["DataError", "DataSplits", "ResumableLoader", "build_once", "setup_data", "setup_tokenizer"]
+__all__ = [
+    "DataError",
+    "DataSplits",
+    "ResumableLoader",
+    "build_once",
+    "check_vocab",
+    "describe",
+    "setup_data",
+    "setup_tokenizer",
+]
 
 
 def build_once(build: Callable[[], Any], *, rank: int, local_rank: int, world_size: int) -> Any:
@@ -73,6 +82,8 @@ def setup_tokenizer(path: str, cache_dir: str, *, rank: int, local_rank: int, wo
 
 def setup_data(data_cfg, eval_cfg, tokenizer, *, seed: int, rank: int, local_rank: int, world_size: int) -> DataSplits:
     """The rows of the training split and the held-out split (or None), built once and cached."""
+    if eval_cfg.every and not eval_cfg.files and not eval_cfg.fraction:
+        raise DataError("[eval] every is set but there is no held-out split: set [eval] files or [eval] fraction")
     spec = FormatSpec(
         data_cfg.format,
         text_field=data_cfg.text_field,
@@ -110,6 +121,16 @@ def setup_data(data_cfg, eval_cfg, tokenizer, *, seed: int, rank: int, local_ran
     return load_rows(Path(path))
 
 
+def check_vocab(tokenizer, model) -> None:
+    """A tokenizer with ids past the model's embedding would fail in the first forward, far from the cause."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise DataError(
+            f"the tokenizer ({tokenizer.name_or_path or 'demo'}) has {len(tokenizer)} tokens but the model's "
+            f"vocabulary has {vocab}: use the tokenizer the model was trained with"
+        )
+
+
 def describe(splits: DataSplits, seq_len: int) -> str:
     """One line per split for the log: records -> examples -> rows, answer tokens, what was cut."""
     lines = []
@@ -123,6 +144,8 @@ def describe(splits: DataSplits, seq_len: int) -> str:
         )
         if s["truncated"]:
             line += f"; {s['truncated']} truncated to seq_len"
+        if s.get("no_answer"):
+            line += f"; {s['no_answer']} dropped: no answer tokens"
         if s["cut_off"]:
             line += f"; {s['cut_off']} dropped: seq_len cut off their whole answer"
         lines.append(line)

@@ -52,6 +52,8 @@ def read_records(path: str | Path, cache_dir: str | Path):
     if p.is_dir() and (p / "dataset_info.json").is_file():
         ds = datasets.load_from_disk(str(p))
         return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+    if p.is_dir():
+        raise DataError(f"data path {p} is a directory but not a dataset saved with save_to_disk")
     if not p.is_file():
         raise DataError(f"data file {p} does not exist")
     builder = _BUILDERS.get(p.suffix.lower())
@@ -92,9 +94,16 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, spec: FormatSpe
 def _fit_batch(batch: dict, *, seq_len: int, chunk: bool) -> dict:
     """Each example to at most seq_len + 1 tokens (seq_len training positions): text is cut into chunks
     that overlap by one token (nothing is lost), chat/completion examples are truncated."""
-    out = {"ids": [], "labels": [], "cut": [], "truncated": []}
+    out = {"ids": [], "labels": [], "cut": [], "truncated": [], "no_answer": []}
     for ids, labels in zip(batch["ids"], batch["labels"]):
         full = sum(t != IGNORE for t in labels[1:])
+        if full == 0:  # nothing to learn from (e.g. a chat with no assistant turn): counted, then dropped
+            out["ids"].append(ids[:2])
+            out["labels"].append(labels[:2])
+            out["cut"].append(False)
+            out["truncated"].append(False)
+            out["no_answer"].append(True)
+            continue
         if chunk:
             starts = range(0, max(1, len(ids) - 1), seq_len)
             pieces = [(ids[s : s + seq_len + 1], labels[s : s + seq_len + 1]) for s in starts]
@@ -106,6 +115,7 @@ def _fit_batch(batch: dict, *, seq_len: int, chunk: bool) -> dict:
             out["labels"].append(plab)
             out["cut"].append(full > 0 and kept == 0 and not chunk)
             out["truncated"].append(not chunk and len(ids) > seq_len + 1)
+            out["no_answer"].append(False)
     return out
 
 
@@ -143,6 +153,14 @@ def pack_examples(batch: dict, *, seq_len: int, pad_id: int, packing: bool) -> d
         cur_pos += range(m)
     flush()
     return rows
+
+
+def _procs(num_proc: int, n_records: int) -> int | None:
+    """Processes for a map: as asked, or (0) one per core up to 8 once there is enough work to pay
+    for starting them (below 10k records one process is faster)."""
+    if num_proc == 0:
+        num_proc = 1 if n_records < 10_000 else min(8, os.cpu_count() or 1)
+    return num_proc if num_proc > 1 and n_records >= 2 * num_proc else None
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
@@ -185,7 +203,7 @@ def _encoded(sources, tokenizer, spec: FormatSpec, cache_dir: Path, num_proc: in
             with_indices=True,
             remove_columns=ds.column_names,
             fn_kwargs={"tokenizer": tokenizer, "spec": spec},
-            num_proc=num_proc if len(ds) >= 2 * num_proc > 2 else None,
+            num_proc=_procs(num_proc, len(ds)),
             desc=f"tokenizing {where}",
         )
         bad = enc.filter(lambda e: bool(e), input_columns="error")
@@ -212,10 +230,11 @@ def _rows(examples, *, seq_len: int, pad_id: int, packing: bool, chunk: bool, nu
         batched=True,
         remove_columns=examples.column_names,
         fn_kwargs={"seq_len": seq_len, "chunk": chunk},
-        num_proc=num_proc if n_records >= 2 * num_proc > 2 else None,
+        num_proc=_procs(num_proc, n_records),
     )
     cut = sum(fit["cut"])
     truncated = sum(fit["truncated"])
+    no_answer = sum(fit["no_answer"])
     fit = fit.filter(lambda labels: any(t != IGNORE for t in labels[1:]), input_columns="labels")
     answer_tokens = sum(sum(t != IGNORE for t in lab[1:]) for lab in fit["labels"])
     if answer_tokens == 0:
@@ -239,6 +258,7 @@ def _rows(examples, *, seq_len: int, pad_id: int, packing: bool, chunk: bool, nu
         "answer_tokens": answer_tokens,
         "cut_off": cut,
         "truncated": truncated,
+        "no_answer": no_answer,
         "fill": sum(len(e) - 1 for e in fit["ids"]) / max(1, len(rows) * seq_len),
     }
     assert used == answer_tokens
@@ -277,7 +297,6 @@ def prepare_data(
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has neither a pad nor an EOS token to pad rows with")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    num_proc = num_proc or min(8, os.cpu_count() or 1)
     key = hashlib.sha256(
         json.dumps(
             {

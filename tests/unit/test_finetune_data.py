@@ -287,3 +287,25 @@ def test_demo_tokenizer_and_chat_file(tok, tmp_path):
 
     shipped = Path(__file__).resolve().parents[2] / "recipes" / "data" / "demo_chat.jsonl"
     assert shipped.read_text() == (tmp_path / "chat.jsonl").read_text(), "regenerate: make demo-data"
+
+
+def test_records_without_answers_are_counted_and_settings_checked(tok, tmp_path):
+    from types import SimpleNamespace
+
+    from support.data import check_vocab, setup_data
+
+    users_only = {"messages": [{"role": "user", "content": "hi"}]}
+    _, stats = _prepare(tok, tmp_path, [_jsonl(tmp_path / "d.jsonl", [*demo_chat(4), users_only])])
+    assert stats["train"]["no_answer"] == 1 and stats["train"]["examples"] == 4
+    no_split = SimpleNamespace(every=5, files="", fraction=0.0)
+    with pytest.raises(DataError, match="every is set but there is no held-out split"):
+        setup_data(SimpleNamespace(), no_split, tok, seed=0, rank=0, local_rank=0, world_size=1)
+    with pytest.raises(DataError, match=r"has \d+ tokens but the model's vocabulary has 256"):
+        check_vocab(tok, SimpleNamespace(config=SimpleNamespace(vocab_size=256)))
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tok_plain):
+    # e.g. templates that drop earlier assistant turns' reasoning: the prefix rendering no longer matches
+    tok_plain.chat_template = "{% for m in messages %}{{ m['content'] if loop.last else '' }}{% endfor %}"
+    _, _, err = encode_record(tok_plain, CHAT, FormatSpec("chat"))
+    assert "add {% generation %} markers" in err
