@@ -17,6 +17,9 @@ CHAT_DATA = str(ROOT / "recipes" / "data" / "demo_chat.jsonl")
 QUICK = ["--data.seq_len", "64", "--log.every", "2", "--log.progress", "false"]
 
 
+# Three torchrun launches (a minute and more here): make test-all. make test covers the pieces
+# (tests/unit/test_finetune_data.py, tests/dist/test_finetune_loss.py) and the bad-record launch below.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pretrain_finetune_eval_export(tmp_path):
     base, chat = tmp_path / "base", tmp_path / "chat"

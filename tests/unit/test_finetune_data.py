@@ -309,3 +309,23 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok_plain):
     tok_plain.chat_template = "{% for m in messages %}{{ m['content'] if loop.last else '' }}{% endfor %}"
     _, _, err = encode_record(tok_plain, CHAT, FormatSpec("chat"))
     assert "add {% generation %} markers" in err
+
+
+def test_export_loads_in_transformers_with_its_tokenizer(tok, tmp_path):
+    from support.export import export_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=len(tok)
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    export_model(model, tok, tmp_path / "hf", is_main=False)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    again = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    prompt = again.apply_chat_template(CHAT["messages"][:2], add_generation_prompt=True, return_dict=True)
+    x = torch.tensor([prompt["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits)
+    assert loaded.config.eos_token_id == again.eos_token_id == tok.convert_tokens_to_ids("<|end|>")
+    assert loaded.generation_config.eos_token_id == again.eos_token_id  # generate() stops at the end of a turn
