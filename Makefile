@@ -39,14 +39,20 @@ test: lint
 test-all: lint
 	$(PY) -m pytest
 
-# The main job: train on the embedded corpus, stop at step 120, then a second launch resumes
-# from the newest complete checkpoint and finishes at step 200.
+# The main job: pre-train on the embedded corpus, stop at step 120, then a second launch resumes
+# from the newest complete checkpoint, finishes at step 200 and exports; that model is fine-tuned
+# on the embedded chat set (held-out loss, export), and the export answers a question.
 demo: install
 	rm -rf outputs/demo
-	$(TORCHRUN) recipes/train.py --config recipes/configs/demo.toml --train.steps 120
+	$(TORCHRUN) recipes/train.py --config recipes/configs/demo.toml --train.steps 120 --export.hf_dir ''
 	@echo "=== a second launch resumes from the newest complete checkpoint ==="
 	$(TORCHRUN) recipes/train.py --config recipes/configs/demo.toml
 	@$(PY) recipes/summary.py outputs/demo/train.jsonl
+	@echo "=== fine-tune the exported model on the embedded chat set, with a held-out loss, then export ==="
+	$(TORCHRUN) recipes/train.py --config recipes/configs/demo_chat.toml
+	@$(PY) recipes/summary.py outputs/demo/chat.jsonl
+	@echo "=== the export, loaded with plain transformers ==="
+	$(PY) recipes/generate.py outputs/demo/chat "Where does the cat sleep?"
 
 # FSDP1 vs FSDP2 (fsdp2kit) vs DDP, side by side in one torchrun (benchmarks/README.md):
 # table on stdout; JSON, markdown and PNG under benchmarks/results/. BENCH_ARGS passes options,

@@ -29,6 +29,12 @@ def main(path: str) -> None:
         f"  tokens/s       {statistics.median(r['tokens_per_s'] for r in steps.values()):.0f}"
         " (median over logged intervals)"
     )
+    evals = [r for r in lines if "eval_loss" in r]
+    if evals:
+        print(
+            f"  held-out loss  {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f}"
+            f" (perplexity {evals[-1]['eval_ppl']:.2f}, steps {evals[0]['step']} -> {evals[-1]['step']})"
+        )
     print(f"  peak memory    {max(r['peak_mem_gib'] for r in steps.values()):.2f} GiB per rank (max)")
     if ckpt:
         print(f"  checkpoint     {ckpt}/step_{last['step']:08d}")

@@ -17,7 +17,6 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
@@ -27,9 +26,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from support.config import ConfigError, config_to_dict, parse_config
-from support.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
+from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
+from support.evaluate import evaluate
+from support.export import export_model
+from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import JsonlLogger, Timer, peak_memory_bytes
 
 import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
@@ -50,11 +51,32 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    files: str = opt("", "comma-separated local .txt/.jsonl files; empty: the embedded demo corpus")
-    tokenizer: str = opt("", "a local Hugging Face tokenizer directory; empty: bytes (vocab 256)")
-    text_field: str = opt("text", "the JSONL field that holds the text")
-    seq_len: int = opt(128, "tokens per training sequence (packed, no padding)")
+    files: str = opt("", "comma-separated local .jsonl/.json/.parquet/.arrow/.txt files; empty: the demo corpus")
+    format: str = opt("text", "text (train on every token) | chat (a messages list) | completion (prompt, completion)")
+    tokenizer: str = opt("", "a local Hugging Face tokenizer directory; empty: the demo BPE, trained into cache_dir")
+    seq_len: int = opt(128, "tokens per training sequence")
     batch_size: int = opt(8, "sequences per rank per micro-step")
+    packing: bool = opt(True, "pack several examples per sequence (they never attend to each other); false: pad")
+    text_field: str = opt("text", "format=text: the field that holds the text")
+    messages_field: str = opt("messages", "format=chat: the field that holds the list of {role, content}")
+    prompt_field: str = opt("prompt", "format=completion: the field that holds the prompt")
+    completion_field: str = opt("completion", "format=completion: the field that holds the answer (trained on)")
+    template: str = opt("", "format=completion: a str.format template over the record's fields making the prompt")
+    cache_dir: str = opt("outputs/data_cache", "tokenized rows are cached here, keyed by files, tokenizer, settings")
+    num_proc: int = opt(0, "processes that tokenize (0: up to 8, one per core)")
+
+
+@dataclass
+class EvalConfig:
+    files: str = opt("", "held-out files (same format as [data]); empty: a fraction of the data, or no eval")
+    fraction: float = opt(0.0, "hold out this fraction of the [data] records when no eval files are given")
+    every: int = opt(0, "evaluate every N steps (0: only at the end); each covers the whole held-out split")
+    batch_size: int = opt(8, "sequences per rank per eval forward")
+
+
+@dataclass
+class ExportConfig:
+    hf_dir: str = opt("", "at the end, write a Hugging Face model (and its tokenizer) here; empty: no export")
 
 
 @dataclass
@@ -108,24 +130,26 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
-def build_data(cfg: DataConfig, info: fk.DistInfo, seed: int) -> tuple[ResumableLoader, int]:
-    if cfg.tokenizer:
-        from transformers import AutoTokenizer
+def build_data(cfg: Config, info: fk.DistInfo):
+    """(tokenizer, training loader, held-out rows or None): tokenized once per node, cached (support/data.py)."""
+    ranks = {"rank": info.rank, "local_rank": info.local_rank, "world_size": info.world_size}
+    tokenizer = setup_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, **ranks)
+    splits = setup_data(cfg.data, cfg.eval, tokenizer, seed=cfg.train.seed, **ranks)
+    if info.is_main:
+        print(describe(splits, cfg.data.seq_len), flush=True)
+    loader = ResumableLoader(
+        splits.train, cfg.data.batch_size, rank=info.rank, world_size=info.world_size, seed=cfg.train.seed
+    )
+    return tokenizer, loader, splits.eval
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
-        vocab = len(tokenizer)
-    else:
-        tokenizer, vocab = ByteTokenizer(), ByteTokenizer.vocab_size
-    docs = read_texts(cfg.files.split(","), text_field=cfg.text_field) if cfg.files else demo_corpus()
-    dataset = PackedDataset(tokenize(docs, tokenizer), cfg.seq_len)
-    return ResumableLoader(dataset, cfg.batch_size, rank=info.rank, world_size=info.world_size, seed=seed), vocab
 
-
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+def mean_answer_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's mean loss over its answer tokens (the smoke check's loss)."""
+    return answer_loss_sum(model, batch) / (batch["labels"] != -100).sum().clamp(min=1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,7 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     info = fk.init_distributed()
     mesh = fk.make_mesh(shard=cfg.parallel.shard, replicate=cfg.parallel.replicate)
     torch.manual_seed(cfg.train.seed)
-    loader, vocab = build_data(cfg.data, info, cfg.train.seed)
+    try:
+        tokenizer, loader, eval_rows = build_data(cfg, info)
+    except (DataError, FileNotFoundError) as e:
+        if info.is_main:
+            print(f"data error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(1)
+    vocab = len(tokenizer)
 
     # 2. the model, on the meta device unless asked otherwise
     model = build_causal_lm(
@@ -166,6 +197,13 @@ def main(argv: list[str] | None = None) -> None:
         meta=cfg.model.meta_init or cfg.model.pretrained,
         device=info.device,
     )
+    try:
+        check_vocab(tokenizer, model)  # the same answer on every rank: no collective needed
+    except DataError as e:
+        if info.is_main:
+            print(f"data error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(1)
 
     # 3. wrappers that change modules must come before sharding
     if p.float8:
@@ -204,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     if t.smoke:
         from support.smoke import run_smoke
 
-        ok = run_smoke(model, optimizer, scheduler, loader, plan, lm_loss, info, Path(cfg.checkpoint.dir) / "smoke")
+        smoke_dir = Path(cfg.checkpoint.dir) / "smoke"
+        ok = run_smoke(model, optimizer, scheduler, loader, plan, mean_answer_loss, info, smoke_dir)
         dist.destroy_process_group()
         sys.exit(0 if ok else 1)
 
@@ -236,13 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(start, t.steps):
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
-        loss_sum = torch.zeros((), device=info.device)
-        for micro in range(t.grad_accum):
-            batch = next(batches).to(info.device)
-            with fk.no_sync(model) if micro < t.grad_accum - 1 else contextlib.nullcontext():
-                loss = lm_loss(model, batch) / t.grad_accum
-                loss.backward()
-            loss_sum += loss.detach()
+        micro = [{k: v.to(info.device) for k, v in next(batches).items()} for _ in range(t.grad_accum)]
+        # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py
+        loss_sum, answer_count = backward_global_mean(model, micro, dp_size=mesh.size(), device=info.device)
         if t.clip > 0:
             fk.clip_grad_norm_(model.parameters(), t.clip)
         optimizer.step()
@@ -251,14 +286,14 @@ def main(argv: list[str] | None = None) -> None:
 
         done = step + 1
         if done % cfg.log.every == 0 or done == t.steps or done == start + 1:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of the global batch
+            dist.all_reduce(loss_sum)  # the loss of the global batch: every rank's sum over the global count
             mem = torch.tensor([peak_memory_bytes(info.device)], dtype=torch.float64, device=info.device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             dt = timer.lap() / (done - last_logged)
             last_logged = done
             record = {
                 "step": done,
-                "loss": loss_sum.item(),
+                "loss": loss_sum.item() / max(1.0, answer_count.item()),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_per_step / dt,
                 "peak_mem_gib": mem.item() / 2**30,
@@ -274,6 +309,14 @@ def main(argv: list[str] | None = None) -> None:
                     bar.write(text)
                 else:
                     print(text, flush=True)
+        if eval_rows is not None and ((cfg.eval.every and done % cfg.eval.every == 0) or done == t.steps):
+            scores = evaluate(
+                model, eval_rows, cfg.eval.batch_size, rank=info.rank, world_size=info.world_size, device=info.device
+            )
+            log.log({"step": done, **scores})
+            if info.is_main:
+                text = f"step {done}  eval_loss {scores['eval_loss']:.4g}  eval_ppl {scores['eval_ppl']:.4g}"
+                bar.write(text) if bar else print(text, flush=True)
         if bar:
             bar.update(1)
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.steps:
@@ -284,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     ck.wait()
     if bar:
         bar.close()
+    if cfg.export.hf_dir:
+        export_model(model, tokenizer, cfg.export.hf_dir, is_main=info.is_main)
     if info.is_main:
         print(
             f"done: steps {start} -> {t.steps}, loss {first_loss:.4f} -> {last_loss:.4f}, "

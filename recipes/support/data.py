@@ -1,154 +1,153 @@
-"""Language-model data: a byte tokenizer, an embedded demo corpus, packing, and a resumable loader.
+"""The recipe's data, set up once per node: the tokenizer, the cached rows of each split, the loader.
 
-Nothing here touches the network: the demo corpus is generated, the byte tokenizer needs no
-files, and real data comes from local text/JSONL files and a local tokenizer directory.
+Local rank 0 of each node builds what is missing (a tokenizer, the tokenized and packed rows)
+while the other ranks wait; an error there (a bad record, a missing file) reaches every rank as
+the same `DataError`, so all ranks stop together with one clear message instead of hanging.
 """
 
 from __future__ import annotations
 
-import json
-import random
-from collections.abc import Iterator
+import os
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+import torch.distributed as dist
 
-__all__ = ["ByteTokenizer", "PackedDataset", "ResumableLoader", "demo_corpus", "read_texts", "tokenize"]
+from support.demo_data import demo_corpus
+from support.formats import FormatSpec
+from support.loader import ResumableLoader
+from support.rows import DataError, DataSplits, load_rows, prepare_data
+from support.tokenizer import load_tokenizer, train_demo_tokenizer
 
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: 256 ids, no vocabulary file. Id 0 (NUL) separates documents."""
-
-    vocab_size = 256
-    eos_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
-
-
-_SUBJECTS = [
-    "the cat",
-    "a dog",
-    "the old man",
-    "my sister",
-    "the robot",
-    "a small bird",
-    "the teacher",
-    "our neighbour",
+__all__ = [
+    "DataError",
+    "DataSplits",
+    "ResumableLoader",
+    "build_once",
+    "check_vocab",
+    "describe",
+    "setup_data",
+    "setup_tokenizer",
 ]
-_VERBS = ["sees", "likes", "follows", "paints", "finds", "carries", "visits", "remembers"]
-_OBJECTS = [
-    "the red ball",
-    "a quiet garden",
-    "the long river",
-    "an open door",
-    "the blue house",
-    "a warm loaf of bread",
-]
-_PLACES = ["in the morning", "after the rain", "near the station", "every sunday", "before dinner", "under the bridge"]
 
 
-def demo_corpus(n_documents: int = 2000, seed: int = 0) -> list[str]:
-    """A generated English-like corpus with real structure (grammar, agreement, repetition).
+def build_once(build: Callable[[], Any], *, rank: int, local_rank: int, world_size: int) -> Any:
+    """``build()`` on local rank 0 of each node, the others waiting; its (picklable) result on every rank.
 
-    A byte-level model learns spelling within a few hundred steps and the sentence pattern soon
-    after, so the loss falls visibly on a CPU in a minute: the point of the demo.
+    The wait is a collective, so it is bounded by the process group's timeout (30 minutes by
+    default): tokenizing more than that on one node wants a bigger ``[data] num_proc``, or the
+    cache built ahead of time by a one-process run.
     """
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_documents):
-        sentences = []
-        for _ in range(rng.randint(2, 5)):
-            s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}."
-            sentences.append(s[0].upper() + s[1:])
-        docs.append(" ".join(sentences))
-    return docs
+    result, error, exc = None, None, None
+    if local_rank == 0:
+        try:
+            result = build()
+        except Exception as e:  # reported to every rank, re-raised here with its traceback
+            exc, error = e, (str(e) if isinstance(e, DataError | FileNotFoundError) else f"{type(e).__name__}: {e}")
+    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+        if exc is not None:
+            raise exc
+        return result
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (error, result))
+    failed = next((e for e, _ in gathered if e), None)
+    if failed is not None:
+        if exc is not None:
+            raise DataError(error) from exc
+        raise DataError(failed)
+    return gathered[rank - local_rank][1]  # torchrun numbers a node's ranks consecutively
 
 
-def read_texts(paths: list[str | Path], *, text_field: str = "text") -> list[str]:
-    """Documents from local ``.txt`` files (one document per file) and ``.jsonl`` files (one per line)."""
-    docs: list[str] = []
-    for p in map(Path, paths):
-        if not p.is_file():
-            raise FileNotFoundError(f"data file {p} does not exist")
-        if p.suffix == ".jsonl":
-            for n, line in enumerate(p.read_text().splitlines(), 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if text_field not in record:
-                        raise KeyError(f"{p}:{n} has no field {text_field!r} (fields: {sorted(record)})")
-                    docs.append(record[text_field])
-        else:
-            docs.append(p.read_text())
-    return docs
+def setup_tokenizer(path: str, cache_dir: str, *, rank: int, local_rank: int, world_size: int):
+    """The tokenizer at ``path``, or (empty path) the demo BPE, trained once into the cache."""
+    if path:
+        return load_tokenizer(path)
+    demo = Path(cache_dir) / "demo-tokenizer"
+
+    def build() -> str:
+        if not (demo / "tokenizer.json").is_file():
+            tmp = demo.with_name(f".demo-tokenizer.{uuid.uuid4().hex[:8]}")
+            train_demo_tokenizer(tmp)
+            try:
+                os.rename(tmp, demo)  # whole or not at all, as the rows cache
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)  # another node's copy won; it is identical
+        return str(demo)
+
+    return load_tokenizer(build_once(build, rank=rank, local_rank=local_rank, world_size=world_size))
 
 
-def tokenize(docs: list[str], tokenizer, eos_id: int | None = None) -> torch.Tensor:
-    """One long 1-D tensor of token ids, documents separated by the end-of-sequence id."""
-    eos = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for d in docs:
-        ids.extend(tokenizer.encode(d))
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+def setup_data(data_cfg, eval_cfg, tokenizer, *, seed: int, rank: int, local_rank: int, world_size: int) -> DataSplits:
+    """The rows of the training split and the held-out split (or None), built once and cached."""
+    if eval_cfg.every and not eval_cfg.files and not eval_cfg.fraction:
+        raise DataError("[eval] every is set but there is no held-out split: set [eval] files or [eval] fraction")
+    spec = FormatSpec(
+        data_cfg.format,
+        text_field=data_cfg.text_field,
+        messages_field=data_cfg.messages_field,
+        prompt_field=data_cfg.prompt_field,
+        completion_field=data_cfg.completion_field,
+        template=data_cfg.template,
+    )
+    files = [f for f in data_cfg.files.split(",") if f]
+    if not files and data_cfg.format != "text":
+        raise DataError(f"[data] format = {data_cfg.format!r} needs [data] files (the embedded corpus is plain text)")
 
+    def build():
+        default = None
+        if not files:
+            import datasets
 
-class PackedDataset(Dataset):
-    """Fixed-length training windows cut from one token stream (packing: no padding is wasted).
-
-    Item i is ``seq_len + 1`` tokens, so inputs are ``item[:-1]`` and targets ``item[1:]``.
-    """
-
-    def __init__(self, ids: torch.Tensor, seq_len: int):
-        if ids.numel() < seq_len + 1:
-            raise ValueError(f"the data has {ids.numel()} tokens, fewer than one sequence of {seq_len + 1}")
-        self.ids, self.seq_len = ids, seq_len
-
-    def __len__(self) -> int:
-        return (self.ids.numel() - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        start = i * self.seq_len
-        return self.ids[start : start + self.seq_len + 1]
-
-
-class ResumableLoader:
-    """Endless batches over epochs, reshuffled each epoch, each rank reading its own part.
-
-    Its position (epoch, batch within the epoch) is a ``state_dict``, so a resumed run continues
-    with exactly the batches an uninterrupted run would have seen.
-    """
-
-    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int = 0):
-        self.sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+            default = datasets.Dataset.from_dict({data_cfg.text_field: demo_corpus()})
+        path, _ = prepare_data(
+            files=files,
+            tokenizer=tokenizer,
+            spec=spec,
+            seq_len=data_cfg.seq_len,
+            packing=data_cfg.packing,
+            cache_dir=data_cfg.cache_dir,
+            eval_files=[f for f in eval_cfg.files.split(",") if f],
+            eval_fraction=eval_cfg.fraction,
+            seed=seed,
+            num_proc=data_cfg.num_proc,
+            default_records=default,
         )
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True)
-        if len(self.loader) == 0:
-            raise ValueError(
-                f"{len(dataset)} sequences split over {world_size} ranks give no full batch of {batch_size}: "
-                "use more data, a shorter seq_len or a smaller batch"
-            )
-        self.epoch, self.index = 0, 0
+        return str(path)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        while True:
-            self.sampler.set_epoch(self.epoch)
-            for i, batch in enumerate(self.loader):
-                if i < self.index:
-                    continue  # resuming mid-epoch: skip what was already consumed
-                self.index = i + 1
-                yield batch
-            self.epoch, self.index = self.epoch + 1, 0
+    path = build_once(build, rank=rank, local_rank=local_rank, world_size=world_size)
+    return load_rows(Path(path))
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+def check_vocab(tokenizer, model) -> None:
+    """A tokenizer with ids past the model's embedding would fail in the first forward, far from the cause."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise DataError(
+            f"the tokenizer ({tokenizer.name_or_path or 'demo'}) has {len(tokenizer)} tokens but the model's "
+            f"vocabulary has {vocab}: use the tokenizer the model was trained with"
+        )
+
+
+def describe(splits: DataSplits, seq_len: int) -> str:
+    """One line per split for the log: records -> examples -> rows, answer tokens, what was cut."""
+    lines = []
+    for name in ("train", "eval"):
+        s = splits.stats.get(name)
+        if not s:
+            continue
+        line = (
+            f"data {name}: {s['records']} records -> {s['examples']} examples -> {s['rows']} rows of {seq_len} "
+            f"({s['fill']:.0%} filled), {s['answer_tokens']} answer tokens"
+        )
+        if s["truncated"]:
+            line += f"; {s['truncated']} truncated to seq_len"
+        if s.get("no_answer"):
+            line += f"; {s['no_answer']} dropped: no answer tokens"
+        if s["cut_off"]:
+            line += f"; {s['cut_off']} dropped: seq_len cut off their whole answer"
+        lines.append(line)
+    lines.append(f"data cache: {splits.stats['cache']}")
+    return "\n".join(lines)

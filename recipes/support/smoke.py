@@ -29,8 +29,12 @@ from support.metrics import peak_memory_bytes
 __all__ = ["run_smoke"]
 
 
+def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def _step(model, optimizer, scheduler, batches, loss_fn, device) -> float:
-    loss = loss_fn(model, next(batches).to(device))
+    loss = loss_fn(model, _to(next(batches), device))
     loss.backward()
     clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
@@ -47,7 +51,7 @@ def run_smoke(
     scheduler,
     loader,
     plan: ShardPlan,
-    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
     info: DistInfo,
     ckpt_dir: Path,
     *,
@@ -67,8 +71,9 @@ def run_smoke(
         )
     )
 
-    probe = next(batches).to(info.device)
-    dist.broadcast(probe, src=0)  # one batch, the same on every rank
+    probe = _to(next(batches), info.device)
+    for t in probe.values():
+        dist.broadcast(t, src=0)  # one batch, the same on every rank
     with torch.no_grad():
         local = loss_fn(model, probe).detach().reshape(1)
     everyone = [torch.zeros_like(local) for _ in range(info.world_size)]

@@ -1,14 +1,11 @@
-"""Recipe plumbing: TOML configs with overrides and clear errors; packing and a resumable loader."""
+"""Recipe plumbing: TOML configs with overrides and clear errors (the data: test_finetune_data.py)."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 from support.config import ConfigError, parse_config
-from support.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
 
 
 @dataclass
@@ -65,50 +62,3 @@ def test_help_lists_every_key_with_its_default(capsys):
         and "learning rate, decays to 10% of itself (default: 0.1)" in out
         and "--a.flag BOOL" in out
     )
-
-
-def test_tokenize_and_pack():
-    tok = ByteTokenizer()
-    assert tok.decode(tok.encode("héllo")) == "héllo"
-    docs = demo_corpus(50, seed=1)
-    assert docs == demo_corpus(50, seed=1) and docs != demo_corpus(50, seed=2)
-    ids = tokenize(docs, tok)
-    ds = PackedDataset(ids, seq_len=16)
-    assert len(ds) == (ids.numel() - 1) // 16
-    assert torch.equal(ds[1][:1], ds[0][-1:])  # windows overlap by the one shifted token
-    with pytest.raises(ValueError, match="fewer than one sequence"):
-        PackedDataset(ids[:10], seq_len=16)
-
-
-def test_read_texts(tmp_path):
-    (tmp_path / "a.txt").write_text("doc one")
-    (tmp_path / "b.jsonl").write_text('{"text": "doc two"}\n\n{"text": "doc three"}\n')
-    assert read_texts([tmp_path / "a.txt", tmp_path / "b.jsonl"]) == ["doc one", "doc two", "doc three"]
-    (tmp_path / "c.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(KeyError, match="c.jsonl:1 has no field 'text'"):
-        read_texts([tmp_path / "c.jsonl"])
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        read_texts([tmp_path / "nope.txt"])
-
-
-def test_loader_splits_reshuffles_and_resumes():
-    ds = PackedDataset(torch.arange(2 * 4 * 5 * 3 + 1), seq_len=1)  # 120 one-token windows
-    ranks = [ResumableLoader(ds, 4, rank=r, world_size=2, seed=0) for r in range(2)]
-    per_epoch = len(ranks[0].loader)
-    epochs = [[b[:, 0].tolist() for b in itertools.islice(iter(r), 2 * per_epoch)] for r in ranks]
-    first = {x for batch in epochs[0][:per_epoch] for x in batch}
-    second = {x for batch in epochs[1][:per_epoch] for x in batch}
-    assert not first & second  # ranks read disjoint parts
-    assert epochs[0][:per_epoch] != epochs[0][per_epoch:]  # the next epoch is reshuffled
-
-    a = ResumableLoader(ds, 4, rank=0, world_size=2, seed=0)
-    it = iter(a)
-    head = [next(it) for _ in range(per_epoch + 2)]  # into the second epoch
-    state = a.state_dict()
-    rest = [next(it) for _ in range(3)]
-    b = ResumableLoader(ds, 4, rank=0, world_size=2, seed=0)
-    b.load_state_dict(state)
-    assert all(torch.equal(x, y) for x, y in zip(rest, itertools.islice(iter(b), 3)))
-    assert state == {"epoch": 1, "index": 2} and len(head) == per_epoch + 2
-    with pytest.raises(ValueError, match="give no full batch"):
-        ResumableLoader(PackedDataset(torch.arange(5), seq_len=1), 4, rank=0, world_size=2)
