@@ -180,7 +180,65 @@ def main() -> None:
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
-    print(f"wrote {args.out}.json in {meta['seconds']} s, load {meta['load']}")
+    Path(args.out + ".md").write_text(markdown(rows, meta))
+    print(f"wrote {args.out}.json and .md in {meta['seconds']} s, load {meta['load']}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f}"
+
+
+def _err(p: int, m: int) -> str:
+    return "exact" if p == m else (f"{p / m - 1:+.2%}" if m else f"{p} vs 0")
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    """The error table: the peak, then each category the planner reports, predicted vs measured."""
+    head = (
+        "# Memory planner vs measurement (CPU, live tensor bytes per rank)\n\n"
+        "`benchmarks/memory_planner_check.py`: real gloo ranks train a tiny Llama with fsdp2kit (the recipe's "
+        "loss, AdamW unless noted); one step after a warm-up is measured by "
+        "`fsdp2kit.planner.measure.measure_step` (live storage bytes at every op, by category; the worst rank) "
+        'and predicted by `fsdp2kit.plan_memory(..., device="cpu")` on the model built on the meta device. '
+        f"MiB. torch {meta['torch']}, {meta['seconds']} s, load average {tuple(round(x, 1) for x in meta['load'])} "
+        "(2 shared cores).\n\n"
+        "| world | mesh | AC | precision | batch x seq | model | peak predicted | peak measured | error | phase "
+        "(predicted / measured) | params | grads | optimizer | max gathered | max FSDP buffers "
+        "| saved activations | logits + loss |\n"
+        "|---|---|---|---|---|---|---:|---:|---:|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    worst = 0.0
+    for r in rows:
+        c, p, m = r["config"], r["predicted"], r["measured"]
+        err = p["peak_bytes"] / m["peak"] - 1
+        worst = max(worst, abs(err))
+        mesh = f"{c['replicate']}x{c['world'] // c['replicate']}" if c["replicate"] > 1 else f"{c['world']}"
+        extra = [k for k in ("prefetch", "optimizer") if k in c]
+        model = c["size"] + "".join(f", {k} {c[k]}" for k in extra)
+        cats = [
+            (p["parts"]["params"], m["params"]),
+            (p["check"]["grads"], m["grads"]),
+            (p["parts"]["optimizer"], m["optimizer"]),
+            (p["check"]["max_gathered"], m["max_gathered"]),
+            (p["check"]["max_comm_buffers"], m["max_comm_buffers"]),
+            (p["saved_activations_bytes"], m["saved_activations"]),
+            (p["logits_and_loss_bytes"], m["logits_and_loss"]),
+        ]
+        cells = " | ".join(f"{_mib(a)} / {_mib(b)} ({_err(a, b)})" for a, b in cats)
+        lines.append(
+            f"| {c['world']} | {mesh} | {c['ac'] or 'none'} | {c['mp'] or 'fp32'} | {c['batch']} x {c['seq']} | "
+            f"{model} | {_mib(p['peak_bytes'])} | {_mib(m['peak'])} | {err:+.2%} | {p['phase']} / {m['phase']} | "
+            f"{cells} |"
+        )
+    foot = (
+        f"\n{len(rows)} configurations, largest peak error {worst:.2%} (target: 10%). Category cells are "
+        "predicted / measured (error). Measured categories are told apart by identity (parameter shards, "
+        "`.grad`, optimizer state, FSDP2's unsharded parameters and flat all-gather / reduce-scatter buffers); "
+        "saved activations are what is alive after the last block's forward besides those (the batch included), "
+        "logits + loss what the loss adds up to the start of backward.\n"
+    )
+    return head + "\n".join(lines) + foot
 
 
 if __name__ == "__main__":

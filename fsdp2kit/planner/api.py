@@ -54,7 +54,7 @@ class Settings:
             raise ValueError(f"device={self.device!r}: expected 'cuda' or 'cpu'")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: expected one of {list(OPTIMIZERS)}")
-        if self.activation_checkpointing is not None:
+        if self.activation_checkpointing is not None and not callable(self.activation_checkpointing):
             resolve_ac_mode(self.activation_checkpointing)
         resolve_mixed_precision(self.mixed_precision)
         if self.lora is not None and (isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1):
@@ -103,7 +103,9 @@ def plan_memory(
     Args:
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
         tp: tensor-parallel degree, modelled analytically (see `_apply_tp`).
-        activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block).
+        activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block), as
+            `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
+            checkpoints the model its own way (another trainer's policy), called on the planner's copy.
         mixed_precision: None/``"fp32"``, ``"bf16"``, ``"fp16"``.
         optimizer: ``"adamw"``, ``"adamw8bit"`` (torchao) or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.

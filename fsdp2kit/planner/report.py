@@ -23,6 +23,14 @@ PART_NAMES: dict[str, str] = {
 }
 
 
+def _ac_name(ac: Any) -> str:
+    if ac is None:
+        return "none"
+    if callable(ac):
+        return getattr(ac, "__name__", "custom")
+    return f"every {ac}" if isinstance(ac, int) else str(ac)
+
+
 @dataclass
 class MemoryPlan:
     """What `fsdp2kit.plan_memory` returns: ``peak_bytes`` per rank, ``parts`` at that moment, ``phase``."""
@@ -54,7 +62,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "config": self.config,
+            "config": {k: (_ac_name(v) if callable(v) else v) for k, v in self.config.items()},
             "peak_bytes": self.peak_bytes,
             "peak_gib": round(self.peak_bytes / 2**30, 3),
             "phase": self.phase,
@@ -80,7 +88,7 @@ class MemoryPlan:
         mesh += f" x tp={c['tp']}" if c.get("tp", 1) > 1 else ""
         head = (
             f"Memory plan: {c.get('model', '')} on {mesh}, batch {c['batch']} x seq {c['seq']}, "
-            f"AC {c['activation_checkpointing'] or 'none'}, precision {c['mixed_precision'] or 'fp32'}, "
+            f"AC {_ac_name(c['activation_checkpointing'])}, precision {c['mixed_precision'] or 'fp32'}, "
             f"optimizer {c['optimizer']}" + (", CPU offload" if c.get("cpu_offload") else "")
         )
         rows = [(k, fmt_bytes(v), PART_NAMES[k]) for k, v in self.parts.items()]

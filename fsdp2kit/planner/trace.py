@@ -162,7 +162,9 @@ def record_step(
     config = getattr(clone, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
-    if activation_checkpointing is not None:
+    if callable(activation_checkpointing):
+        activation_checkpointing(clone)
+    elif activation_checkpointing is not None:
         apply_activation_checkpointing(clone, mode=activation_checkpointing)
 
     kept_names = [names_of[id(b)] for b in (keep or blocks)]
