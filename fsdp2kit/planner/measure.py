@@ -79,7 +79,10 @@ class _Classifier:
             for fp in g.fsdp_params:
                 for t in getattr(fp, "all_gather_outputs", None) or []:
                     gathered.add(_storage_key(t))
-            ctx = g.comm_ctx
+            res = getattr(g, "_all_gather_result", None)  # a prefetched all-gather not yet copied out
+            if res is not None and res.all_gather_output is not None:
+                buffers.add(_storage_key(res.all_gather_output))
+            ctx = g.comm_ctx  # shared by every group of the model
             if id(ctx) in comm_seen:
                 continue
             comm_seen.add(id(ctx))
@@ -88,9 +91,6 @@ class _Classifier:
                 buffers.add(_storage_key(ag.all_gather_result.all_gather_output))
             for rs in getattr(ctx, "reduce_scatter_states", []) or []:
                 buffers.add(_storage_key(rs.reduce_scatter_input))
-            res = getattr(g, "_all_gather_result", None)
-            if res is not None and res.all_gather_output is not None:
-                buffers.add(_storage_key(res.all_gather_output))
         return {"params": params, "grads": grads, "optimizer": opt, "gathered": gathered, "comm_buffers": buffers}
 
     def classify(self, live: LiveBytes) -> dict[str, int]:

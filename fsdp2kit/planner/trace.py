@@ -208,8 +208,11 @@ def record_step(
             if n == 0:
                 emit("pre_forward", index)
             emit("enter", name)
+            # FSDP2 runs a unit's pre-forward once, at its first module: only those inputs get the
+            # post-backward hook (a tied head's unit, first called at the embedding, whose input
+            # needs no gradient, reduces its gradients at the end of backward).
             grad_inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-            if not grad_inputs:
+            if n > 0 or not grad_inputs:
                 return None
 
             def post_backward() -> None:
