@@ -48,18 +48,23 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
     full = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="full", device="cpu")
     sel = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="selective", device="cpu")
     assert full.saved_activations < sel.saved_activations < base.saved_activations
-    wider = fk.plan_memory(model, shard=4, batch=2, seq=64, device="cpu")
+    # The variants below share base's recording (same batch, seq, AC and dtype) through one cache.
+    cache: dict = {}
+
+    def variant(**kw):
+        return plan_settings(model, Settings(**(dict(shard=2, batch=2, seq=64, device="cpu") | kw)), cache)
+
+    assert variant().peak_bytes == base.peak_bytes
+    wider = variant(shard=4)
     assert wider.parts["params"] < base.parts["params"] and wider.parts["optimizer"] < base.parts["optimizer"]
-    sgd = fk.plan_memory(model, shard=2, batch=2, seq=64, optimizer="sgd", device="cpu")
-    assert sgd.parts["optimizer"] == 0
-    eight = fk.plan_memory(model, shard=2, batch=2, seq=64, optimizer="adamw8bit", device="cpu")
-    assert 0 < eight.parts["optimizer"] < base.parts["optimizer"]
-    cuda = fk.plan_memory(model, shard=2, batch=2, seq=64, gpu_memory=1 << 30)
+    assert variant(optimizer="sgd").parts["optimizer"] == 0
+    assert 0 < variant(optimizer="adamw8bit").parts["optimizer"] < base.parts["optimizer"]
+    cuda = variant(device="cuda")
+    cuda.gpu_memory = 1 << 30
     assert cuda.parts["margin"] > 0 and cuda.fits and "fits: yes" in str(cuda)
-    offload = fk.plan_memory(model, shard=2, batch=2, seq=64, cpu_offload=True, device="cpu")
+    offload = variant(cpu_offload=True)
     assert offload.parts["params"] == 0 and offload.host_bytes > 0
-    lora = fk.plan_memory(model, shard=2, batch=2, seq=64, lora=4, device="cpu")
-    assert lora.parts["optimizer"] < base.parts["optimizer"]
+    assert variant(lora=4).parts["optimizer"] < base.parts["optimizer"]
     # The model is untouched: still on meta, no hooks left behind.
     assert all(p.is_meta for p in model.parameters()) and not model._forward_hooks
 
@@ -84,11 +89,11 @@ def test_bad_arguments_are_named(kwargs, message):
 
 @pytest.mark.timeout(120)
 def test_five_blocks_stand_for_many_exactly():
-    """Running 5 of 9 identical blocks and repeating the 4th gives the same events' totals as running all 9."""
-    model = meta_llama(layers=9)
+    """Running 5 of 7 identical blocks and repeating the 4th gives the same events' totals as running all 7."""
+    model = meta_llama(layers=7)
     plan = fk.estimate_plan(model, shard=3, mixed_precision="bf16")
     names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
-    blocks = [f"model.layers.{i}" for i in range(9)]
+    blocks = [f"model.layers.{i}" for i in range(7)]
     from fsdp2kit.planner.parts import units_for
 
     units = [u for _, u in units_for(model, plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)]
@@ -99,12 +104,12 @@ def test_five_blocks_stand_for_many_exactly():
                 model,
                 names,
                 batch=2,
-                seq=32,
+                seq=16,
                 compute_dtype=torch.bfloat16,
                 activation_checkpointing=ac,
                 truncate=truncate,
             )
-            assert len(rec.blocks) == (5 if truncate else 9)
+            assert len(rec.blocks) == (5 if truncate else 7)
             r = replay(rec, units, names, blocks, world=3, prefetch=1)
             results.append((r.peak, r.phase, r.saved_activations, r.grads_sharded, r.saved_by_block))
         assert results[0] == results[1], ac
@@ -182,7 +187,7 @@ def test_cli_plan_table_json_and_search(capsys):
 @pytest.mark.timeout(120)
 def test_search_on_a_case_that_does_not_fit():
     model = meta_llama(layers=3, vocab=2048)
-    s = Settings(shard=2, batch=4, seq=128, device="cpu")
+    s = Settings(shard=2, batch=4, seq=64, device="cpu")
     plan = plan_settings(model, s, cache={})
     budget = int(plan.peak_bytes * 0.6)
     changes = cheapest_changes(model, s, budget)
@@ -192,7 +197,7 @@ def test_search_on_a_case_that_does_not_fit():
     labels = [c["change"] for c in changes]
     # Each listed change, applied through the API, gives the peak the search reported.
     if "--ac full" in labels:
-        full = fk.plan_memory(model, shard=2, batch=4, seq=128, activation_checkpointing="full", device="cpu")
+        full = fk.plan_memory(model, shard=2, batch=4, seq=64, activation_checkpointing="full", device="cpu")
         assert full.peak_bytes == changes[labels.index("--ac full")]["peak_bytes"]
     assert cheapest_changes(model, s, 1) == []  # nothing fits in one byte
 
