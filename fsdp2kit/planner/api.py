@@ -207,7 +207,15 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     state = step_parts["params"] + step_parts["optimizer"]
     config: dict[str, Any] = {k: v for k, v in dataclasses.asdict(s).items()}
     config["strategy"] = plan.strategy
+    notes = []
+    if s.tp > 1:
+        notes.append(f"tp={s.tp} is modelled analytically (blocks split {s.tp} ways), not traced or measured")
+    if s.lora is not None:
+        notes.append("LoRA/QLoRA is modelled analytically (frozen base, fp32 adapters), not traced or measured")
+    if s.optimizer == "adamw8bit":
+        notes.append("AdamW8bit's step temporaries are an estimate (4 fp32 copies of the largest parameter)")
     return MemoryPlan(
+        notes=notes,
         config=config,
         peak_bytes=live + margin,
         phase=phase,

@@ -1,6 +1,6 @@
 """fsdp2kit.plan_memory and `fsdp2kit plan --batch/--seq`: the API, the CLI (table and --json), the search.
 
-The prediction itself is checked against measured steps in tests/dist/test_memory_planner.py;
+The prediction itself is checked against measured steps in tests/dist/test_memory_measured.py;
 here everything runs on the meta device in a second or two.
 """
 
