@@ -1,4 +1,4 @@
-"""LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (fake tensors too).
+"""LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (meta tensors too).
 
 It counts storages, not tensors (views are free) and not the allocator (no caching, no
 fragmentation): on CPU that is the figure the planner predicts, and on CUDA it is what
