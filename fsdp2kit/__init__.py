@@ -11,6 +11,7 @@ from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.migrate import ImportResult, convert_config, load_fsdp1_checkpoint, load_full_state_dict
 from fsdp2kit.plan import ShardPlan, UnitPlan
+from fsdp2kit.planner import MemoryPlan, plan_memory
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
 from fsdp2kit.weights.materialize import materialize
@@ -29,6 +30,7 @@ __all__ = [
     "DistInfo",
     "ImportResult",
     "LoadResult",
+    "MemoryPlan",
     "PerRank",
     "RNGState",
     "ShardPlan",
@@ -49,6 +51,7 @@ __all__ = [
     "make_mesh",
     "materialize",
     "no_sync",
+    "plan_memory",
     "set_prefetch",
     "shard_model",
 ]

@@ -75,6 +75,18 @@ NAMED_CONFIGS: dict[str, dict] = {
         rope_theta=500000.0,
         rms_norm_eps=1e-5,
     ),
+    # Llama 3.1 405B's shapes (its rope scaling left out: it changes no tensor size).
+    "llama3-405b": dict(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
 }
 
 

@@ -205,6 +205,30 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
         sys.exit(1)
 
+    # Will it fit? The planner's prediction for this rank, logged beside the measured peak below.
+    predicted = None
+    if info.is_main:
+        ac = p.activation_checkpointing
+        try:
+            memory_plan = fk.plan_memory(
+                model,
+                shard=mesh.shape[-1],
+                replicate=mesh.shape[0] if mesh.ndim == 2 else 1,
+                batch=cfg.data.batch_size,
+                seq=cfg.data.seq_len,
+                activation_checkpointing=int(ac) if ac and ac.isdigit() else ac,
+                mixed_precision=p.mixed_precision,
+                cpu_offload=p.cpu_offload,
+                prefetch=p.prefetch,
+                strategy=p.strategy,
+                device=info.device.type if info.device.type == "cuda" else "cpu",
+                name=cfg.model.name,
+            )
+            print(memory_plan, flush=True)
+            predicted = memory_plan.peak_bytes - memory_plan.parts["margin"]  # what max_memory_allocated sees
+        except Exception as e:  # a plan is advice: a model the planner cannot trace still trains
+            print(f"memory plan unavailable: {type(e).__name__}: {e}", flush=True)
+
     # 3. wrappers that change modules must come before sharding
     if p.float8:
         fk.enable_float8(model)
@@ -296,8 +320,10 @@ def main(argv: list[str] | None = None) -> None:
                 "loss": loss_sum.item() / max(1.0, answer_count.item()),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_per_step / dt,
-                "peak_mem_gib": mem.item() / 2**30,
+                "peak_mem_gib": mem.item() / 2**30,  # CUDA: max allocated; CPU: process RSS
             }
+            if predicted is not None:
+                record["predicted_peak_gib"] = predicted / 2**30  # fsdp2kit.plan_memory, before training
             if peak:
                 record["mfu"] = flops_per_token * tokens_per_step / dt / (peak * info.world_size)
             first_loss = record["loss"] if math.isnan(first_loss) else first_loss

@@ -1,39 +1,109 @@
-"""`fsdp2kit plan`: what each rank would hold for a model on a mesh, without a GPU."""
+"""`fsdp2kit plan`: what each rank would hold for a model on a mesh, and whether a step fits, without a GPU."""
 
 from __future__ import annotations
+
+import json
+import re
+
+_UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS.update(kb=10**3, mb=10**6, gb=10**9, tb=10**12)
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80 GB"`` (10^9), ``"80"`` (GiB), ``"512MiB"`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 96GB or 24 (GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_ac(text: str | None) -> str | int | None:
+    if text is None or text.lower() == "none":
+        return None
+    return int(text) if text.isdigit() else text.lower()
 
 
 def add_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
-        help="what each rank would hold for a model on a mesh, without a GPU",
+        help="what each rank would hold for a model on a mesh, and whether a step fits, without a GPU",
         description="Build MODEL (a named config such as llama3-8b, or a local Hugging Face directory) on the "
-        "meta device and print the ShardPlan shard_model would produce on a (replicate x shard) mesh.",
+        "meta device. Without --batch/--seq: print the ShardPlan shard_model would produce on a (replicate x "
+        "shard) mesh. With them: predict the per-rank peak memory of a training step (fsdp2kit.plan_memory), "
+        "and with --gpu-memory whether it fits and, if not, the cheapest changes that do.",
     )
     p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
     p.add_argument("--replicate", type=int, default=1, help="replica groups (HSDP when > 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (modelled analytically)")
     p.add_argument(
         "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
     )
     p.add_argument("--mixed-precision", default=None, help="fp32, bf16 or fp16")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--batch", type=int, default=None, help="micro-batch per data-parallel rank (sequences)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--ac", default=None, help="activation checkpointing: none, full, selective or N (every N-th)")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit (torchao) or sgd")
+    p.add_argument("--lora", type=int, default=None, metavar="R", help="train rank-R LoRA adapters (analytic)")
+    p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights (analytic)")
+    p.add_argument("--prefetch", type=int, default=1, help="explicit prefetch depth (fk.set_prefetch); 0: implicit")
+    p.add_argument("--device", default="cuda", help="cuda (default: allocator margin, foreach AdamW) or cpu")
+    p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")
+    p.add_argument("--json", action="store_true", help="the memory plan as JSON (peak per rank in peak_bytes)")
     p.set_defaults(func=run_plan)
 
 
 def run_plan(args) -> int:
     from fsdp2kit.models import build_causal_lm
-    from fsdp2kit.shard import estimate_plan
 
-    model = build_causal_lm(args.model, meta=True)
-    print(
-        estimate_plan(
-            model,
-            shard=args.shard,
-            replicate=args.replicate,
-            strategy=args.strategy,
-            mixed_precision=args.mixed_precision,
-            cpu_offload=args.cpu_offload,
+    memory = args.batch is not None or args.seq is not None
+    if memory and (args.batch is None or args.seq is None):
+        raise ValueError("a memory plan needs both --batch and --seq")
+    if not memory:
+        if args.json or args.gpu_memory:
+            raise ValueError("--json and --gpu-memory plan a training step: give --batch and --seq too")
+        from fsdp2kit.shard import estimate_plan
+
+        model = build_causal_lm(args.model, meta=True)
+        print(
+            estimate_plan(
+                model,
+                shard=args.shard,
+                replicate=args.replicate,
+                strategy=args.strategy,
+                mixed_precision=args.mixed_precision,
+                cpu_offload=args.cpu_offload,
+            )
         )
+        return 0
+
+    from fsdp2kit.planner.api import Settings, plan_settings
+    from fsdp2kit.planner.search import cheapest_changes
+
+    gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    settings = Settings(
+        shard=args.shard,
+        batch=args.batch,
+        seq=args.seq,
+        replicate=args.replicate,
+        tp=args.tp,
+        activation_checkpointing=parse_ac(args.ac),
+        mixed_precision=args.mixed_precision,
+        optimizer=args.optimizer,
+        cpu_offload=args.cpu_offload,
+        prefetch=args.prefetch,
+        strategy=args.strategy,
+        device=args.device,
+        lora=args.lora,
+        qlora=args.qlora,
     )
+    settings.check()  # bad options fail before the model is built
+    model = build_causal_lm(args.model, meta=True, max_seq_len=args.seq)
+    plan = plan_settings(model, settings, cache={})
+    plan.config["model"] = args.model
+    plan.gpu_memory = gpu_memory
+    if gpu_memory is not None and not plan.fits:
+        plan.changes = cheapest_changes(model, settings, gpu_memory)
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan)
     return 0

@@ -1,0 +1,272 @@
+"""plan_memory: the predicted per-rank peak of one training step, before any GPU is rented."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit.blocks import find_blocks
+from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
+from fsdp2kit.planner.report import MemoryPlan
+from fsdp2kit.planner.timeline import replay
+from fsdp2kit.planner.trace import record_step
+from fsdp2kit.precision import resolve_mixed_precision
+from fsdp2kit.shard import estimate_plan
+from fsdp2kit.wrappers.activation import resolve_ac_mode
+
+__all__ = ["Settings", "plan_memory", "plan_settings"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a plan depends on besides the model (what the cheapest-change search varies)."""
+
+    shard: int
+    batch: int
+    seq: int
+    replicate: int = 1
+    tp: int = 1
+    activation_checkpointing: str | int | None = None
+    mixed_precision: str | None = None
+    optimizer: str = "adamw"
+    cpu_offload: bool = False
+    prefetch: int = 1
+    strategy: str | None = None
+    device: str = "cuda"
+    optimizer_impl: str | None = None
+    lora: int | None = None
+    qlora: bool = False
+    grad_accum: int = 1  # micro-batches a step (memory does not depend on it; the search reports it)
+
+    def check(self) -> None:
+        for name in ("shard", "replicate", "tp", "batch", "seq", "grad_accum"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: expected a positive int")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch!r}: expected an int >= 0 (0: FSDP2's implicit prefetch)")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}: expected 'cuda' or 'cpu'")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: expected one of {list(OPTIMIZERS)}")
+        if self.activation_checkpointing is not None and not callable(self.activation_checkpointing):
+            resolve_ac_mode(self.activation_checkpointing)
+        resolve_mixed_precision(self.mixed_precision)
+        if self.lora is not None and (isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1):
+            raise ValueError(f"lora={self.lora!r}: expected the LoRA rank, a positive int")
+        if self.qlora and self.lora is None:
+            raise ValueError("qlora=True needs a LoRA rank (lora=R): QLoRA trains LoRA adapters over NF4 weights")
+
+
+def plan_memory(
+    model: nn.Module,
+    *,
+    shard: int,
+    batch: int,
+    seq: int,
+    replicate: int = 1,
+    tp: int = 1,
+    activation_checkpointing: str | int | None = None,
+    mixed_precision: str | None = None,
+    optimizer: str = "adamw",
+    cpu_offload: bool = False,
+    prefetch: int = 1,
+    strategy: str | None = None,
+    device: str = "cuda",
+    optimizer_impl: str | None = None,
+    lora: int | None = None,
+    qlora: bool = False,
+    gpu_memory: int | None = None,
+    name: str = "",
+) -> MemoryPlan:
+    """Predict the per-rank peak memory of one steady-state training step, its parts, and when it happens.
+
+    ``model`` is built on the meta device (or is a real model: nothing is allocated either way,
+    nothing is changed). ``batch`` is the micro-batch per data-parallel rank, ``seq`` the tokens
+    per sample. The step is the recipe's: forward, logits upcast to fp32 for cross entropy,
+    backward, optimizer step, with the optimizer state present from the previous step.
+
+    How: one forward + backward runs on the meta device (shapes only) at the per-rank batch,
+    counting live storage bytes at every op, and the module hooks FSDP2 uses are recorded beside
+    them (`fsdp2kit.planner.trace`); FSDP2's all-gathers, reshards, gradient reduce-scatters and
+    their buffers are then replayed over that record for this mesh
+    (`fsdp2kit.planner.timeline`); parameters, gradients and optimizer state come from the
+    shard plan (`fsdp2kit.estimate_plan`). ``device="cuda"`` adds an allocator margin and uses
+    the ``foreach`` AdamW step (CUDA's default); ``device="cpu"`` gives live tensor bytes with
+    CPU's per-tensor step, the figure the CPU check measures (benchmarks/memory_planner_check.py).
+
+    Args:
+        shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
+        tp: tensor-parallel degree, modelled analytically (see `_apply_tp`).
+        activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block), as
+            `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
+            checkpoints the model its own way (another trainer's policy), called on the planner's copy.
+        mixed_precision: None/``"fp32"``, ``"bf16"``, ``"fp16"``.
+        optimizer: ``"adamw"``, ``"adamw8bit"`` (torchao) or ``"sgd"`` (no momentum).
+        cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
+        prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
+        lora, qlora: train rank-``lora`` adapters on every block Linear, the base frozen (in NF4
+            with ``qlora``); modelled analytically (see `_apply_lora`).
+        gpu_memory: bytes per device; the plan then says whether it fits and by how much.
+    """
+    settings = Settings(
+        shard=shard,
+        batch=batch,
+        seq=seq,
+        replicate=replicate,
+        tp=tp,
+        activation_checkpointing=activation_checkpointing,
+        mixed_precision=mixed_precision,
+        optimizer=optimizer,
+        cpu_offload=cpu_offload,
+        prefetch=prefetch,
+        strategy=strategy,
+        device=device,
+        optimizer_impl=optimizer_impl,
+        lora=lora,
+        qlora=qlora,
+    )
+    plan = plan_settings(model, settings, cache={})
+    plan.gpu_memory = gpu_memory
+    plan.config["model"] = name or type(model).__name__
+    return plan
+
+
+def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
+    """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
+    s.check()
+    mp = resolve_mixed_precision(s.mixed_precision)
+    plan = estimate_plan(
+        model, shard=s.shard, replicate=s.replicate, strategy=s.strategy, mixed_precision=mp, cpu_offload=s.cpu_offload
+    )
+    shard_size = plan.mesh_shape[-1]
+    unit_names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
+    names_of = {id(m): n for n, m in model.named_modules()}
+    block_names = [names_of[id(b)] for b in find_blocks(model)]
+    key = (id(model), s.batch, s.seq, s.activation_checkpointing, mp.param_dtype)
+    if key not in cache:
+        cache[key] = record_step(
+            model,
+            unit_names,
+            batch=s.batch,
+            seq=s.seq,
+            compute_dtype=mp.param_dtype,
+            activation_checkpointing=s.activation_checkpointing,
+        )
+    units = [u for _, u in units_for(model, plan, compute_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)]
+    step = replay(cache[key], units, unit_names, block_names, world=shard_size, prefetch=s.prefetch)
+
+    params = plan.param_bytes_per_rank
+    shards = []
+    seen: set[int] = set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            rows = math.ceil(p.shape[0] / shard_size) if p.dim() else 1
+            shards.append((rows * math.prod(p.shape[1:]), p.dtype))
+    impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")
+    opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
+    grads = step.grads_sharded
+
+    pp = dict(step.parts)
+    step_parts = {
+        "params": params,
+        "gathered": pp["gathered"],
+        "comm_buffers": pp["comm_buffers"],
+        "unsharded_grads": pp["unsharded_grads"],
+        "grads": pp["grads"],
+        "optimizer": opt.state,
+        "activations": pp["activations"],
+        "temporaries": pp["temporaries"],
+    }
+    opt_parts = dict.fromkeys(step_parts, 0)
+    opt_parts.update(params=params, grads=grads, optimizer=opt.state, temporaries=opt.temporaries)
+    if s.lora is not None:
+        step_parts, opt_parts = _apply_lora(model, s, shard_size, step_parts, opt_parts, mp.param_dtype)
+    if s.tp > 1:
+        step_parts, opt_parts = _apply_tp(step_parts, s.tp), _apply_tp(opt_parts, s.tp)
+    host = 0
+    if s.cpu_offload:
+        # Sharded parameters, gradients and optimizer state live on the host; the step runs there.
+        host = step_parts["params"] + grads + step_parts["optimizer"]
+        for parts in (step_parts, opt_parts):
+            parts["params"] = parts["grads"] = parts["optimizer"] = 0
+        opt_parts["temporaries"] = 0
+    step_peak, opt_peak = sum(step_parts.values()), sum(opt_parts.values())
+    if opt_peak > step_peak:
+        parts, phase, live = opt_parts, "optimizer step", opt_peak
+    else:
+        parts, phase, live = step_parts, step.phase, step_peak
+    margin = margin_bytes(live, s.device)
+    parts = {**parts, "margin": margin}
+    state = step_parts["params"] + step_parts["optimizer"]
+    config: dict[str, Any] = {k: v for k, v in dataclasses.asdict(s).items()}
+    config["strategy"] = plan.strategy
+    notes = []
+    if s.tp > 1:
+        notes.append(f"tp={s.tp} is modelled analytically (blocks split {s.tp} ways), not traced or measured")
+    if s.lora is not None:
+        notes.append("LoRA/QLoRA is modelled analytically (frozen base, fp32 adapters), not traced or measured")
+    if s.optimizer == "adamw8bit":
+        notes.append("AdamW8bit's step temporaries are an estimate (4 fp32 copies of the largest parameter)")
+    return MemoryPlan(
+        notes=notes,
+        config=config,
+        peak_bytes=live + margin,
+        phase=phase,
+        parts=parts,
+        saved_activations=step.saved_activations,
+        activations_per_block=max(step.saved_by_block, default=0),
+        logits_and_loss=step.logits_and_loss,
+        forward_peak=state + step.forward_peak,
+        backward_peak=state + step.backward_peak,
+        optimizer_peak=opt_peak,
+        host_bytes=host,
+        measured_like={"max_gathered": step.max_gathered, "max_comm_buffers": step.max_buffers, "grads": grads},
+    )
+
+
+def _apply_tp(parts: dict[str, int], tp: int) -> dict[str, int]:
+    # Analytic, pending the TP branch: a block's weights, their gradients and optimizer state are
+    # split tp ways (and so are the all-gathers of them); of the activations, the attention and
+    # MLP internals are split but the residual stream and the norms' outputs are not (no sequence
+    # parallelism): we keep a quarter whole, a Llama-shaped approximation. Not yet measured.
+    out = dict(parts)
+    for k in ("params", "gathered", "comm_buffers", "unsharded_grads", "grads", "optimizer"):
+        out[k] = parts[k] // tp
+    out["activations"] = parts["activations"] // 4 + (3 * parts["activations"] // 4) // tp
+    return out
+
+
+def _apply_lora(model, s: Settings, shard: int, step_parts: dict, opt_parts: dict, compute_dtype):
+    # Analytic: the base weights are frozen (no gradients, no optimizer state) and stored in the
+    # compute dtype (NF4 with QLoRA: 4 bits + one bf16 scale per 64 values, ~0.53 bytes);
+    # every Linear inside the blocks gets fp32 adapters A (r x in) and B (out x r), whose
+    # gradients and AdamW state are the only ones. Activations are kept as for full training
+    # (LoRA saves each Linear's input for its A matrix, as full training saves it for the weight
+    # gradient). Not yet measured: the LoRA branch lands in parallel.
+    base_itemsize = (compute_dtype or torch.float32).itemsize
+    total = sum(p.numel() for p in model.parameters())
+    linear = adapters = 0
+    for block in find_blocks(model):
+        for m in block.modules():
+            if isinstance(m, nn.Linear):
+                linear += m.weight.numel()
+                adapters += s.lora * (m.in_features + m.out_features)
+    base = (total - linear) * base_itemsize + linear * (0.53 if s.qlora else base_itemsize)
+    params = int(base / shard) + adapters * 4 // shard
+    adapter_grads = adapters * 4 // shard
+    opt = optimizer_bytes([(adapters // shard, torch.float32)], s.optimizer)
+    step = dict(step_parts)
+    step.update(params=params, grads=min(step_parts["grads"], adapter_grads), optimizer=opt.state)
+    step["unsharded_grads"] = min(step_parts["unsharded_grads"], adapters * 4)
+    gathered_scale = (0.53 if s.qlora else base_itemsize) / (compute_dtype or torch.float32).itemsize
+    step["gathered"] = int(step_parts["gathered"] * gathered_scale)
+    optp = dict(opt_parts)
+    optp.update(params=params, grads=adapter_grads, optimizer=opt.state, temporaries=opt.temporaries)
+    return step, optp

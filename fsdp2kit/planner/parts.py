@@ -1,0 +1,146 @@
+"""The analytic parts of a rank's memory: FSDP units' bytes, optimizer state and temporaries, allocator margin.
+
+Everything here is arithmetic on parameter shapes and dtypes, mirroring what the libraries
+allocate (each rule names the code it follows); `trace.py` measures the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit.plan import ShardPlan
+from fsdp2kit.planner.timeline import Unit
+
+__all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "unit_params", "units_for"]
+
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+
+# torchao's 8-bit optimizers keep int8 codes plus one fp32 scale a block of 256 values, and only
+# for tensors of at least 4096 elements (smaller ones keep fp32 state): torchao/optim/adam.py.
+_AO_BLOCK = 256
+_AO_MIN_SIZE = 4096
+
+
+def _padded(shape: torch.Size, shard: int) -> int:
+    """Elements FSDP2 allocates for an unsharded parameter: dim 0 padded to a multiple of the shard size."""
+    if len(shape) == 0:
+        return shard
+    return math.ceil(shape[0] / shard) * shard * math.prod(shape[1:])
+
+
+def unit_params(model: nn.Module, plan: ShardPlan) -> list[tuple[list[str], list[nn.Parameter]]]:
+    """Each plan unit's module names and the parameters it owns (a tied one in the first unit, as shard_model does)."""
+    modules = dict(model.named_modules())
+    seen: set[int] = set()
+    out = []
+    for u in plan.units:
+        names = [""] if u.name.startswith("(root)") else u.name.split(" + ")
+        params = []
+        for n in names:
+            for p in modules[n].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        out.append((names, params))
+    return out
+
+
+def units_for(
+    model: nn.Module,
+    plan: ShardPlan,
+    *,
+    compute_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    trainable: set[int] | None = None,
+) -> list[tuple[list[str], Unit]]:
+    """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group)."""
+    shard = plan.mesh_shape[-1]
+    out = []
+    for (names, params), up in zip(unit_params(model, plan), plan.units):
+        gathered = grads = rs_in = rs_out = sharded = 0
+        for p in params:
+            cdt = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
+            padded = _padded(p.shape, shard)
+            gathered += padded * cdt.itemsize
+            if p.requires_grad if trainable is None else id(p) in trainable:
+                rdt = reduce_dtype or cdt
+                grads += p.numel() * cdt.itemsize
+                rs_in += padded * rdt.itemsize
+                rs_out += padded // shard * rdt.itemsize
+                sharded += padded // shard * p.dtype.itemsize
+        out.append(
+            (
+                names,
+                Unit(
+                    name=up.name,
+                    gathered=gathered,
+                    unsharded_grads=grads,
+                    reduce_input=rs_in,
+                    reduce_output=rs_out,
+                    sharded_grads=sharded,
+                    reshard_after_forward=up.reshard_after_forward is not False,
+                ),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class OptimizerBytes:
+    state: int  # persistent, per rank
+    temporaries: int  # extra during optimizer.step()
+
+
+def optimizer_bytes(
+    shards: list[tuple[int, torch.dtype]], optimizer: str, *, implementation: str = "foreach"
+) -> OptimizerBytes:
+    """State and step temporaries for the sharded trainable parameters ``(numel, dtype)`` of one rank.
+
+    - ``adamw``: exp_avg and exp_avg_sq shaped like each parameter. Temporaries follow
+      torch/optim/adam.py: the ``foreach`` path (CUDA's default) takes ``sqrt(exp_avg_sq)`` of
+      the whole parameter group at once (one state-sized list); the ``for-loop`` path (CPU's
+      default) makes two single-parameter temporaries (sqrt, then the division);
+      ``fused`` none.
+    - ``adamw8bit`` (torchao AdamW8bit): int8 codes + an fp32 scale per 256 values for each of
+      the two states (fp32 below 4096 elements); each parameter's step dequantizes both states
+      to fp32 and back (about four fp32 copies of the largest parameter).
+    - ``sgd``: torch's default (no momentum): no state, in-place update.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {list(OPTIMIZERS)}")
+    if implementation not in ("foreach", "for-loop", "fused"):
+        raise ValueError(f"implementation={implementation!r}: expected 'foreach', 'for-loop' or 'fused'")
+    if not shards or optimizer == "sgd":
+        return OptimizerBytes(0, 0)
+    largest = max(n * dt.itemsize for n, dt in shards)
+    if optimizer == "adamw":
+        state = sum(2 * n * dt.itemsize for n, dt in shards)
+        temp = {"foreach": state // 2, "for-loop": 2 * largest, "fused": 0}[implementation]
+        return OptimizerBytes(state, temp)
+    state = 0
+    for n, dt in shards:
+        if n >= _AO_MIN_SIZE:
+            state += 2 * (n + 4 * math.ceil(n / _AO_BLOCK))
+        else:
+            state += 2 * n * dt.itemsize
+    largest_fp32 = max(n for n, _ in shards) * 4
+    return OptimizerBytes(state, 4 * largest_fp32)
+
+
+def margin_bytes(peak: int, device: str) -> int:
+    """What a device's allocator holds beyond live tensors at the peak.
+
+    CPU: nothing (the planner's figure is live tensor bytes, what the CPU check measures).
+    CUDA: the caching allocator rounds every block up (to 512 B, large ones to 2 MiB segments) and
+    cannot always reuse freed blocks of the wrong size, so ``max_memory_reserved`` (what OOMs and
+    what trainers report) exceeds ``max_memory_allocated``. We add 5% of the peak plus 0.5 GiB
+    (NCCL's and cuBLAS's workspaces, which are not tensors); see docs/memory_planner.md for the
+    published runs this was checked against.
+    """
+    if device == "cpu":
+        return 0
+    return int(0.05 * peak) + (1 << 29)

@@ -1,0 +1,105 @@
+"""The cheapest change that makes a plan fit: try each knob, keep what fits, rank by its cost in throughput.
+
+Costs are rough fractions of step time added (or, for more GPUs, of money), from the trade-offs
+each knob is known for; they order the list, they are not predictions:
+
+- bf16 mixed precision instead of fp32: none (it is faster).
+- activation checkpointing: selective ~10% (recomputes cheap ops), every N-th block ~33%/N,
+  full ~33% (one more forward of every block; a forward is about a third of a step).
+- 8-bit AdamW state (torchao): ~5% (quantizing in the optimizer step), and a small accuracy risk.
+- a smaller micro-batch with more accumulation: ~10% a halving (smaller matmuls, and FSDP
+  gathers every block again for every micro-batch).
+- fewer replica groups, larger shard groups (HSDP, same GPUs): ~10% (all-gathers leave the node).
+- CPU offload: ~50% or worse (the optimizer step on CPU, host-device copies every step).
+- twice the GPUs: no slower, but twice the machines: ranked after the same-hardware changes.
+- LoRA / QLoRA: trains adapters instead of the model; listed last because it changes the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from fsdp2kit.planner.api import Settings, plan_settings
+from fsdp2kit.planner.report import MemoryPlan
+
+__all__ = ["cheapest_changes"]
+
+
+def _candidates(s: Settings) -> list[tuple[str, float, Settings]]:
+    out: list[tuple[str, float, Settings]] = []
+    r = dataclasses.replace
+    if s.mixed_precision in (None, "fp32"):
+        out.append(("--mixed-precision bf16", 0.0, r(s, mixed_precision="bf16")))
+    ac = s.activation_checkpointing
+    order = {None: 0, "selective": 1, "full": 3}
+    current = order.get(ac, 2) if not isinstance(ac, int) or isinstance(ac, bool) else 2
+    if current < 1:
+        out.append(("--ac selective", 0.10, r(s, activation_checkpointing="selective")))
+    if current < 2:
+        out.append(("--ac 2 (every 2nd block)", 0.17, r(s, activation_checkpointing=2)))
+    if current < 3:
+        out.append(("--ac full", 0.33, r(s, activation_checkpointing="full")))
+    if s.optimizer == "adamw":
+        out.append(("--optimizer adamw8bit", 0.05, r(s, optimizer="adamw8bit")))
+    batch, cost = s.batch, 0.0
+    while batch > 1:
+        batch, cost = batch // 2, cost + 0.10
+        accum = s.grad_accum * s.batch // batch
+        out.append((f"--batch {batch} with {accum}x gradient accumulation", cost, r(s, batch=batch, grad_accum=accum)))
+    if s.replicate > 1 and s.replicate % 2 == 0:
+        out.append(
+            (
+                f"--replicate {s.replicate // 2} --shard {s.shard * 2} (same GPUs)",
+                0.10,
+                r(s, replicate=s.replicate // 2, shard=s.shard * 2),
+            )
+        )
+    if not s.cpu_offload:
+        out.append(("--cpu-offload", 0.50, r(s, cpu_offload=True)))
+    for k in (2, 4):
+        out.append((f"--shard {s.shard * k} ({k}x the GPUs)", 0.6 + 0.05 * k, r(s, shard=s.shard * k)))
+    if s.lora is None:
+        out.append(("--lora 16 (train adapters, not the model)", 1.0, r(s, lora=16)))
+        out.append(("--lora 16 --qlora", 1.1, r(s, lora=16, qlora=True)))
+    return out
+
+
+def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: int = 6) -> list[dict]:
+    """Single changes to ``s`` whose plan fits in ``gpu_memory``, cheapest first; pairs of them if none does."""
+    cache: dict = {}
+    tried: list[tuple[str, float, Settings, MemoryPlan]] = []
+    for label, cost, settings in _candidates(s):
+        tried.append((label, cost, settings, plan_settings(model, settings, cache)))
+    fits = [t for t in tried if t[3].peak_bytes <= gpu_memory]
+    if not fits:
+        # No single change: try each change on top of each same-hardware change.
+        for label, cost, settings, _ in [t for t in tried if t[1] < 0.6]:
+            for label2, cost2, settings2 in _candidates(settings):
+                if cost2 >= cost or label2.split()[0] == label.split()[0]:
+                    continue  # each pair once, and never the same knob twice
+                plan = plan_settings(model, settings2, cache)
+                if plan.peak_bytes <= gpu_memory:
+                    fits.append((f"{label} + {label2}", cost + cost2, settings2, plan))
+    fits.sort(key=lambda t: (t[1], t[3].peak_bytes))
+    return [
+        {
+            "change": label,
+            "cost": _describe(cost),
+            "cost_fraction": cost,
+            "peak_bytes": plan.peak_bytes,
+            "headroom_bytes": gpu_memory - plan.peak_bytes,
+        }
+        for label, cost, _, plan in fits[:limit]
+    ]
+
+
+def _describe(cost: float) -> str:
+    if cost == 0:
+        return "none (faster)"
+    if cost >= 1.0:
+        return "changes what is trained"
+    if cost >= 0.6:
+        return "more GPUs"
+    return f"~{cost:.0%} slower"

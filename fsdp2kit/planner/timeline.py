@@ -1,0 +1,318 @@
+"""The step's memory timeline: FSDP2's allocations replayed over a recorded step, at any mesh size.
+
+`FsdpTimeline` mirrors what ``fully_shard`` allocates and frees (read from
+torch/distributed/fsdp/_fully_shard, torch 2.13); `replay` drives it with the events that
+`trace.record_step` recorded, block by block, and returns the peak with its parts:
+
+- all-gather: a flat output buffer of the unit's padded size in the compute dtype, then a
+  copy-out into per-parameter unsharded storage. In forward the flat buffer of the last unit
+  stays alive until the next unit's copy-out or the end of the root's forward
+  (``comm_ctx.all_gather_state``, kept so the next all-gather can overlap); explicit prefetch and
+  backward free it at copy-out.
+- reshard after forward frees the unsharded parameters, except units built with
+  ``reshard_after_forward=False`` (`shard_model` keeps the last block and the root that way).
+- backward: pre-backward gathers the unit if it was resharded and prefetches the previous one
+  in forward order (FSDP2's default backward prefetch); gradients of the unsharded parameters
+  (compute dtype) accumulate until post-backward, which reshards, copies them into a flat
+  reduce-scatter input (reduce dtype), frees them, and reduces into the sharded gradient
+  (the master dtype). One reduce-scatter input stays alive until the next unit's
+  post-backward (``reduce_scatter_states``, capped at one buffer).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from fsdp2kit.planner.trace import Recording
+
+__all__ = ["FsdpTimeline", "Replayed", "Unit", "replay"]
+
+
+@dataclass
+class Unit:
+    """One FSDP unit's per-rank byte counts (dim-0 padding included, as FSDP2 allocates)."""
+
+    name: str
+    gathered: int  # unsharded parameters in the compute dtype
+    unsharded_grads: int  # gradients of the trainable unsharded parameters, compute dtype
+    reduce_input: int  # the flat reduce-scatter input, reduce dtype
+    reduce_output: int  # its per-rank output in the reduce dtype
+    sharded_grads: int  # what stays as .grad, master dtype
+    reshard_after_forward: bool
+    # state during the step
+    unsharded: bool = False
+    pending_gather: int = 0  # flat all-gather output waiting for its copy-out (-1: requested, one rank)
+    grads_live: int = 0
+    forward_done: bool = False
+    backward_done: bool = False
+
+
+@dataclass
+class FsdpTimeline:
+    units: list[Unit]
+    world: int  # ranks in the shard group (1: no all-gather buffers at all)
+    prefetch: int = 0  # explicit forward/backward prefetch depth (fk.set_prefetch); 0: FSDP2's implicit
+    blocks: list[int] = field(default_factory=list)  # unit indices of the blocks, forward order
+    gathered: int = 0  # unsharded parameters alive
+    buffers: int = 0  # all-gather and reduce-scatter flat buffers alive
+    grads_unsharded: int = 0
+    grads_sharded: int = 0
+    max_gathered: int = 0
+    max_buffers: int = 0
+    _ag_state: int = 0
+    _rs_state: int = 0
+    forward_order: list[Unit] = field(default_factory=list)
+
+    def extra(self) -> int:
+        return self.gathered + self.buffers + self.grads_unsharded + self.grads_sharded
+
+    def between_ops(self) -> int:
+        """`extra` while ops run: what FSDP2 holds outside its own hooks (the maxima reported are these)."""
+        self.max_gathered = max(self.max_gathered, self.gathered)
+        self.max_buffers = max(self.max_buffers, self.buffers)
+        return self.extra()
+
+    def _start_gather(self, u: Unit) -> None:
+        if u.unsharded or u.pending_gather:
+            return
+        u.pending_gather = u.gathered if self.world > 1 else -1
+        self.buffers += max(u.pending_gather, 0)
+
+    def _finish_gather(self, u: Unit, *, forward: bool, keep_flat: bool) -> list[int]:
+        if u.unsharded:
+            return []
+        if not u.pending_gather:
+            self._start_gather(u)
+        flat = max(u.pending_gather, 0)
+        u.pending_gather = 0
+        if forward:  # the previous unit's kept flat buffer goes before this copy-out
+            self.buffers -= self._ag_state
+            self._ag_state = 0
+        self.gathered += u.gathered
+        u.unsharded = True
+        moment = [self.extra()]
+        if keep_flat:
+            self._ag_state = flat
+        else:
+            self.buffers -= flat
+        return moment
+
+    def _reshard(self, u: Unit) -> None:
+        if u.unsharded:
+            self.gathered -= u.gathered
+            u.unsharded = False
+
+    def pre_forward(self, index: int) -> list[int]:
+        u = self.units[index]
+        if u.forward_done:
+            return []
+        # A unit gathered by an explicit prefetch does not keep its flat buffer (FSDPParamGroup.wait_for_unshard).
+        prefetched = u.pending_gather != 0
+        moments = self._finish_gather(u, forward=True, keep_flat=not prefetched and self.world > 1)
+        explicit = self.prefetch > 0 and index in self.blocks
+        if explicit:
+            at = self.blocks.index(index)
+            for nxt in self.blocks[at + 1 : at + 1 + self.prefetch]:
+                self._start_gather(self.units[nxt])
+        return moments
+
+    def post_forward(self, index: int) -> None:
+        u = self.units[index]
+        if u.forward_done:
+            return
+        u.forward_done = True
+        self.forward_order.append(u)
+        if u.reshard_after_forward:
+            self._reshard(u)
+
+    def end_forward(self) -> None:
+        """The root's post-forward frees the last flat all-gather output (FSDPState._post_forward)."""
+        self.buffers -= self._ag_state
+        self._ag_state = 0
+
+    def pre_backward(self, index: int) -> list[int]:
+        u = self.units[index]
+        if u.backward_done:
+            return []
+        moments = self._finish_gather(u, forward=False, keep_flat=False)
+        i = next((k for k, v in enumerate(self.forward_order) if v is u), None)
+        if i is not None:
+            for prev in self.forward_order[max(0, i - max(1, self.prefetch)) : i][::-1]:
+                if not prev.backward_done:
+                    self._start_gather(prev)
+        return moments
+
+    def grad(self, index: int, nbytes: int) -> None:
+        u = self.units[index]
+        if not u.backward_done:  # a straggler after the reduce-scatter is reduced at the end: ignored
+            u.grads_live += nbytes
+            self.grads_unsharded += nbytes
+
+    def post_backward(self, index: int) -> list[int]:
+        """Reshard, reduce-scatter; returns the totals at its transient moments."""
+        u = self.units[index]
+        if u.backward_done:
+            return []
+        u.backward_done = True
+        self._reshard(u)
+        self.buffers -= self._rs_state
+        self._rs_state = 0
+        if not u.grads_live:
+            return []
+        self.buffers += u.reduce_input
+        moments = [self.extra()]
+        self.grads_unsharded -= u.grads_live
+        u.grads_live = 0
+        self.buffers += u.reduce_output
+        moments.append(self.extra())
+        self.buffers -= u.reduce_output
+        self.grads_sharded += u.sharded_grads  # a cast copy (reduce dtype != master) or the output itself
+        self._rs_state = u.reduce_input
+        return moments
+
+    def end_backward(self) -> list[int]:
+        moments = []
+        for i, u in enumerate(self.units):
+            if not u.backward_done and (u.unsharded or u.grads_live):
+                moments += self.post_backward(i)
+        for u in self.units:
+            self._reshard(u)
+        self.buffers -= self._rs_state + self._ag_state
+        self._rs_state = self._ag_state = 0
+        return moments
+
+
+@dataclass
+class Replayed:
+    """The step's figures at the full depth and the given mesh (parameters and optimizer state excluded)."""
+
+    peak: int = 0
+    phase: str = ""
+    parts: dict[str, int] = field(default_factory=dict)
+    forward_peak: int = 0
+    backward_peak: int = 0
+    saved_activations: int = 0  # live after the last block's forward: blocks' saved tensors, inputs, batch
+    saved_by_block: list[int] = field(default_factory=list)
+    logits_and_loss: int = 0
+    grads_sharded: int = 0
+    max_gathered: int = 0  # the most unsharded parameters alive while ops run
+    max_buffers: int = 0  # the most flat all-gather / reduce-scatter buffers alive while ops run
+
+
+def _expand(rec: Recording, block_names: list[str]) -> list[tuple]:
+    """The events with the middle block's forward and backward repeated for the blocks that did not run."""
+    if not rec.repeat:
+        return rec.events
+    ev = rec.events
+    b0, b1, b2 = rec.blocks[-3:]  # the block before the representative, the representative, the last
+
+    def first(event: tuple) -> int:
+        return ev.index(event)
+
+    f1, f2 = first(("phase", f"forward {b1}")), first(("phase", f"forward {b2}"))
+    k1, k0 = first(("phase", f"backward {b1}")), first(("phase", f"backward {b0}"))
+    middle = block_names[len(rec.blocks) - 2 : -1]
+
+    def renamed(segment: list[tuple], name: str) -> list[tuple]:
+        return [(e[0], e[1].replace(b1, name, 1)) if e[0] in ("phase", "enter", "exit") else e for e in segment]
+
+    out = ev[:f1]
+    for name in middle:
+        out += [("as", name), *renamed(ev[f1:f2], name), ("as", None)]
+    out += ev[f2:k1]
+    for name in reversed(middle):
+        out += [("as", name), *renamed(ev[k1:k0], name), ("as", None)]
+    return out + ev[k0:]
+
+
+def replay(
+    rec: Recording,
+    units: list[Unit],
+    unit_names: list[list[str]],
+    block_names: list[str],
+    *,
+    world: int,
+    prefetch: int,
+) -> Replayed:
+    """Run the recorded step's events through `FsdpTimeline` for ``units`` (fresh copies are used)."""
+    units = [copy.copy(u) for u in units]
+    index_of = {n: i for i, names in enumerate(unit_names) for n in names}
+    blocks = [index_of[n] for n in block_names]
+    tl = FsdpTimeline(units, world=world, prefetch=prefetch, blocks=blocks)
+    out = Replayed()
+    middle_unit = index_of[rec.blocks[-2]] if rec.repeat else None
+    level, phase, alias = 0, "", None
+    held: dict[str, int] = {}
+    entered: dict[str, int] = {}
+    done: set[str] = set()
+    backward = False
+    after_blocks = 0
+
+    def check(total_extra: list[int], rise: int = 0) -> None:
+        nonlocal backward
+        for ex in total_extra:
+            total = level + rise + ex
+            if backward:
+                out.backward_peak = max(out.backward_peak, total)
+            else:
+                out.forward_peak = max(out.forward_peak, total)
+            if total > out.peak:
+                act = sum(v for k, v in held.items() if k not in done)
+                out.peak, out.phase = total, phase
+                out.parts = {
+                    "gathered": tl.gathered,
+                    "comm_buffers": tl.buffers,
+                    "unsharded_grads": tl.grads_unsharded,
+                    "grads": tl.grads_sharded,
+                    "activations": min(act, level + rise),
+                    "temporaries": level + rise - min(act, level + rise),
+                }
+
+    for e in _expand(rec, block_names):
+        kind = e[0]
+        if kind == "as":
+            alias = e[1]
+            continue
+        unit = e[1] if kind in ("pre_forward", "post_forward", "pre_backward", "post_backward", "grad") else None
+        if unit is not None and alias is not None and unit == middle_unit:
+            unit = index_of[alias]
+        if kind == "ops":
+            check([tl.between_ops()], rise=e[1])
+            level += e[2]
+        elif kind == "phase":
+            phase = e[1]
+        elif kind == "enter":
+            entered[e[1]] = level
+        elif kind == "exit":
+            if e[1] in block_names:
+                held[e[1]] = level - entered[e[1]]
+                after_blocks = level
+        elif kind == "pre_forward":
+            check(tl.pre_forward(unit))
+        elif kind == "post_forward":
+            tl.post_forward(unit)
+        elif kind == "end_forward":
+            tl.end_forward()
+        elif kind == "loss_done":
+            out.saved_activations = after_blocks
+            out.saved_by_block = [held.get(n, 0) for n in block_names]
+            out.logits_and_loss = level - after_blocks
+            held["(loss)"] = out.logits_and_loss
+            backward = True
+        elif kind == "pre_backward":
+            if unit in blocks:
+                done.add("(loss)")
+            check(tl.pre_backward(unit))
+        elif kind == "grad":
+            tl.grad(unit, e[2])
+            check([tl.extra()])
+        elif kind == "post_backward":
+            for n in unit_names[unit]:
+                done.add(n)
+            check(tl.post_backward(unit))
+        elif kind == "end_backward":
+            check(tl.end_backward())
+    out.grads_sharded = tl.grads_sharded
+    out.max_gathered, out.max_buffers = tl.max_gathered, tl.max_buffers
+    return out

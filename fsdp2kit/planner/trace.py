@@ -1,0 +1,300 @@
+"""One training step run on the meta device (shapes only, no memory), recorded as a sequence of memory events.
+
+The model is copied onto meta tensors in the compute dtype, activation checkpointing is applied with
+fsdp2kit's own wrapper, and one forward, loss (the recipe's: logits upcast to fp32, then cross
+entropy) and backward run for real on shapes. `LiveBytes` counts every storage the ops create and
+free, so what autograd saves, what a checkpointed block recomputes and every temporary are the
+ones the real step has, for any block type. The same module hooks FSDP2 uses (pre/post forward,
+pre/post backward, gradient accumulation) are recorded as events; `timeline.replay` turns the
+events into FSDP2's allocations at any world size, so one recording serves every mesh.
+
+Only five blocks run when the middle ones are all alike (same class, same parameter shapes):
+the first three, the fourth standing for the middle ones, and the last. `timeline.replay`
+repeats the fourth block's forward and backward events for the blocks that did not run, which
+keeps a 126-layer model's plan to seconds (every-N checkpointing runs every block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp2kit.blocks import find_blocks
+from fsdp2kit.planner.live import LiveBytes
+
+__all__ = ["Recording", "record_step"]
+
+# Blocks that run as themselves before the one that stands for the middle ones: the first two
+# hold a little more than the rest (the embedding output and the first block's output are still
+# referenced by the model's loop while they run), measured on Llama; the third is like the rest.
+_LEAD = 3
+
+
+@dataclass
+class Recording:
+    """The events of one step. Op runs are ``("ops", rise, net)``: the highest live bytes above the
+    previous level within the run, and the level at its end, both relative to the previous level."""
+
+    events: list[tuple] = field(default_factory=list)
+    blocks: list[str] = field(default_factory=list)  # names of the blocks that ran, in forward order
+    repeat: int = 0  # how many blocks that did not run the representative (blocks[-2]) stands for
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity in forward; its backward runs once the gradient w.r.t. a unit's inputs exists."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _signature(block: nn.Module) -> tuple:
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters())
+    return (type(block).__name__, getattr(block, "attention_type", None), *params)
+
+
+def _meta_copy(model: nn.Module, dtype: torch.dtype | None, keep: list[nn.Module] | None) -> nn.Module:
+    """A deep copy of ``model`` on the meta device in ``dtype``, with only the blocks in ``keep`` if given."""
+    memo: dict[int, object] = {}
+    # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            dt = dtype if dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) else t.dtype
+            new = torch.empty(t.shape, dtype=dt, device="meta")
+            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+    if keep is not None:
+        first = find_blocks(model)[0]
+        keep_ids = {id(b) for b in keep}
+        for parent in model.modules():
+            if isinstance(parent, nn.ModuleList) and any(c is first for c in parent):
+                memo[id(parent)] = nn.ModuleList([copy.deepcopy(c, memo) for c in parent if id(c) in keep_ids])
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def _as_a_real_step():
+    """What must differ between a shapes-only step and a real one, undone on exit.
+
+    - transformers cannot check whether positions are packed on meta tensors (it reads their
+      values) and materialises a (batch, 1, seq, seq) mask whenever it suspects tracing; a real
+      step with plain causal batches skips the mask, so the recorded one does too.
+    - SDPA on meta takes the math path, which saves the (seq x seq) attention weights; a real
+      step runs a fused kernel (flash on CUDA and on CPU) that saves its output and the
+      log-sum-exp, so the recorded step calls the CPU flash kernel, whose meta kernel has the
+      same outputs.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    saved = {}
+    if masking is not None:
+        for k, v in (("is_tracing", lambda tensor=None: False), ("find_packed_sequence_indices", lambda p: None)):
+            if hasattr(masking, k):
+                saved[k] = getattr(masking, k)
+                setattr(masking, k, v)
+    sdpa = F.scaled_dot_product_attention
+
+    def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta":
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
+
+    F.scaled_dot_product_attention = fused_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+        for k, v in saved.items():
+            setattr(masking, k, v)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    if hasattr(obj, "to_tuple"):  # transformers ModelOutput
+        return _tensors(obj.to_tuple())
+    return []
+
+
+def record_step(
+    model: nn.Module,
+    unit_names: list[list[str]],
+    *,
+    batch: int,
+    seq: int,
+    compute_dtype: torch.dtype | None,
+    activation_checkpointing: str | int | None,
+    truncate: bool = True,
+) -> Recording:
+    """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
+
+    ``unit_names`` lists each FSDP unit's module names, children first (as `estimate_plan` orders
+    them); events name units by their index in that list.
+    """
+    from fsdp2kit.wrappers.activation import apply_activation_checkpointing
+
+    blocks = find_blocks(model)
+    names_of = {id(m): n for n, m in model.named_modules()}
+    keep, repeat = None, 0
+    every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
+    lead = _LEAD
+    if truncate and not every_n and len(blocks) > lead + 3 and len({_signature(b) for b in blocks[lead:-1]}) == 1:
+        keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
+    clone = _meta_copy(model, compute_dtype, keep)
+    clone.train()
+    config = getattr(clone, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+    if callable(activation_checkpointing):
+        activation_checkpointing(clone)
+    elif activation_checkpointing is not None:
+        apply_activation_checkpointing(clone, mode=activation_checkpointing)
+
+    kept_names = [names_of[id(b)] for b in (keep or blocks)]
+    # In the copy, the kept blocks are renumbered (layers.0, layers.1, layers.2): map them back.
+    clone_blocks = find_blocks(clone)
+    clone_name = {id(m): n for n, m in clone.named_modules()}
+    rename = {clone_name[id(c)]: kept for c, kept in zip(clone_blocks, kept_names)}
+    modules = {rename.get(n, n): m for n, m in clone.named_modules()}
+
+    rec = Recording(blocks=kept_names, repeat=repeat)
+    events = rec.events
+    live = LiveBytes(incremental=True)
+    run = {"level": 0, "high": 0, "open": False}
+
+    def on_op(now: int) -> None:
+        run["high"] = max(run["high"], now)
+        run["open"] = True
+
+    def flush() -> None:
+        if run["open"]:
+            events.append(("ops", run["high"] - run["level"], live.live - run["level"]))
+            run["level"] = run["high"] = live.live
+            run["open"] = False
+
+    def emit(*event) -> None:
+        flush()
+        events.append(event)
+
+    live.on_op = on_op
+    state = {"backward": False}
+    calls: dict[int, int] = {}
+    unit_size = {i: sum(1 for n in names if n in modules) for i, names in enumerate(unit_names)}
+
+    def make_hooks(name: str, index: int):
+        def pre(mod, args, kwargs):
+            if state["backward"]:
+                return None  # a checkpointed block recomputing: FSDP2 has it unsharded already
+            emit("phase", f"forward {name or '(root)'}")
+            n = calls.get(index, 0)
+            calls[index] = n + 1
+            if n == 0:
+                emit("pre_forward", index)
+            emit("enter", name)
+            # FSDP2 runs a unit's pre-forward once, at its first module: only those inputs get the
+            # post-backward hook (a tied head's unit, first called at the embedding, whose input
+            # needs no gradient, reduces its gradients at the end of backward).
+            grad_inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            if n > 0 or not grad_inputs:
+                return None
+
+            def post_backward() -> None:
+                emit("phase", f"backward {name or '(root)'}")
+                emit("post_backward", index)
+
+            args = list(args)
+            wrapped = _PostBackward.apply(post_backward, *[args[i] for i in grad_inputs])
+            for i, w in zip(grad_inputs, wrapped if isinstance(wrapped, tuple) else (wrapped,)):
+                args[i] = w
+            return tuple(args), kwargs
+
+        def post(mod, args, kwargs, output):
+            if state["backward"]:
+                return None
+            emit("exit", name)
+            if calls[index] == unit_size[index]:
+                emit("post_forward", index)
+            if mod is clone:
+                emit("end_forward")
+
+            def pre_backward(grad):
+                emit("phase", f"backward {name or '(root)'}")
+                emit("pre_backward", index)
+                return grad
+
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(pre_backward)
+            return None
+
+        return pre, post
+
+    handles = []
+    for i, names in enumerate(unit_names):
+        for n in names:
+            if n in modules:
+                pre, post = make_hooks(n, i)
+                handles.append(modules[n].register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                handles.append(modules[n].register_forward_hook(post, with_kwargs=True))
+
+    param_unit: dict[int, int] = {}
+    for i, names in enumerate(unit_names):
+        for n in names:
+            if n in modules:
+                for p in modules[n].parameters():
+                    param_unit.setdefault(id(p), i)
+
+    def on_grad(p: torch.Tensor) -> None:
+        # FSDP2 holds the unsharded gradient until the unit's post-backward: the timeline counts
+        # it, so the recording drops it at once.
+        if p.grad is not None and id(p) in param_unit:
+            emit("grad", param_unit[id(p)], p.grad.untyped_storage().nbytes())
+        p.grad = None
+
+    for p in clone.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    # Parameters are the timeline's to count (sharded, gathered); buffers count from the start.
+    live.ignore(clone.parameters())
+    live.track(clone.buffers())
+    events.append(("ops", live.live, live.live))
+    run["level"] = run["high"] = live.live
+    try:
+        with _as_a_real_step(), live:
+            # The batch is counted too: a real loop holds it for the whole step.
+            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+            labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
+            out = clone(ids)
+            logits = out.logits if hasattr(out, "logits") else out
+            del out
+            emit("phase", "forward loss")
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels)
+            del logits
+            emit("loss_done")
+            state["backward"] = True
+            emit("phase", "backward loss")
+            loss.backward()
+            emit("phase", "backward (end)")
+            emit("end_backward")
+    finally:
+        for h in handles:
+            h.remove()
+    return rec

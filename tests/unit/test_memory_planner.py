@@ -1,0 +1,211 @@
+"""fsdp2kit.plan_memory and `fsdp2kit plan --batch/--seq`: the API, the CLI (table and --json), the search.
+
+The prediction itself is checked against measured steps in tests/dist/test_memory_measured.py;
+here everything runs on the meta device in a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import fsdp2kit as fk
+from fsdp2kit.cli import main
+from fsdp2kit.cli.plan import parse_bytes
+from fsdp2kit.planner.api import Settings, plan_settings
+from fsdp2kit.planner.search import cheapest_changes
+from fsdp2kit.planner.timeline import replay
+from fsdp2kit.planner.trace import record_step
+
+
+def meta_llama(layers: int = 3, vocab: int = 512, tied: bool = False) -> torch.nn.Module:
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.timeout(120)
+def test_plan_parts_add_up_and_knobs_move_the_peak():
+    model = meta_llama()
+    base = fk.plan_memory(model, shard=2, batch=2, seq=64, device="cpu")
+    assert isinstance(base, fk.MemoryPlan)
+    assert sum(base.parts.values()) == base.peak_bytes and base.parts["margin"] == 0
+    assert base.phase.startswith(("forward", "backward", "optimizer"))
+    assert base.saved_activations > 0 and base.logits_and_loss > 0
+    # fp32 logits -> log_softmax output (4 bytes) at least: batch * seq * vocab * 4.
+    assert base.logits_and_loss >= 2 * 64 * 512 * 4
+    full = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="full", device="cpu")
+    sel = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="selective", device="cpu")
+    assert full.saved_activations < sel.saved_activations < base.saved_activations
+    # The variants below share base's recording (same batch, seq, AC and dtype) through one cache.
+    cache: dict = {}
+
+    def variant(**kw):
+        return plan_settings(model, Settings(**(dict(shard=2, batch=2, seq=64, device="cpu") | kw)), cache)
+
+    assert variant().peak_bytes == base.peak_bytes
+    wider = variant(shard=4)
+    assert wider.parts["params"] < base.parts["params"] and wider.parts["optimizer"] < base.parts["optimizer"]
+    assert variant(optimizer="sgd").parts["optimizer"] == 0
+    assert 0 < variant(optimizer="adamw8bit").parts["optimizer"] < base.parts["optimizer"]
+    cuda = variant(device="cuda")
+    cuda.gpu_memory = 1 << 30
+    assert cuda.parts["margin"] > 0 and cuda.fits and "fits: yes" in str(cuda)
+    offload = variant(cpu_offload=True)
+    assert offload.parts["params"] == 0 and offload.host_bytes > 0
+    assert variant(lora=4).parts["optimizer"] < base.parts["optimizer"]
+    # The model is untouched: still on meta, no hooks left behind.
+    assert all(p.is_meta for p in model.parameters()) and not model._forward_hooks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(shard=0), "shard=0"),
+        (dict(optimizer="lion"), "optimizer='lion'"),
+        (dict(activation_checkpointing="most"), "mode='most'"),
+        (dict(mixed_precision="fp8"), "mixed_precision='fp8'"),
+        (dict(qlora=True), "qlora=True needs a LoRA rank"),
+        (dict(device="tpu"), "device='tpu'"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    args = dict(shard=2, batch=1, seq=8) | kwargs
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fk.plan_memory(meta_llama(), **args)
+
+
+@pytest.mark.timeout(120)
+def test_five_blocks_stand_for_many_exactly():
+    """Running 5 of 7 identical blocks and repeating the 4th gives the same events' totals as running all 7."""
+    model = meta_llama(layers=7)
+    plan = fk.estimate_plan(model, shard=3, mixed_precision="bf16")
+    names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
+    blocks = [f"model.layers.{i}" for i in range(7)]
+    from fsdp2kit.planner.parts import units_for
+
+    units = [u for _, u in units_for(model, plan, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)]
+    for ac in (None, "selective"):
+        results = []
+        for truncate in (True, False):
+            rec = record_step(
+                model,
+                names,
+                batch=2,
+                seq=16,
+                compute_dtype=torch.bfloat16,
+                activation_checkpointing=ac,
+                truncate=truncate,
+            )
+            assert len(rec.blocks) == (5 if truncate else 7)
+            r = replay(rec, units, names, blocks, world=3, prefetch=1)
+            results.append((r.peak, r.phase, r.saved_activations, r.grads_sharded, r.saved_by_block))
+        assert results[0] == results[1], ac
+
+
+def _cli(capsys, *args):
+    code = main(["plan", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.timeout(120)
+def test_cli_plan_table_json_and_search(capsys):
+    code, out, _ = _cli(capsys, "demo", "--shard", "2", "--batch", "2", "--seq", "64", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert isinstance(data["peak_bytes"], int) and data["peak_bytes"] > 0
+    assert data["peak_bytes"] == sum(data["parts"].values()) and data["fits"] is None
+    api = fk.plan_memory(fk.models.build_causal_lm("demo", meta=True, max_seq_len=64), shard=2, batch=2, seq=64)
+    assert api.peak_bytes == data["peak_bytes"]
+
+    code, out, _ = _cli(
+        capsys,
+        "demo",
+        "--shard",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--ac",
+        "full",
+        "--mixed-precision",
+        "bf16",
+        "--gpu-memory",
+        "1GiB",
+    )
+    assert code == 0 and "Memory plan: demo on shard=2" in out and "AC full" in out and "fits: yes" in out
+
+    # Does not fit: the search lists changes that do, cheapest first, each under the budget.
+    cpu = fk.plan_memory(
+        fk.models.build_causal_lm("demo", meta=True, max_seq_len=64), shard=2, batch=2, seq=64, device="cpu"
+    )
+    budget = int(0.8 * cpu.peak_bytes)
+    code, out, _ = _cli(
+        capsys,
+        "demo",
+        "--shard",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--device",
+        "cpu",
+        "--gpu-memory",
+        f"{budget}B",
+        "--json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["fits"] is False and data["changes"]
+    assert all(c["peak_bytes"] <= budget for c in data["changes"])
+    costs = [c["cost_fraction"] for c in data["changes"]]
+    assert costs == sorted(costs)
+
+    code, _, err = _cli(capsys, "demo", "--shard", "2", "--batch", "2")
+    assert code == 1 and "needs both --batch and --seq" in err
+    code, _, err = _cli(capsys, "demo", "--shard", "2", "--batch", "2", "--seq", "8", "--optimizer", "lion")
+    assert code == 1 and "optimizer='lion'" in err
+    code, _, err = _cli(capsys, "demo", "--shard", "2", "--json")
+    assert code == 1 and "give --batch and --seq" in err
+
+
+@pytest.mark.timeout(120)
+def test_search_on_a_case_that_does_not_fit():
+    model = meta_llama(layers=3, vocab=2048)
+    s = Settings(shard=2, batch=4, seq=64, device="cpu")
+    plan = plan_settings(model, s, cache={})
+    budget = int(plan.peak_bytes * 0.6)
+    changes = cheapest_changes(model, s, budget)
+    assert changes, "some change must fit at 60% of the peak"
+    assert all(c["peak_bytes"] <= budget for c in changes)
+    assert [c["cost_fraction"] for c in changes] == sorted(c["cost_fraction"] for c in changes)
+    labels = [c["change"] for c in changes]
+    # Each listed change, applied through the API, gives the peak the search reported.
+    if "--ac full" in labels:
+        full = fk.plan_memory(model, shard=2, batch=4, seq=64, activation_checkpointing="full", device="cpu")
+        assert full.peak_bytes == changes[labels.index("--ac full")]["peak_bytes"]
+    assert cheapest_changes(model, s, 1) == []  # nothing fits in one byte
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("96GB") == 96 * 10**9
+    assert parse_bytes("24") == 24 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    with pytest.raises(ValueError, match="expected a size"):
+        parse_bytes("lots")
