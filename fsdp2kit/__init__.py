@@ -9,6 +9,7 @@ from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
+from fsdp2kit.parallel import apply_tensor_parallel
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
@@ -32,6 +33,7 @@ __all__ = [
     "ShardPlan",
     "UnitPlan",
     "apply_activation_checkpointing",
+    "apply_tensor_parallel",
     "clip_grad_norm_",
     "compile_blocks",
     "dcp_to_hf",
