@@ -250,18 +250,27 @@ def estimate_plan(
     *,
     shard: int,
     replicate: int = 1,
+    tp: int = 1,
     blocks: BlockSpec = "auto",
     strategy: str | None = None,
     reshard_after_forward: bool | int | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
 ) -> ShardPlan:
-    """The `ShardPlan` that `shard_model` would return on a (replicate, shard) mesh, without one.
+    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without one.
 
     Needs no process group and changes nothing, so a model built on the meta device can be
-    planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines.
+    planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines. With
+    ``tp > 1`` the model's own TP plan (as `fsdp2kit.apply_tensor_parallel` would apply it) says
+    which parameters each TP rank holds a slice of.
     """
     shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
+    tp_shapes = None
+    if tp > 1:
+        from fsdp2kit.parallel.tensor_parallel import planned_tp_shapes
+
+        shape, names = (*shape, tp), (*names, "tp")
+        tp_shapes = planned_tp_shapes(model, tp)
     return _layout(
         model,
         shape,
@@ -271,6 +280,7 @@ def estimate_plan(
         reshard_after_forward=reshard_after_forward,
         mixed_precision=mixed_precision,
         cpu_offload=cpu_offload,
+        tp_shapes=tp_shapes,
     ).plan
 
 
@@ -295,6 +305,7 @@ def _layout(
     reshard_after_forward: bool | int | None,
     mixed_precision: str | MixedPrecisionPolicy | None,
     cpu_offload: bool,
+    tp_shapes: dict[int, tuple[int, ...]] | None = None,
 ) -> _Layout:
     tp = dict(zip(mesh_dim_names, mesh_shape)).get("tp", 1)
     dp_shape = tuple(s for n, s in zip(mesh_dim_names, mesh_shape) if n != "tp")
@@ -344,5 +355,5 @@ def _layout(
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
-        plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard))
+        plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard, tp_shapes))
     return _Layout(resolved, found, units, mp_policy, plan)

@@ -7,7 +7,8 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
 
   1. start the process group and build the mesh;
   2. build the model (on the meta device when it would not fit in one process's memory);
-  3. float8, activation checkpointing, per-block compile (each optional, each before sharding);
+  3. float8, tensor parallelism, activation checkpointing, per-block compile (each optional, each
+     before sharding);
   4. shard_model, then fill the shards: materialize (fresh init) or load_pretrained;
   5. prefetch, then the optimizer (it must see the sharded parameters);
   6. resume from the newest complete checkpoint, train, checkpoint every N steps.
@@ -18,6 +19,7 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -61,6 +63,7 @@ class DataConfig:
 class ParallelConfig:
     shard: int = opt(-1, "ranks that shard the model (-1: all that replicate leaves)")
     replicate: int = opt(1, "replica groups (HSDP when > 1, e.g. the number of nodes)")
+    tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)")
     strategy: str | None = opt(None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
     mixed_precision: str | None = opt(None, "fp32 | bf16 | fp16")
     cpu_offload: bool = opt(False, "keep parameters, gradients and optimizer state in CPU memory")
@@ -145,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                 model,
                 shard=p.shard,
                 replicate=p.replicate,
+                tp=p.tp,
                 strategy=p.strategy,
                 mixed_precision=p.mixed_precision,
                 cpu_offload=p.cpu_offload,
@@ -154,9 +158,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # 1. process group and mesh
     info = fk.init_distributed()
-    mesh = fk.make_mesh(shard=cfg.parallel.shard, replicate=cfg.parallel.replicate)
+    mesh = fk.make_mesh(shard=cfg.parallel.shard, replicate=cfg.parallel.replicate, tp=cfg.parallel.tp)
     torch.manual_seed(cfg.train.seed)
-    loader, vocab = build_data(cfg.data, info, cfg.train.seed)
+    # The ranks of one TP group compute on one batch: data is split over the data-parallel groups.
+    dp_info = dataclasses.replace(info, rank=info.rank // p.tp, world_size=info.world_size // p.tp)
+    loader, vocab = build_data(cfg.data, dp_info, cfg.train.seed)
 
     # 2. the model, on the meta device unless asked otherwise
     model = build_causal_lm(
@@ -170,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     # 3. wrappers that change modules must come before sharding
     if p.float8:
         fk.enable_float8(model)
+    if p.tp > 1:
+        fk.apply_tensor_parallel(model, mesh)  # the model's own transformers TP plan
     if p.activation_checkpointing:
         ac = p.activation_checkpointing
         fk.apply_activation_checkpointing(model, mode=int(ac) if ac.isdigit() else ac)
@@ -221,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         model, model.config.num_hidden_layers, model.config.hidden_size, cfg.data.seq_len
     )
     peak = peak_flops(info.device)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * info.world_size
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * dp_info.world_size
     log = JsonlLogger(cfg.log.jsonl, enabled=info.is_main)
     log.log({"event": "start", "step": start, "config": config_to_dict(cfg), "world_size": info.world_size})
     bar = None

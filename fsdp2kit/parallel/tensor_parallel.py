@@ -16,7 +16,7 @@ from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, TENSOR_PARALLEL
 from fsdp2kit.parallel.styles import resolve_style, weight_placement
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
-__all__ = ["apply_tensor_parallel", "model_tp_plan", "tensor_parallel_info"]
+__all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes", "tensor_parallel_info"]
 
 Plan = Mapping[str, "str | ParallelStyle"]
 
@@ -199,6 +199,50 @@ def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
             )
 
 
+def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[str, ParallelStyle | None]]:
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
+        raw = model_tp_plan(model)
+        if not raw:
+            raise ValueError(
+                f"{type(model).__name__} has no tensor-parallel plan of its own (no base_model_tp_plan in its config); "
+                "pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
+            )
+        chosen = _concrete(model, raw, strict=False)
+    elif isinstance(plan, Mapping):
+        chosen = _concrete(model, plan, strict=True)
+    else:
+        raise TypeError(f"plan must be 'auto' or a mapping, got {type(plan).__name__}")
+    return chosen, {name: resolve_style(style, name) for name, style in chosen.items()}
+
+
+def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
+    """What each parameter would become on one TP rank (by ``id``), without a mesh: for planning.
+
+    The same checks as `apply_tensor_parallel` (divisibility, supported styles) run first.
+    Parameters the plan does not split are left out (they stay whole on every TP rank).
+    """
+    _, styles = _resolve(model, plan)
+    _check_modules(model, styles)
+    _check_divisible(model, styles, tp)
+    modules = dict(model.named_modules())
+    shapes: dict[int, tuple[int, ...]] = {}
+    for name, style in styles.items():
+        module = modules[name]
+        placement = weight_placement(module, style)
+        for pname, p in module.named_parameters(recurse=False):
+            if pname == "weight":
+                split = placement
+            else:  # a colwise Linear's bias is split with its outputs; other biases stay whole
+                split = placement if (hasattr(placement, "dim") and placement.dim == 0 and p.ndim == 1) else None
+            if hasattr(split, "dim") and p.ndim > split.dim:
+                shape = list(p.shape)
+                shape[split.dim] //= tp
+                shapes[id(p)] = tuple(shape)
+    return shapes
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: str | Plan = "auto") -> nn.Module:
     """Split ``model``'s layers over ``mesh["tp"]`` in place (Megatron-style tensor parallelism); returns it.
 
@@ -234,21 +278,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: str | Plan =
     """
     tp_mesh = _tp_mesh(mesh)
     _check_order(model)
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
-        raw = model_tp_plan(model)
-        if not raw:
-            raise ValueError(
-                f"{type(model).__name__} has no tensor-parallel plan of its own (no base_model_tp_plan in its config); "
-                "pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
-            )
-        chosen = _concrete(model, raw, strict=False)
-    elif isinstance(plan, Mapping):
-        chosen = _concrete(model, plan, strict=True)
-    else:
-        raise TypeError(f"plan must be 'auto' or a mapping, got {type(plan).__name__}")
-    styles = {name: resolve_style(style, name) for name, style in chosen.items()}
+    chosen, styles = _resolve(model, plan)
     tp = tp_mesh.size()
     _check_modules(model, styles)
     _check_divisible(model, styles, tp)

@@ -7,6 +7,8 @@ many cases. HSDP 2 x FSDP 2 x TP 2 needs 8 ranks, which do not fit a test's time
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tp_cases import TPCase, build, run_ckpt_load, run_world2, run_world4
@@ -112,3 +114,36 @@ def test_tp_export_hf_and_dcp_to_hf(worlds) -> None:
         assert back.lm_head.weight is back.get_input_embeddings().weight
         logits.append(back(x).logits)
     assert torch.equal(logits[0], logits[1])
+
+
+ERRORS = {
+    "heads": r"needs these sizes to divide by 2, and they do not: config\.num_attention_heads = 3",
+    "pattern": r"entries match no module of LlamaForCausalLM: \['model\.layers\.\*\.nope'\]",
+    "style": r"style 'packed_colwise' is not supported",
+    "tied": r"a tied weight is laid out differently.*model\.embed_tokens\.weight: not split",
+    "not_linear": r"splits nn\.Linear and nn\.Embedding weights.*model\.norm \(LlamaRMSNorm\)",
+    "after_ac": r"apply_tensor_parallel must come before apply_activation_checkpointing",
+    "twice": r"already applied",
+    "float8_after": r"enable_float8 must be called before apply_tensor_parallel",
+    "no_tp_model": r"the mesh has a tp dimension of size 2 but the model is not tensor-parallel",
+    "no_tp_mesh": r"needs a mesh with a 'tp' dimension",
+    "no_shard_strategy": r"NO_SHARD with tensor parallelism is not supported",
+    "tp3": r"shard=1, replicate=1, tp=3 does not fit the world size 2; sizes that work: \(shard=2, replicate=1\), "
+    r"\(shard=1, replicate=2\), \(shard=1, replicate=1, tp=2\)",
+    "after_shard": r"must be called before shard_model",
+}
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("key", list(ERRORS))
+def test_tp_errors(worlds, key: str) -> None:
+    for r in worlds[2]:
+        got = r["errors"][key]
+        assert got is not None and re.search(ERRORS[key], got), f"{key}: {got}"
+
+
+@pytest.mark.timeout(1000)
+def test_tp_order_and_mesh_names(worlds) -> None:
+    errors = worlds[2][0]["errors"]
+    assert errors["ac_after_tp"] is None  # activation checkpointing comes after TP
+    assert errors["mesh_names"] == [("shard", "tp"), ("shard",)]

@@ -258,8 +258,51 @@ def run_ckpt_load(work: str, shard: int, tp: int) -> tuple:
 
 def run_world2(cases: list[TPCase], work: str) -> dict:
     """World 2: TP 2 parity cases, then the checkpoint loaded at TP 2 x FSDP 1."""
-    return {"parity": run_parity_cases(cases), "ckpt_tp2": run_ckpt_load(work, 1, 2)}
+    return {"parity": run_parity_cases(cases), "ckpt_tp2": run_ckpt_load(work, 1, 2), "errors": run_errors()}
 
 
 def run_world4(cases: list[TPCase], work: str) -> dict:
     return {"parity": run_parity_cases(cases), "composition": run_composition(work)}
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_errors() -> dict:
+    """Bad inputs at TP 2 fail on every rank with a sentence, before any collective."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mesh = mesh_for(1, 1, 2)
+    out = {}
+    odd = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=30, intermediate_size=56, num_hidden_layers=1, num_attention_heads=3
+    )
+    out["heads"] = _error(lambda: fk.apply_tensor_parallel(LlamaForCausalLM(odd), mesh))
+    out["pattern"] = _error(lambda: fk.apply_tensor_parallel(build("llama"), mesh, {"model.layers.*.nope": "colwise"}))
+    out["style"] = _error(
+        lambda: fk.apply_tensor_parallel(build("llama"), mesh, {"model.layers.*.mlp.up_proj": "packed_colwise"})
+    )
+    out["tied"] = _error(lambda: fk.apply_tensor_parallel(build("llama-tied"), mesh, {"lm_head": "colwise"}))
+    out["not_linear"] = _error(lambda: fk.apply_tensor_parallel(build("llama"), mesh, {"model.norm": "colwise"}))
+
+    after_ac = build("llama")
+    fk.apply_activation_checkpointing(after_ac, "full")
+    out["after_ac"] = _error(lambda: fk.apply_tensor_parallel(after_ac, mesh))
+    twice = fk.apply_tensor_parallel(build("llama"), mesh)
+    out["twice"] = _error(lambda: fk.apply_tensor_parallel(twice, mesh))
+    out["float8_after"] = _error(lambda: fk.enable_float8(twice))
+    out["no_tp_model"] = _error(lambda: fk.shard_model(build("llama"), mesh))
+    out["no_tp_mesh"] = _error(lambda: fk.apply_tensor_parallel(build("llama"), mesh_for(2)))
+    out["no_shard_strategy"] = _error(lambda: fk.shard_model(twice, mesh, strategy="NO_SHARD"))
+    out["tp3"] = _error(lambda: fk.make_mesh(shard=1, tp=3))
+    sharded = _tp_fsdp("llama", mesh, meta=True)
+    out["after_shard"] = _error(lambda: fk.apply_tensor_parallel(sharded, mesh))
+    ac_ok = fk.apply_tensor_parallel(build("llama"), mesh)
+    out["ac_after_tp"] = _error(lambda: fk.apply_activation_checkpointing(ac_ok, "full"))
+    out["mesh_names"] = [tuple(fk.make_mesh(**kw).mesh_dim_names) for kw in ({"tp": 2}, {"shard": 2})]
+    return out
