@@ -182,7 +182,19 @@ def write_markdown(res: dict, path: Path) -> None:
             f"{r['speed_range'][1]:.2f}) | {r['state_bytes_per_rank'] / mib:.1f} | "
             f"{r['plan_state_bytes_per_rank'] / mib:.1f} | {rss} |"
         )
+    tp = res["layouts"]["FSDP 2 x TP 2"]
+    lo, hi = tp["speed_range"]
+    verdict = (
+        f"no measured speed difference (the per-round ratio ranges {lo:.2f}-{hi:.2f}, across 1.00)"
+        if lo < 1.0 < hi
+        else f"FSDP 2 x TP 2 {'faster' if lo >= 1.0 else 'slower'} in every round ({lo:.2f}-{hi:.2f})"
+    )
     lines += [
+        "",
+        f"Reading: {verdict}. Per-rank state is the same for both layouts, as it must be: each rank holds a quarter "
+        "of every parameter either way (FSDP 4: a quarter of the rows; FSDP 2 x TP 2: half of a TP half). "
+        "What TP changes is what is gathered and what is computed per rank: see the ShardPlan tables "
+        "(`fsdp2kit plan`) for the all-gather sizes.",
         "",
         "- tokens/s: the global batch's tokens over the median step time of the slowest rank.",
         "- params + grads + Adam: the local tensors each rank holds after a step (largest rank); ShardPlan's "

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["STYLE_NAMES", "ReplicateGradSum", "resolve_style", "weight_placement"]
+__all__ = ["STYLE_NAMES", "ReplicateGradSum", "for_module", "resolve_style", "weight_placement"]
 
 
 class ReplicateGradSum(ParallelStyle):
@@ -103,3 +103,19 @@ def weight_placement(module: nn.Module, style: ParallelStyle | None) -> Placemen
     if isinstance(style, RowwiseParallel):
         return Shard(1) if linear else Shard(0) if embedding else "unknown"
     return "unknown"
+
+
+def for_module(module: nn.Module, style: ParallelStyle | None) -> ParallelStyle | None:
+    """The style to apply to this module: torch's colwise / rowwise become torchao's float8 ones on a
+    ``Float8Linear`` (from `enable_float8`), which cast the input to float8 before it is redistributed
+    and the output gradient after, as the layer's own forward and backward expect."""
+    if type(module).__name__ != "Float8Linear" or type(style) not in (ColwiseParallel, RowwiseParallel):
+        return style
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    cls = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
+    return cls(
+        input_layouts=style.input_layouts[0],
+        output_layouts=style.output_layouts[0],
+        use_local_output=style.use_local_output,
+    )

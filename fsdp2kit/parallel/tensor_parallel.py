@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, TENSOR_PARALLEL
-from fsdp2kit.parallel.styles import resolve_style, weight_placement
+from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
 __all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes", "tensor_parallel_info"]
@@ -158,11 +158,6 @@ def _check_modules(model: nn.Module, styles: dict[str, ParallelStyle | None]) ->
             continue  # our own replicated style, or a user's ParallelStyle: its business
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             wrong.append(f"{name} ({type(module).__name__})")
-        elif type(module).__name__ == "Float8Linear":
-            raise NotImplementedError(
-                f"{name} is a torchao Float8Linear: float8 with tensor parallelism needs torchao's float8 TP "
-                "styles, which fsdp2kit does not apply yet; use one of the two"
-            )
     if wrong:
         raise ValueError(
             "colwise / rowwise tensor parallelism splits nn.Linear and nn.Embedding weights; these plan entries are "
@@ -285,7 +280,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: str | Plan =
     groups = _tied_groups(model)
     _check_ties(groups, styles)
 
-    active = {name: style for name, style in styles.items() if style is not None}
+    modules = dict(model.named_modules())
+    active = {name: for_module(modules[name], style) for name, style in styles.items() if style is not None}
     # src_data_rank=None: each rank keeps its slice of its own copy, as fully_shard does, so no
     # collective runs here and a model on the meta device stays there.
     parallelize_module(model, tp_mesh, active, src_data_rank=None)

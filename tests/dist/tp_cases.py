@@ -258,7 +258,12 @@ def run_ckpt_load(work: str, shard: int, tp: int) -> tuple:
 
 def run_world2(cases: list[TPCase], work: str) -> dict:
     """World 2: TP 2 parity cases, then the checkpoint loaded at TP 2 x FSDP 1."""
-    return {"parity": run_parity_cases(cases), "ckpt_tp2": run_ckpt_load(work, 1, 2), "errors": run_errors()}
+    return {
+        "parity": run_parity_cases(cases),
+        "ckpt_tp2": run_ckpt_load(work, 1, 2),
+        "errors": run_errors(),
+        "float8": run_float8_tp(),
+    }
 
 
 def run_world4(cases: list[TPCase], work: str) -> dict:
@@ -306,3 +311,30 @@ def run_errors() -> dict:
     out["ac_after_tp"] = _error(lambda: fk.apply_activation_checkpointing(ac_ok, "full"))
     out["mesh_names"] = [tuple(fk.make_mesh(**kw).mesh_dim_names) for kw in ({"tp": 2}, {"shard": 2})]
     return out
+
+
+def run_float8_tp() -> dict:
+    """enable_float8 -> apply_tensor_parallel -> shard_model at TP 2 against the same float8 model in one process."""
+    mesh = mesh_for(1, 1, 2)
+    torch.manual_seed(0)
+    ref = tiny_llama(hidden=32, intermediate=64)  # float8 matmuls need multiples of 16
+    model = copy.deepcopy(ref)
+    fk.enable_float8(ref)
+    fk.enable_float8(model)
+    fk.apply_tensor_parallel(model, mesh)
+    fk.shard_model(model, mesh)
+    opt, ref_opt = _optimizer("sgd", model.parameters()), _optimizer("sgd", ref.parameters())
+    gen = torch.Generator().manual_seed(3)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+        loss, ref_loss = lm_loss(model, tokens), lm_loss(ref, tokens)
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    kinds = {type(m).__name__ for m in model.modules()}
+    return {"losses": losses, "ref_losses": ref_losses, "float8_layers": "Float8Linear" in kinds}
