@@ -111,6 +111,10 @@ def _config_sizes(model: nn.Module) -> dict[str, int]:
     return sizes
 
 
+_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "c_attn", "out_proj"}
+_MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
+
+
 def _check_divisible(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> None:
     """Heads, KV heads, MLP width and vocabulary must divide by the TP size, and so must each split dimension.
 
@@ -119,17 +123,20 @@ def _check_divisible(model: nn.Module, styles: dict[str, ParallelStyle | None], 
     and be silently wrong. Checked from shapes and the config alone, before any collective.
     """
     problems = []
-    if any(s is not None for s in styles.values()):
-        for field, value in _config_sizes(model).items():
-            if field == "vocab_size" and not any(
-                isinstance(m, nn.Embedding) or getattr(m, "out_features", None) == value
-                for n, m in model.named_modules()
-                if styles.get(n) is not None
-            ):
-                continue  # neither the embeddings nor the head are split
-            if value % tp:
-                problems.append(f"config.{field} = {value}")
+    split = {n for n, s in styles.items() if s is not None}
+    leaves = {n.rsplit(".", 1)[-1] for n in split}
     modules = dict(model.named_modules())
+    # Which config sizes the split modules depend on, by the projection names transformers uses
+    # (its own get_kv_heads_per_rank reads plans the same way).
+    relevant = {
+        "num_attention_heads": bool(leaves & _ATTENTION),
+        "num_key_value_heads": bool(leaves & _ATTENTION),
+        "intermediate_size": bool(leaves & _MLP),
+        "vocab_size": any(isinstance(modules[n], nn.Embedding) or n.endswith("lm_head") for n in split),
+    }
+    for field, value in _config_sizes(model).items():
+        if relevant[field] and value % tp:
+            problems.append(f"config.{field} = {value}")
     for name, style in styles.items():
         if style is None:
             continue

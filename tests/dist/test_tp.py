@@ -1,8 +1,8 @@
 """Tensor parallelism composed with FSDP: parity with one process, and every piece of fsdp2kit on a TP model.
 
-Three spawns in all (4 ranks: FSDP 2 x TP 2; 2 ranks: TP 2 alone; 1 process), each running
-many cases. HSDP 2 x FSDP 2 x TP 2 needs 8 ranks, which do not fit a test's time on this
-2-core machine: the 3-D mesh is covered by make_mesh's unit checks, not by training here.
+Three spawns in all (4 ranks: FSDP 2 x TP 2 and HSDP 2 x FSDP 1 x TP 2; 2 ranks: TP 2 alone;
+1 process), each running many cases. HSDP 2 x FSDP 2 x TP 2 needs 8 ranks, which do not fit a
+test's time on this 2-core machine; the 3-D mesh is trained here with a shard dim of 1.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ WORLD4 = [
     TPCase(model="qwen3", optim="adamw", shard=2),
     TPCase(model="llama-tied", optim="adamw", shard=2, clip=0.05),
     TPCase(model="llama", optim="adamw", shard=2, accum=2, ac="full"),
+    # the 3-D mesh (replicate, shard, tp) at 4 ranks: HSDP 2 x FSDP 1 x TP 2
+    TPCase(model="qwen3", optim="sgd", shard=1, replicate=2),
 ]
 WORLD2 = [
     TPCase(model="llama", optim="adamw"),
@@ -157,3 +159,12 @@ def test_tp_after_float8(worlds) -> None:
         res = r["float8"]
         assert res["float8_layers"]
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(res["ref_losses"]), rtol=1e-3, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp_compiled_blocks() -> None:
+    from tp_cases import run_compiled_tp
+
+    for r in run_world(run_compiled_tp, 2, timeout=800):
+        assert r["worst_rel"] < 1e-4, r

@@ -65,8 +65,8 @@ class TPCase:
 
     @property
     def label(self) -> str:
-        mesh = "x".join(str(s) for s in (self.replicate, self.shard) if s > 1) or "1"
-        parts = [self.model, self.optim, f"dp {mesh} x tp {self.tp}"]
+        dp = f"replicate {self.replicate} x shard {self.shard}" if self.replicate > 1 else f"shard {self.shard}"
+        parts = [self.model, self.optim, f"{dp} x tp {self.tp}"]
         if self.accum > 1:
             parts.append(f"no_sync x{self.accum}")
         if self.clip:
@@ -338,3 +338,29 @@ def run_float8_tp() -> dict:
         ref_losses.append(ref_loss.item())
     kinds = {type(m).__name__ for m in model.modules()}
     return {"losses": losses, "ref_losses": ref_losses, "float8_layers": "Float8Linear" in kinds}
+
+
+def run_compiled_tp() -> dict:
+    """apply_tensor_parallel -> compile_blocks -> shard_model at TP 2 against one process (slow: compiles)."""
+    mesh = mesh_for(1, 1, 2)
+    ref = build("llama")
+    ref.config.use_cache = False
+    model = copy.deepcopy(ref)
+    fk.apply_tensor_parallel(model, mesh)
+    fk.compile_blocks(model)
+    fk.shard_model(model, mesh)
+    opt, ref_opt = _optimizer("adamw", model.parameters()), _optimizer("adamw", ref.parameters())
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+        lm_loss(model, tokens).backward()
+        lm_loss(ref, tokens).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    worst = max(
+        ((p.full_tensor() - ref_params[n]).abs().max() / ref_params[n].abs().max()).item()
+        for n, p in model.named_parameters()
+    )
+    return {"worst_rel": worst}

@@ -58,3 +58,26 @@ def test_apply_tensor_parallel_needs_a_plan(mesh):
         fk.apply_tensor_parallel(TinyGPT(), tp_mesh, plan="megatron")
     with pytest.raises(ValueError, match="names a parameter, not a module"):
         fk.apply_tensor_parallel(TinyGPT(), tp_mesh, plan={"pos": "colwise"})
+
+
+def test_planned_shapes_and_divisibility():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp2kit.parallel.tensor_parallel import planned_tp_shapes
+
+    model = tiny_llama()  # hidden 40, 4 heads, 2 KV heads, MLP 56, vocab 96
+    shapes = planned_tp_shapes(model, 2)
+    attn = model.model.layers[0].self_attn
+    assert shapes[id(attn.q_proj.weight)] == (20, 40) and shapes[id(attn.o_proj.weight)] == (40, 20)
+    assert shapes[id(model.model.embed_tokens.weight)] == (48, 40)
+    assert id(model.model.norm.weight) not in shapes
+    odd = LlamaForCausalLM(
+        LlamaConfig(vocab_size=96, hidden_size=30, intermediate_size=56, num_hidden_layers=1, num_attention_heads=3)
+    )
+    with pytest.raises(ValueError, match=r"config\.num_attention_heads = 3, config\.num_key_value_heads = 3"):
+        planned_tp_shapes(odd, 2)
+    # A plan that splits only the MLP does not depend on the head count.
+    mlp_only = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    assert len(planned_tp_shapes(odd, 2, mlp_only)) == 2
+    with pytest.raises(ValueError, match=r"intermediate_size = 56.*mlp\.up_proj\.weight dim 0"):
+        planned_tp_shapes(model, 3, mlp_only)
