@@ -8,8 +8,8 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, TENSOR_PARALLEL
@@ -219,6 +219,17 @@ def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[s
     return chosen, {name: resolve_style(style, name) for name, style in chosen.items()}
 
 
+def _output_head(model: nn.Module) -> str:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"loss_parallel=True needs the output head as an nn.Linear from model.get_output_embeddings(); "
+            f"{type(model).__name__} gives {type(head).__name__}"
+        )
+    return next(n for n, m in model.named_modules() if m is head)
+
+
 def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
     """What each parameter would become on one TP rank (by ``id``), without a mesh: for planning.
 
@@ -245,7 +256,9 @@ def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> d
     return shapes
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: str | Plan = "auto") -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, plan: str | Plan = "auto", *, loss_parallel: bool = False
+) -> nn.Module:
     """Split ``model``'s layers over ``mesh["tp"]`` in place (Megatron-style tensor parallelism); returns it.
 
     Args:
@@ -262,6 +275,12 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: str | Plan =
             ``"model.layers.*.mlp.up_proj"``) to a style name (``"colwise"``, ``"rowwise"``,
             ``"colwise_gather_output"``, ``"embedding_rowwise"``, ... see
             `fsdp2kit.parallel.styles.STYLE_NAMES`) or a torch ``ParallelStyle``.
+
+        loss_parallel: keep the output head's logits split over the vocabulary (a DTensor
+            sharded on its last dim) instead of gathering them, so the full ``batch x seq x
+            vocab`` logits never exist on one rank. Compute the loss inside
+            ``torch.distributed.tensor.parallel.loss_parallel()`` (cross-entropy on the split
+            logits, and its backward). The head is ``model.get_output_embeddings()``.
 
     Checked before any collective: the mesh has a ``tp`` dimension; every entry of a plan you
     pass matches a module; heads, key/value heads, MLP width and vocabulary divide by the TP
@@ -281,6 +300,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: str | Plan =
     tp_mesh = _tp_mesh(mesh)
     _check_order(model)
     chosen, styles = _resolve(model, plan)
+    if loss_parallel:
+        head_name = _output_head(model)
+        chosen[head_name] = "colwise (loss parallel)"
+        styles[head_name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     tp = tp_mesh.size()
     _check_modules(model, styles)
     _check_divisible(model, styles, tp)

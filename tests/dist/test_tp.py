@@ -20,7 +20,7 @@ RTOL = 1e-5  # fp32, after 3 optimizer steps
 WORLD4 = [
     TPCase(model="llama", optim="sgd", shard=2),
     TPCase(model="qwen3", optim="adamw", shard=2),
-    TPCase(model="llama-tied", optim="adamw", shard=2, clip=0.05),
+    TPCase(model="llama-tied", optim="adamw", shard=2, clip=0.05, loss_parallel=True),
     TPCase(model="llama", optim="adamw", shard=2, accum=2, ac="full"),
     # the 3-D mesh (replicate, shard, tp) at 4 ranks: HSDP 2 x FSDP 1 x TP 2
     TPCase(model="qwen3", optim="sgd", shard=1, replicate=2),
@@ -133,6 +133,7 @@ ERRORS = {
     "tp3": r"shard=1, replicate=1, tp=3 does not fit the world size 2; sizes that work: \(shard=2, replicate=1\), "
     r"\(shard=1, replicate=2\), \(shard=1, replicate=1, tp=2\)",
     "after_shard": r"must be called before shard_model",
+    "compile_after_tp": r"compile_blocks on a tensor-parallel model is not supported yet",
 }
 
 
@@ -159,12 +160,3 @@ def test_tp_after_float8(worlds) -> None:
         res = r["float8"]
         assert res["float8_layers"]
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(res["ref_losses"]), rtol=1e-3, atol=0)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_tp_compiled_blocks() -> None:
-    from tp_cases import run_compiled_tp
-
-    for r in run_world(run_compiled_tp, 2, timeout=800):
-        assert r["worst_rel"] < 1e-4, r

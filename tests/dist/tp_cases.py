@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from models import lm_loss, tiny_llama
+from torch.distributed.tensor.parallel import loss_parallel
 
 import fsdp2kit as fk
 
@@ -61,6 +62,7 @@ class TPCase:
     accum: int = 1
     clip: float | None = None
     ac: str | None = None
+    loss_parallel: bool = False
     steps: int = 3
 
     @property
@@ -73,6 +75,8 @@ class TPCase:
             parts.append(f"clip {self.clip}")
         if self.ac:
             parts.append(f"AC {self.ac}")
+        if self.loss_parallel:
+            parts.append("loss parallel")
         return ", ".join(parts)
 
 
@@ -103,7 +107,7 @@ def run_parity(case: TPCase) -> dict:
     mesh = mesh_for(case.shard, case.replicate, case.tp)
     ref = build(case.model)
     model = copy.deepcopy(ref)
-    fk.apply_tensor_parallel(model, mesh)
+    fk.apply_tensor_parallel(model, mesh, loss_parallel=case.loss_parallel)
     if case.ac:
         fk.apply_activation_checkpointing(model, case.ac)
     plan = fk.shard_model(model, mesh)
@@ -116,7 +120,9 @@ def run_parity(case: TPCase) -> dict:
             tokens = torch.randint(0, VOCAB, (groups * BATCH, SEQ + 1), generator=gen)
             local = tokens[group * BATCH : (group + 1) * BATCH]
             sync = micro == case.accum - 1
-            with contextlib.nullcontext() if sync else fk.no_sync(model):
+            # loss parallel: the logits stay split over the vocabulary, the loss is computed on the split
+            split_loss = loss_parallel() if case.loss_parallel else contextlib.nullcontext()
+            with contextlib.nullcontext() if sync else fk.no_sync(model), split_loss:
                 loss = lm_loss(model, local) / case.accum
                 loss.backward()
             (lm_loss(ref, tokens) / case.accum).backward()
@@ -309,6 +315,7 @@ def run_errors() -> dict:
     out["after_shard"] = _error(lambda: fk.apply_tensor_parallel(sharded, mesh))
     ac_ok = fk.apply_tensor_parallel(build("llama"), mesh)
     out["ac_after_tp"] = _error(lambda: fk.apply_activation_checkpointing(ac_ok, "full"))
+    out["compile_after_tp"] = _error(lambda: fk.compile_blocks(ac_ok))
     out["mesh_names"] = [tuple(fk.make_mesh(**kw).mesh_dim_names) for kw in ({"tp": 2}, {"shard": 2})]
     return out
 
@@ -338,29 +345,3 @@ def run_float8_tp() -> dict:
         ref_losses.append(ref_loss.item())
     kinds = {type(m).__name__ for m in model.modules()}
     return {"losses": losses, "ref_losses": ref_losses, "float8_layers": "Float8Linear" in kinds}
-
-
-def run_compiled_tp() -> dict:
-    """apply_tensor_parallel -> compile_blocks -> shard_model at TP 2 against one process (slow: compiles)."""
-    mesh = mesh_for(1, 1, 2)
-    ref = build("llama")
-    ref.config.use_cache = False
-    model = copy.deepcopy(ref)
-    fk.apply_tensor_parallel(model, mesh)
-    fk.compile_blocks(model)
-    fk.shard_model(model, mesh)
-    opt, ref_opt = _optimizer("adamw", model.parameters()), _optimizer("adamw", ref.parameters())
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(2):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-        lm_loss(model, tokens).backward()
-        lm_loss(ref, tokens).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    ref_params = dict(ref.named_parameters())
-    worst = max(
-        ((p.full_tensor() - ref_params[n]).abs().max() / ref_params[n].abs().max()).item()
-        for n, p in model.named_parameters()
-    )
-    return {"worst_rel": worst}
