@@ -10,6 +10,7 @@ from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.migrate import ImportResult, convert_config, load_fsdp1_checkpoint, load_full_state_dict
+from fsdp2kit.parallel import apply_tensor_parallel
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.planner import MemoryPlan, plan_memory
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
@@ -36,6 +37,7 @@ __all__ = [
     "ShardPlan",
     "UnitPlan",
     "apply_activation_checkpointing",
+    "apply_tensor_parallel",
     "clip_grad_norm_",
     "compile_blocks",
     "convert_config",

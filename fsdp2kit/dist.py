@@ -17,7 +17,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DistInfo", "default_device_type", "init_distributed", "make_mesh", "mesh_device"]
+__all__ = [
+    "DistInfo",
+    "data_parallel_dims",
+    "data_parallel_mesh",
+    "default_device_type",
+    "init_distributed",
+    "make_mesh",
+    "mesh_device",
+]
 
 
 @dataclass(frozen=True)
@@ -153,37 +161,89 @@ def _elastic_store(timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
-def _factorizations(world: int) -> list[tuple[int, int]]:
-    return [(world // r, r) for r in range(1, world + 1) if world % r == 0]
+def _factorizations(world: int, tp: int = 1) -> list[tuple[int, int]]:
+    """(shard, replicate) pairs whose product with ``tp`` is the world size."""
+    if tp < 1 or world % tp:
+        return []
+    dp = world // tp
+    return [(dp // r, r) for r in range(1, dp + 1) if dp % r == 0]
 
 
-def make_mesh(shard: int = -1, replicate: int = 1, *, device_type: str | None = None) -> DeviceMesh:
+def _fits(world: int) -> str:
+    """Every (shard, replicate, tp) that fits a world, for an error message."""
+    combos = [
+        f"(shard={s}, replicate={r}" + (f", tp={t})" if t > 1 else ")")
+        for t in range(1, world + 1)
+        if world % t == 0
+        for s, r in _factorizations(world, t)
+    ]
+    return ", ".join(combos)
+
+
+def make_mesh(shard: int = -1, replicate: int = 1, tp: int = 1, *, device_type: str | None = None) -> DeviceMesh:
     """A DeviceMesh over every rank of the default group.
 
-    ``replicate == 1`` gives a 1-D mesh named ``("shard",)`` (plain FSDP); otherwise a 2-D mesh
-    named ``("replicate", "shard")`` (HSDP: parameters sharded within a group of ``shard`` ranks,
-    usually one node, and replicated across ``replicate`` groups). One of the two sizes may be
-    -1, meaning "whatever the world size leaves". Sizes whose product is not the world size are a
-    ``ValueError`` that lists the sizes that would work.
+    The dimensions are named ``("replicate", "shard", "tp")``, outermost first, and a dimension
+    is present only when its size is above 1, with one exception below:
+
+    - ``replicate == 1, tp == 1``: a 1-D mesh ``("shard",)`` (plain FSDP);
+    - ``replicate > 1``: ``("replicate", "shard")`` (HSDP: parameters sharded within a group of
+      ``shard`` ranks, usually one node, and replicated across ``replicate`` groups);
+    - ``tp > 1``: a ``"tp"`` dimension is added innermost, so that the ranks of one
+      tensor-parallel group are neighbours (the same node, the fastest links: TP all-reduces
+      every layer's activations, FSDP only gathers parameters). With tp the ``"shard"``
+      dimension is always present, also when its size is 1 (a world that is all TP): that is
+      the dimension `shard_model` shards over, and the mesh a TP-only model passes to it, so
+      the same code runs at any data-parallel degree (FSDP over one rank moves no data).
+
+    One of ``shard`` and ``replicate`` may be -1, meaning "whatever the world size leaves";
+    ``tp`` must be given. Sizes whose product is not the world size are a ``ValueError`` that
+    lists the sizes that would work.
     """
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs a process group: call fsdp2kit.init_distributed() first")
     world = dist.get_world_size()
     dev = device_type or default_device_type()
-    valid = ", ".join(f"(shard={s}, replicate={r})" for s, r in _factorizations(world))
 
-    for name, value in (("shard", shard), ("replicate", replicate)):
-        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
-            raise ValueError(f"make_mesh: {name}={value!r} must be a positive int or -1 (infer)")
+    for name, value in (("shard", shard), ("replicate", replicate), ("tp", tp)):
+        allowed_infer = name != "tp"
+        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (allowed_infer and value == -1)):
+            what = "a positive int or -1 (infer)" if allowed_infer else "a positive int"
+            raise ValueError(f"make_mesh: {name}={value!r} must be {what}")
     if shard == -1 and replicate == -1:
-        raise ValueError(f"make_mesh: at most one of shard and replicate may be -1; for world size {world}: {valid}")
-    given = f"shard={shard}, replicate={replicate}"
+        raise ValueError(
+            f"make_mesh: at most one of shard and replicate may be -1; for world size {world}: {_fits(world)}"
+        )
+    given = f"shard={shard}, replicate={replicate}" + (f", tp={tp}" if tp != 1 else "")
+    dp = world // tp if world % tp == 0 else 0
     if shard == -1:
-        shard = world // replicate
+        shard = dp // replicate if dp else 0
     elif replicate == -1:
-        replicate = world // shard
-    if shard * replicate != world or shard < 1 or replicate < 1:
-        raise ValueError(f"make_mesh: {given} does not fit the world size {world}; sizes that work: {valid}")
-    if replicate == 1:
-        return init_device_mesh(dev, (shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(dev, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+        replicate = dp // shard if dp else 0
+    if shard * replicate * tp != world or shard < 1 or replicate < 1:
+        raise ValueError(f"make_mesh: {given} does not fit the world size {world}; sizes that work: {_fits(world)}")
+    shape, names = [shard], ["shard"]
+    if replicate > 1:
+        shape, names = [replicate, *shape], ["replicate", *names]
+    if tp > 1:
+        shape, names = [*shape, tp], [*names, "tp"]
+    return init_device_mesh(dev, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def data_parallel_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of a mesh's data-parallel dimensions (all but ``"tp"``), outermost first."""
+    return tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The sub-mesh FSDP shards over: the mesh itself, or its data-parallel dims when it has a ``"tp"`` one."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return mesh
+    dims = data_parallel_dims(mesh)
+    if not dims:
+        raise ValueError(
+            f"mesh {names} has a tp dimension but no data-parallel one; make it with make_mesh(shard=..., tp=...), "
+            "which keeps a 'shard' dimension (of size 1 when every rank is TP)"
+        )
+    return mesh[dims]

@@ -3,12 +3,14 @@
 The figures are analytic (from parameter shapes, the shard size and dtypes), so a plan can be
 printed for a model built on the meta device without allocating anything. They are the largest
 rank's figures: FSDP2 pads an uneven dim-0 to a multiple of the shard size, so rank 0 holds
-``ceil(dim0 / shard)`` rows.
+``ceil(dim0 / shard)`` rows. With tensor parallelism a parameter is first split over the TP
+ranks and FSDP then shards each rank's TP slice: the figures start from that slice.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,18 @@ import torch
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
 
 __all__ = ["ShardPlan", "UnitPlan"]
+
+
+def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) -> torch.Size:
+    """The part of a parameter one TP rank holds (the whole parameter without TP): what FSDP then shards.
+
+    ``planned`` (by ``id(p)``) gives it for a model TP has not been applied to (`estimate_plan`).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if planned is not None and id(p) in planned:
+        return planned[id(p)]
+    return p.to_local().shape if isinstance(p, DTensor) else p.shape
 
 
 def _sharded_numel(shape: torch.Size, shard: int) -> int:
@@ -54,10 +68,11 @@ class ShardPlan:
         shard: int,
         compute_dtype: torch.dtype | None,
         reshard_after_forward: bool | int,
+        tp_shapes: Mapping[int, torch.Size] | None = None,
     ) -> UnitPlan:
-        per_rank = sum(_sharded_numel(p.shape, shard) * p.element_size() for p in params)
+        per_rank = sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size() for p in params)
         gathered = sum(
-            p.numel()
+            math.prod(_tp_shape(p, tp_shapes))
             * (compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size())
             for p in params
         )
@@ -67,8 +82,10 @@ class ShardPlan:
             n_params=sum(p.numel() for p in params),
             bytes_per_rank=per_rank,
             bytes_gathered=gathered,
-            trainable_numel_per_rank=sum(_sharded_numel(p.shape, shard) for p in trainable),
-            trainable_bytes_per_rank=sum(_sharded_numel(p.shape, shard) * p.element_size() for p in trainable),
+            trainable_numel_per_rank=sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) for p in trainable),
+            trainable_bytes_per_rank=sum(
+                _sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size() for p in trainable
+            ),
             reshard_after_forward=reshard_after_forward,
         )
 

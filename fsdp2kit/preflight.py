@@ -17,12 +17,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit._internal.markers import SHARDED_AS
+from fsdp2kit._internal.markers import SHARDED_AS, TENSOR_PARALLEL
 
 __all__ = ["check_devices", "check_not_sharded", "check_unit_dtypes", "install_optimizer_check", "mark_replaced"]
 
 
-def check_not_sharded(model: nn.Module) -> None:
+def check_not_sharded(model: nn.Module, mesh: DeviceMesh | None = None) -> None:
+    """No FSDP yet, and DTensor parameters only where `apply_tensor_parallel` put them, on ``mesh["tp"]``."""
     for name, module in model.named_modules():
         if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
             kind = "fully_shard (FSDP2)" if isinstance(module, FSDPModule) else "FullyShardedDataParallel (FSDP1)"
@@ -30,11 +31,37 @@ def check_not_sharded(model: nn.Module) -> None:
                 f"{name or type(model).__name__} is already sharded by {kind}; shard_model must be called once, "
                 "on an unsharded model"
             )
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
+    tp_info = getattr(model, TENSOR_PARALLEL, None)
+    names = tuple((mesh.mesh_dim_names or ()) if mesh is not None else ())
+    if tp_info is None:
+        if "tp" in names and mesh["tp"].size() > 1:
             raise ValueError(
-                f"parameter {name} is already a DTensor (placements {param.placements}); shard_model expects plain "
-                "tensors (tensor parallelism before FSDP is not supported yet)"
+                f"the mesh has a tp dimension of size {mesh['tp'].size()} but the model is not tensor-parallel: call "
+                "fsdp2kit.apply_tensor_parallel(model, mesh) before shard_model, or make the mesh without tp"
+            )
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {name} is already a DTensor (placements {param.placements}); shard_model expects "
+                    "plain tensors, or the DTensors of fsdp2kit.apply_tensor_parallel"
+                )
+        return
+    if mesh is None:
+        return
+    if "tp" not in names or mesh["tp"].size() != tp_info["tp"]:
+        raise ValueError(
+            f"the model is tensor-parallel over {tp_info['tp']} ranks but the mesh {names} of shape "
+            f"{tuple(mesh.shape)} has no tp dimension of that size; pass the mesh given to apply_tensor_parallel"
+        )
+    tp_ranks = mesh["tp"].mesh.tolist()
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor) and (
+            param.device_mesh.mesh_dim_names != ("tp",) or param.device_mesh.mesh.tolist() != tp_ranks
+        ):
+            raise ValueError(
+                f"parameter {name} is a DTensor on mesh {param.device_mesh.mesh_dim_names} ranks "
+                f"{param.device_mesh.mesh.tolist()}, not on this mesh's tp dimension (ranks {tp_ranks}); pass "
+                "shard_model the mesh given to apply_tensor_parallel"
             )
 
 

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
+from fsdp2kit.dist import data_parallel_mesh
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
 from fsdp2kit.preflight import (
@@ -186,7 +187,10 @@ def shard_model(
     Args:
         model: the model, on the mesh's device, on CPU with ``cpu_offload``, or on the meta
             device (then call `fsdp2kit.materialize` afterwards).
-        mesh: from `fsdp2kit.make_mesh`: 1-D ``("shard",)`` or 2-D ``("replicate", "shard")``.
+        mesh: from `fsdp2kit.make_mesh`: 1-D ``("shard",)`` or 2-D ``("replicate", "shard")``,
+            or either with a ``"tp"`` dimension after `fsdp2kit.apply_tensor_parallel`: FSDP then
+            shards over the data-parallel dimensions only (FSDP x TP, HSDP x TP), each rank's TP
+            slice of every parameter, and the plan's figures are per rank with TP.
         blocks: which modules become FSDP units, see `fsdp2kit.blocks.find_blocks`.
         strategy: FSDP1's names. ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh),
             ``SHARD_GRAD_OP`` (ZeRO-2: keep gathered parameters from forward to backward, one
@@ -210,6 +214,8 @@ def shard_model(
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
+    check_not_sharded(model, mesh)
+    dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
     layout = _layout(
         model,
         tuple(mesh.shape),
@@ -223,7 +229,7 @@ def shard_model(
     check_devices(model, mesh, cpu_offload=cpu_offload)
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    fsdp_mesh = _replicate_mesh(mesh) if layout.strategy.replicate_only else mesh
+    fsdp_mesh = _replicate_mesh(dp_mesh) if layout.strategy.replicate_only else dp_mesh
     mark_replaced(dict(model.named_parameters()))
     for _, modules, reshard in layout.units:
         fully_shard(
@@ -244,18 +250,27 @@ def estimate_plan(
     *,
     shard: int,
     replicate: int = 1,
+    tp: int = 1,
     blocks: BlockSpec = "auto",
     strategy: str | None = None,
     reshard_after_forward: bool | int | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
 ) -> ShardPlan:
-    """The `ShardPlan` that `shard_model` would return on a (replicate, shard) mesh, without one.
+    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without one.
 
     Needs no process group and changes nothing, so a model built on the meta device can be
-    planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines.
+    planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines. With
+    ``tp > 1`` the model's own TP plan (as `fsdp2kit.apply_tensor_parallel` would apply it) says
+    which parameters each TP rank holds a slice of.
     """
     shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
+    tp_shapes = None
+    if tp > 1:
+        from fsdp2kit.parallel.tensor_parallel import planned_tp_shapes
+
+        shape, names = (*shape, tp), (*names, "tp")
+        tp_shapes = planned_tp_shapes(model, tp)
     return _layout(
         model,
         shape,
@@ -265,6 +280,7 @@ def estimate_plan(
         reshard_after_forward=reshard_after_forward,
         mixed_precision=mixed_precision,
         cpu_offload=cpu_offload,
+        tp_shapes=tp_shapes,
     ).plan
 
 
@@ -289,8 +305,17 @@ def _layout(
     reshard_after_forward: bool | int | None,
     mixed_precision: str | MixedPrecisionPolicy | None,
     cpu_offload: bool,
+    tp_shapes: dict[int, tuple[int, ...]] | None = None,
 ) -> _Layout:
-    resolved = resolve_strategy(strategy, mesh_shape, mesh_dim_names)
+    tp = dict(zip(mesh_dim_names, mesh_shape)).get("tp", 1)
+    dp_shape = tuple(s for n, s in zip(mesh_dim_names, mesh_shape) if n != "tp")
+    dp_names = tuple(n for n in mesh_dim_names if n != "tp")
+    resolved = resolve_strategy(strategy, dp_shape, dp_names)
+    if tp > 1 and resolved.replicate_only:
+        raise ValueError(
+            "strategy NO_SHARD with tensor parallelism is not supported: use FULL_SHARD (or HYBRID_SHARD) over the "
+            "data-parallel dimensions"
+        )
     check_not_sharded(model)
     found = find_blocks(model, blocks)
     if any(b is model for b in found):
@@ -300,7 +325,7 @@ def _layout(
     mp_policy = resolve_mixed_precision(mixed_precision)
     if resolved.replicate_only:
         mesh_shape, mesh_dim_names = (math.prod(mesh_shape), 1), ("replicate", "shard")
-    shard_size = mesh_shape[-1]
+    shard_size = dp_shape[-1] if not resolved.replicate_only else 1
     _check_reshard(reshard_after_forward, shard_size)
 
     by_unit: dict[str, dict[str, nn.Parameter]] = defaultdict(dict)
@@ -330,5 +355,5 @@ def _layout(
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
-        plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard))
+        plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard, tp_shapes))
     return _Layout(resolved, found, units, mp_policy, plan)

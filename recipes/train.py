@@ -7,7 +7,8 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
 
   1. start the process group and build the mesh;
   2. build the model (on the meta device when it would not fit in one process's memory);
-  3. float8, activation checkpointing, per-block compile (each optional, each before sharding);
+  3. float8, tensor parallelism, activation checkpointing, per-block compile (each optional, each
+     before sharding);
   4. shard_model, then fill the shards: materialize (fresh init) or load_pretrained;
   5. prefetch, then the optimizer (it must see the sharded parameters);
   6. resume from the newest complete checkpoint, train, checkpoint every N steps.
@@ -17,6 +18,7 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -83,6 +85,7 @@ class ExportConfig:
 class ParallelConfig:
     shard: int = opt(-1, "ranks that shard the model (-1: all that replicate leaves)")
     replicate: int = opt(1, "replica groups (HSDP when > 1, e.g. the number of nodes)")
+    tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)")
     strategy: str | None = opt(None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
     mixed_precision: str | None = opt(None, "fp32 | bf16 | fp16")
     cpu_offload: bool = opt(False, "keep parameters, gradients and optimizer state in CPU memory")
@@ -134,15 +137,18 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
 
 
-def build_data(cfg: Config, info: fk.DistInfo):
-    """(tokenizer, training loader, held-out rows or None): tokenized once per node, cached (support/data.py)."""
+def build_data(cfg: Config, info: fk.DistInfo, dp_info: fk.DistInfo):
+    """(tokenizer, training loader, held-out rows or None): tokenized once per node, cached (support/data.py).
+
+    ``dp_info`` numbers the data-parallel groups: the ranks of one TP group read the same batches.
+    """
     ranks = {"rank": info.rank, "local_rank": info.local_rank, "world_size": info.world_size}
     tokenizer = setup_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, **ranks)
     splits = setup_data(cfg.data, cfg.eval, tokenizer, seed=cfg.train.seed, **ranks)
     if info.is_main:
         print(describe(splits, cfg.data.seq_len), flush=True)
     loader = ResumableLoader(
-        splits.train, cfg.data.batch_size, rank=info.rank, world_size=info.world_size, seed=cfg.train.seed
+        splits.train, cfg.data.batch_size, rank=dp_info.rank, world_size=dp_info.world_size, seed=cfg.train.seed
     )
     return tokenizer, loader, splits.eval
 
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                 model,
                 shard=p.shard,
                 replicate=p.replicate,
+                tp=p.tp,
                 strategy=p.strategy,
                 mixed_precision=p.mixed_precision,
                 cpu_offload=p.cpu_offload,
@@ -178,10 +185,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # 1. process group and mesh
     info = fk.init_distributed()
-    mesh = fk.make_mesh(shard=cfg.parallel.shard, replicate=cfg.parallel.replicate)
+    mesh = fk.make_mesh(shard=p.shard, replicate=p.replicate, tp=p.tp)
     torch.manual_seed(cfg.train.seed)
+    # The ranks of one TP group compute on one batch: data is split over the data-parallel groups.
+    dp_info = dataclasses.replace(info, rank=info.rank // p.tp, world_size=info.world_size // p.tp)
     try:
-        tokenizer, loader, eval_rows = build_data(cfg, info)
+        tokenizer, loader, eval_rows = build_data(cfg, info, dp_info)
     except (DataError, FileNotFoundError) as e:
         if info.is_main:
             print(f"data error: {e}", file=sys.stderr, flush=True)
@@ -212,8 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             memory_plan = fk.plan_memory(
                 model,
-                shard=mesh.shape[-1],
-                replicate=mesh.shape[0] if mesh.ndim == 2 else 1,
+                shard=mesh["shard"].size(),
+                replicate=mesh["replicate"].size() if "replicate" in mesh.mesh_dim_names else 1,
+                tp=p.tp,
                 batch=cfg.data.batch_size,
                 seq=cfg.data.seq_len,
                 activation_checkpointing=int(ac) if ac and ac.isdigit() else ac,
@@ -232,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     # 3. wrappers that change modules must come before sharding
     if p.float8:
         fk.enable_float8(model)
+    if p.tp > 1:
+        fk.apply_tensor_parallel(model, mesh)  # the model's own transformers TP plan
     if p.activation_checkpointing:
         ac = p.activation_checkpointing
         fk.apply_activation_checkpointing(model, mode=int(ac) if ac.isdigit() else ac)
@@ -284,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         model, model.config.num_hidden_layers, model.config.hidden_size, cfg.data.seq_len
     )
     peak = peak_flops(info.device)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * info.world_size
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * dp_info.world_size
     log = JsonlLogger(cfg.log.jsonl, enabled=info.is_main)
     log.log({"event": "start", "step": start, "config": config_to_dict(cfg), "world_size": info.world_size})
     bar = None
@@ -300,7 +312,9 @@ def main(argv: list[str] | None = None) -> None:
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
         micro = [{k: v.to(info.device) for k, v in next(batches).items()} for _ in range(t.grad_accum)]
-        # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py
+        # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py.
+        # With TP, each of a TP group's ranks counts the same tokens: the count over all ranks and the
+        # world size are both TP times too large, and the factors cancel.
         loss_sum, answer_count = backward_global_mean(model, micro, dp_size=mesh.size(), device=info.device)
         if t.clip > 0:
             fk.clip_grad_norm_(model.parameters(), t.clip)
@@ -337,7 +351,12 @@ def main(argv: list[str] | None = None) -> None:
                     print(text, flush=True)
         if eval_rows is not None and ((cfg.eval.every and done % cfg.eval.every == 0) or done == t.steps):
             scores = evaluate(
-                model, eval_rows, cfg.eval.batch_size, rank=info.rank, world_size=info.world_size, device=info.device
+                model,
+                eval_rows,
+                cfg.eval.batch_size,
+                rank=dp_info.rank,
+                world_size=dp_info.world_size,
+                device=info.device,
             )
             log.log({"step": done, **scores})
             if info.is_main:

@@ -12,3 +12,5 @@ COMPILED = "_fsdp2kit_compiled"
 BLOCK_ORDER = "_fsdp2kit_blocks"
 # On a parameter fully_shard is about to replace: its name, so a stale optimizer can be named.
 SHARDED_AS = "_fsdp2kit_sharded_as"
+# On the root: {"tp": size, "plan": {module name: style}} once apply_tensor_parallel ran.
+TENSOR_PARALLEL = "_fsdp2kit_tensor_parallel"

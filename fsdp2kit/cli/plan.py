@@ -35,7 +35,9 @@ def add_plan(subparsers) -> None:
     p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
     p.add_argument("--replicate", type=int, default=1, help="replica groups (HSDP when > 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (modelled analytically)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (the model's own TP plan; memory plans estimate TP)"
+    )
     p.add_argument(
         "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
     )
@@ -71,6 +73,7 @@ def run_plan(args) -> int:
                 model,
                 shard=args.shard,
                 replicate=args.replicate,
+                tp=args.tp,
                 strategy=args.strategy,
                 mixed_precision=args.mixed_precision,
                 cpu_offload=args.cpu_offload,

@@ -101,6 +101,10 @@ class SafetensorsReader:
         part_shape = (last - first, *shape[1:]) if shape else ()
         rest = tuple(index[1:]) if index else ()
         whole_rows = all(s.indices(n) == (0, n, 1) for s, n in zip(rest, shape[1:]))
+        if len(shape) == 2 and not whole_rows and rest[0].indices(shape[1])[2] == 1:
+            # A column block (a row-wise tensor-parallel split): read each row's own columns
+            # instead of whole rows, so a rank reads its TP x FSDP slice and nothing more.
+            return self._read_columns(key, path, data_start + begin, (first, last), rest[0], into)
         direct = (
             into is not None
             and whole_rows
@@ -136,6 +140,35 @@ class SafetensorsReader:
             into.copy_(part)
             return into
         return part
+
+    def _read_columns(
+        self, key: str, path: Path, start: int, rows: tuple[int, int], cols: slice, into: torch.Tensor | None
+    ) -> torch.Tensor:
+        shape, dtype = self.shape(key), self.dtype(key)
+        c0, c1, _ = cols.indices(shape[1])
+        c1 = max(c0, c1)
+        elem = dtype.itemsize
+        direct = into is not None and into.dtype == dtype and into.is_contiguous() and into.device.type == "cpu"
+        buf = into if direct else torch.empty((rows[1] - rows[0], c1 - c0), dtype=dtype)
+        width = (c1 - c0) * elem
+        if width and buf.numel():
+            if path not in self.handles:
+                self.handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+            f = self.handles[path]
+            view = memoryview(buf.view(torch.uint8).reshape(-1).numpy())
+            for i, r in enumerate(range(rows[0], rows[1])):
+                f.seek(start + (r * shape[1] + c0) * elem)
+                done = 0
+                while done < width:
+                    got = f.readinto(view[i * width + done : (i + 1) * width])
+                    if not got:
+                        raise ValueError(f"{path} ends inside {key}: the file is truncated")
+                    done += got
+        self.bytes += width * (rows[1] - rows[0])
+        if into is not None and not direct:
+            into.copy_(buf)
+            return into
+        return buf
 
     def close(self) -> None:
         for f in self.handles.values():

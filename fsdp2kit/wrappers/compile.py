@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.markers import COMPILED
+from fsdp2kit._internal.markers import COMPILED, TENSOR_PARALLEL
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.wrappers.forward import check_unsharded, current_forward, set_forward
 
@@ -46,6 +46,14 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
     (``layer_idx``), dynamo compiles every layer separately: compile time grows with depth again.
     """
     check_unsharded(model, "compile_blocks")
+    if getattr(model, TENSOR_PARALLEL, None) is not None:
+        # Measured here (torch 2.13, CPU, inductor): a TP 2 Llama with compiled blocks ends 2.8e-2
+        # (relative) away from the eager reference after 2 AdamW steps, where eager TP is within
+        # 1e-5. Until that is understood, refuse rather than train wrong.
+        raise NotImplementedError(
+            "compile_blocks on a tensor-parallel model is not supported yet: its gradients did not match eager "
+            "training in fsdp2kit's tests; leave compile off with tensor parallelism"
+        )
     bad = sorted(set(compile_kwargs) - {"fullgraph", "dynamic", "backend", "mode", "options", "disable"})
     if bad:
         raise ValueError(f"compile_blocks: unknown torch.compile arguments {bad}")

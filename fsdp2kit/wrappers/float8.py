@@ -104,7 +104,7 @@ def enable_float8(
 
     if not isinstance(fsdp_all_gather, bool):
         raise ValueError(f"fsdp_all_gather={fsdp_all_gather!r}: expected True or False")
-    check_unsharded(model, "enable_float8")
+    check_unsharded(model, "enable_float8", before_tp=True)
     if any(isinstance(m, Float8Linear) for m in model.modules()):
         raise ValueError("enable_float8: this model already has float8 Linear layers; call it once")
     found = find_blocks(model, blocks)

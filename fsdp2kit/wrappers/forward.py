@@ -11,7 +11,9 @@ the new forward does: outside the checkpointed region (no all-gather is replayed
 recompute) and outside the compiled graph.
 
 The order, and why (also in docs/design.md):
-float8 (swaps Linear modules, so it must see them first) -> activation checkpointing (wraps the
+float8 (swaps Linear modules, so it must see them first) -> tensor parallelism (turns the
+Linear weights into TP DTensors and hooks their inputs and outputs; the checkpointed and
+compiled forwards then run the TP layers) -> activation checkpointing (wraps the
 forward that runs float8) -> compile (compiles the checkpointed forward, so the checkpoint
 becomes part of the graph) -> shard_model (FSDP2 hooks go around all of it) -> set_prefetch
 (needs the FSDP units).
@@ -26,9 +28,14 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fsdp2kit._internal.markers import TENSOR_PARALLEL
+
 __all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward", "set_forward"]
 
-ORDER = "enable_float8 -> apply_activation_checkpointing -> compile_blocks -> shard_model -> set_prefetch"
+ORDER = (
+    "enable_float8 -> apply_tensor_parallel -> apply_activation_checkpointing -> compile_blocks -> shard_model "
+    "-> set_prefetch"
+)
 
 
 class BlockForward:
@@ -78,10 +85,20 @@ def set_forward(module: nn.Module, fn: Callable[..., Any]) -> None:
     module.forward = BlockForward(module, fn)
 
 
-def check_unsharded(model: nn.Module, what: str) -> None:
-    """Raise if ``shard_model`` (or fully_shard) already ran: ``what`` must come before it."""
+def check_unsharded(model: nn.Module, what: str, *, before_tp: bool = False) -> None:
+    """Raise if ``shard_model`` (or fully_shard) already ran: ``what`` must come before it.
+
+    Parameters that `apply_tensor_parallel` made DTensors are not "sharded" here: the wrappers
+    that follow it in the order run on them. ``before_tp``: ``what`` must also precede it.
+    """
     sharded = isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
-    if sharded or any(isinstance(p, DTensor) for p in model.parameters()):
+    tensor_parallel = getattr(model, TENSOR_PARALLEL, None) is not None
+    if sharded or (not tensor_parallel and any(isinstance(p, DTensor) for p in model.parameters())):
         raise ValueError(
             f"{what} must be called before shard_model (the order is {ORDER}); this model is already sharded"
+        )
+    if before_tp and tensor_parallel:
+        raise ValueError(
+            f"{what} must be called before apply_tensor_parallel (the order is {ORDER}); this model is already "
+            "tensor-parallel"
         )

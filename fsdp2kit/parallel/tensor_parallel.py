@@ -1,0 +1,331 @@
+"""apply_tensor_parallel: a model's own transformers TP plan (or yours) applied with torch's parallelize_module."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+
+from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, TENSOR_PARALLEL
+from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
+from fsdp2kit.wrappers.forward import ORDER, check_unsharded
+
+__all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes", "tensor_parallel_info"]
+
+Plan = Mapping[str, "str | ParallelStyle"]
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, Any]:
+    """The plan transformers would use for ``model``: the base model's ``base_model_tp_plan``, the
+    input embeddings (vocabulary-parallel) and the head's ``_tp_plan``, with full module names."""
+    plan = getattr(model, "tp_plan", None)  # transformers 5: merged over the base model and the head
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not base:
+        return {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model:
+        base = {f"{prefix}.{k}": v for k, v in base.items()}
+    base.update(getattr(type(model), "_tp_plan", None) or {})
+    return base
+
+
+def _pattern(key: str) -> re.Pattern:
+    """A plan key as a regex over full module names: ``*`` stands for one name segment (a layer number)."""
+    return re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*")))
+
+
+def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        raise ValueError(
+            f"apply_tensor_parallel needs a mesh with a 'tp' dimension, got {names or mesh.shape}; make it with "
+            "fsdp2kit.make_mesh(shard=..., tp=...)"
+        )
+    return mesh["tp"] if len(names) > 1 else mesh
+
+
+def _check_order(model: nn.Module) -> None:
+    check_unsharded(model, "apply_tensor_parallel")
+    if getattr(model, TENSOR_PARALLEL, None) is not None:
+        raise ValueError("apply_tensor_parallel was already applied to this model; apply it once")
+    for name, module in model.named_modules():
+        for marker, what in ((CHECKPOINTED, "apply_activation_checkpointing"), (COMPILED, "compile_blocks")):
+            if getattr(module, marker, None):
+                raise ValueError(
+                    f"apply_tensor_parallel must come before {what} (the order is {ORDER}); "
+                    f"{name or type(model).__name__} was already changed by it"
+                )
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("the model already holds DTensor parameters; apply_tensor_parallel expects plain tensors")
+
+
+def _concrete(model: nn.Module, plan: Plan, *, strict: bool) -> dict[str, Any]:
+    """Every module the plan names, with its style; a user plan's pattern that matches nothing is an error."""
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters()}
+    chosen: dict[str, Any] = {}
+    unmatched = []
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensor-parallel plan keys are module-name patterns (str), got {key!r}")
+        rx = _pattern(key)
+        hits = [n for n in modules if n and rx.fullmatch(n)]
+        if not hits:
+            if any(rx.fullmatch(p) for p in params):
+                raise ValueError(
+                    f"tensor-parallel plan entry {key!r} names a parameter, not a module: apply_tensor_parallel "
+                    "shards whole modules (name the module that owns it)"
+                )
+            unmatched.append(key)
+        for n in hits:
+            chosen[n] = style  # a later, more specific entry wins, as in a dict update
+    if strict and unmatched:
+        raise ValueError(f"tensor-parallel plan entries match no module of {type(model).__name__}: {unmatched}")
+    return chosen
+
+
+def _config_sizes(model: nn.Module) -> dict[str, int]:
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    sizes = {}
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            sizes[field] = value
+    if "num_attention_heads" in sizes and "num_key_value_heads" not in sizes:
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    return sizes
+
+
+_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "c_attn", "out_proj"}
+_MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
+
+
+def _check_divisible(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> None:
+    """Heads, KV heads, MLP width and vocabulary must divide by the TP size, and so must each split dimension.
+
+    A width that does not divide would give ranks unequal slices, and a head count that does
+    not would split a head's dimensions across ranks: attention would then run on half-heads
+    and be silently wrong. Checked from shapes and the config alone, before any collective.
+    """
+    problems = []
+    split = {n for n, s in styles.items() if s is not None}
+    leaves = {n.rsplit(".", 1)[-1] for n in split}
+    modules = dict(model.named_modules())
+    # Which config sizes the split modules depend on, by the projection names transformers uses
+    # (its own get_kv_heads_per_rank reads plans the same way).
+    relevant = {
+        "num_attention_heads": bool(leaves & _ATTENTION),
+        "num_key_value_heads": bool(leaves & _ATTENTION),
+        "intermediate_size": bool(leaves & _MLP),
+        "vocab_size": any(isinstance(modules[n], nn.Embedding) or n.endswith("lm_head") for n in split),
+    }
+    for field, value in _config_sizes(model).items():
+        if relevant[field] and value % tp:
+            problems.append(f"config.{field} = {value}")
+    for name, style in styles.items():
+        if style is None:
+            continue
+        module = modules[name]
+        placement = weight_placement(module, style)
+        weight = getattr(module, "weight", None)
+        if placement == "unknown" or weight is None or not hasattr(placement, "dim"):
+            continue
+        size = weight.shape[placement.dim]
+        if size % tp:
+            problems.append(f"{name}.weight dim {placement.dim} = {size}")
+    if problems:
+        raise ValueError(
+            f"tensor parallelism over {tp} ranks needs these sizes to divide by {tp}, and they do not: "
+            f"{fmt_list(problems)}. Choose a TP size that divides the model's heads, KV heads, MLP width and "
+            "vocabulary"
+        )
+
+
+def _check_modules(model: nn.Module, styles: dict[str, ParallelStyle | None]) -> None:
+    modules = dict(model.named_modules())
+    wrong = []
+    for name, style in styles.items():
+        module = modules[name]
+        if style is None or not hasattr(style, "input_layouts"):
+            continue  # our own replicated style, or a user's ParallelStyle: its business
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            wrong.append(f"{name} ({type(module).__name__})")
+    if wrong:
+        raise ValueError(
+            "colwise / rowwise tensor parallelism splits nn.Linear and nn.Embedding weights; these plan entries are "
+            f"other modules: {fmt_list(wrong)}"
+        )
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Slots (module name, module, parameter name) that share one parameter, for every shared parameter."""
+    slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is not None and all(m is not module or n != pname for _, m, n in slots.get(id(p), [])):
+                slots.setdefault(id(p), []).append((mname, module, pname))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
+    """A weight shared by several modules (a tied head) must be split the same way by each of them."""
+    for group in groups:
+        layouts = {}
+        for mname, module, pname in group:
+            style = styles.get(mname)
+            layouts[f"{mname}.{pname}"] = (
+                weight_placement(module, style) if pname == "weight" else (None if style is None else "unknown")
+            )
+        values = list(layouts.values())
+        if "unknown" in values or any(v != values[0] for v in values):
+            shown = ", ".join(f"{k}: {v if v is not None else 'not split'}" for k, v in layouts.items())
+            raise ValueError(
+                f"a tied weight is laid out differently by its modules' tensor-parallel styles ({shown}); give every "
+                "module that shares it a style that splits it the same way (e.g. embedding_rowwise with a "
+                "colwise head), or untie it"
+            )
+
+
+def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[str, ParallelStyle | None]]:
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
+        raw = model_tp_plan(model)
+        if not raw:
+            raise ValueError(
+                f"{type(model).__name__} has no tensor-parallel plan of its own (no base_model_tp_plan in its config); "
+                "pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
+            )
+        chosen = _concrete(model, raw, strict=False)
+    elif isinstance(plan, Mapping):
+        chosen = _concrete(model, plan, strict=True)
+    else:
+        raise TypeError(f"plan must be 'auto' or a mapping, got {type(plan).__name__}")
+    return chosen, {name: resolve_style(style, name) for name, style in chosen.items()}
+
+
+def _output_head(model: nn.Module) -> str:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"loss_parallel=True needs the output head as an nn.Linear from model.get_output_embeddings(); "
+            f"{type(model).__name__} gives {type(head).__name__}"
+        )
+    return next(n for n, m in model.named_modules() if m is head)
+
+
+def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
+    """What each parameter would become on one TP rank (by ``id``), without a mesh: for planning.
+
+    The same checks as `apply_tensor_parallel` (divisibility, supported styles) run first.
+    Parameters the plan does not split are left out (they stay whole on every TP rank).
+    """
+    _, styles = _resolve(model, plan)
+    _check_modules(model, styles)
+    _check_divisible(model, styles, tp)
+    modules = dict(model.named_modules())
+    shapes: dict[int, tuple[int, ...]] = {}
+    for name, style in styles.items():
+        module = modules[name]
+        placement = weight_placement(module, style)
+        for pname, p in module.named_parameters(recurse=False):
+            if pname == "weight":
+                split = placement
+            else:  # a colwise Linear's bias is split with its outputs; other biases stay whole
+                split = placement if (hasattr(placement, "dim") and placement.dim == 0 and p.ndim == 1) else None
+            if hasattr(split, "dim") and p.ndim > split.dim:
+                shape = list(p.shape)
+                shape[split.dim] //= tp
+                shapes[id(p)] = tuple(shape)
+    return shapes
+
+
+def apply_tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, plan: str | Plan = "auto", *, loss_parallel: bool = False
+) -> nn.Module:
+    """Split ``model``'s layers over ``mesh["tp"]`` in place (Megatron-style tensor parallelism); returns it.
+
+    Args:
+        model: an unsharded model, on its device or on the meta device. Call this after
+            `enable_float8` / PEFT and before `apply_activation_checkpointing`, `compile_blocks`
+            and `shard_model` (the order is ORDER in fsdp2kit.wrappers.forward); out of order is
+            an error.
+        mesh: from ``fsdp2kit.make_mesh(shard=..., tp=...)``: the ``"tp"`` dimension is used here,
+            the data-parallel ones by `shard_model`.
+        plan: ``"auto"``: the model's own transformers plan (the config's ``base_model_tp_plan``:
+            q/k/v and gate/up column-wise, o/down row-wise; the input embeddings split over the
+            vocabulary; the head's ``_tp_plan``, column-wise with the logits gathered). Or a
+            mapping from module-name patterns (``*`` is one name segment, e.g.
+            ``"model.layers.*.mlp.up_proj"``) to a style name (``"colwise"``, ``"rowwise"``,
+            ``"colwise_gather_output"``, ``"embedding_rowwise"``, ... see
+            `fsdp2kit.parallel.styles.STYLE_NAMES`) or a torch ``ParallelStyle``.
+
+        loss_parallel: keep the output head's logits split over the vocabulary (a DTensor
+            sharded on its last dim) instead of gathering them, so the full ``batch x seq x
+            vocab`` logits never exist on one rank. Compute the loss inside
+            ``torch.distributed.tensor.parallel.loss_parallel()`` (cross-entropy on the split
+            logits, and its backward). The head is ``model.get_output_embeddings()``.
+
+    Checked before any collective: the mesh has a ``tp`` dimension; every entry of a plan you
+    pass matches a module; heads, key/value heads, MLP width and vocabulary divide by the TP
+    size (each is named when it does not); a tied weight (embeddings shared with the head) is
+    split the same way by every module using it, and stays one parameter afterwards.
+
+    Attention must compute with the heads it is given: transformers' attention reshapes its
+    projections to ``(..., -1, head_dim)``, so after q/k/v are split each rank runs its own
+    ``heads / tp`` query heads and ``kv_heads / tp`` key/value heads, and the GQA group size
+    (their ratio) is unchanged. A hand-written attention that reshapes with a stored head count
+    must do the same.
+
+    Every rank must build the same model (same seed), as for `shard_model`: each keeps its own
+    slice of its own copy, nothing is broadcast. The ranks of one TP group compute on the same
+    batch; give each data-parallel group (``mesh["shard"]`` coordinate) its own.
+    """
+    tp_mesh = _tp_mesh(mesh)
+    _check_order(model)
+    chosen, styles = _resolve(model, plan)
+    if loss_parallel:
+        head_name = _output_head(model)
+        chosen[head_name] = "colwise (loss parallel)"
+        styles[head_name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    tp = tp_mesh.size()
+    _check_modules(model, styles)
+    _check_divisible(model, styles, tp)
+    groups = _tied_groups(model)
+    _check_ties(groups, styles)
+
+    modules = dict(model.named_modules())
+    active = {name: for_module(modules[name], style) for name, style in styles.items() if style is not None}
+    # src_data_rank=None: each rank keeps its slice of its own copy, as fully_shard does, so no
+    # collective runs here and a model on the meta device stays there.
+    parallelize_module(model, tp_mesh, active, src_data_rank=None)
+    for group in groups:
+        # parallelize_module gives each module a new Parameter: tie them again to the first one.
+        _, first, first_name = group[0]
+        shared = first._parameters[first_name]
+        for _, module, pname in group[1:]:
+            module._parameters[pname] = shared
+    labels = {n: s if isinstance(s, str) else type(s).__name__ for n, s in chosen.items()}
+    setattr(model, TENSOR_PARALLEL, {"tp": tp, "plan": labels})
+    return model
+
+
+def tensor_parallel_info(model: nn.Module) -> dict | None:
+    """``{"tp": size, "plan": {module: style}}`` for a model `apply_tensor_parallel` changed, else None."""
+    return getattr(model, TENSOR_PARALLEL, None)
