@@ -7,10 +7,12 @@ README.md for the order in which they compose.
 import fsdp2kit._internal.quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
+from fsdp2kit.diagnostics import DesyncError, NonFiniteError, RankMonitor, check_finite
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
+from fsdp2kit.stop import EXIT_PREEMPTED, StopSignal
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.pretrained import LoadResult, load_pretrained
@@ -22,16 +24,22 @@ from fsdp2kit.wrappers.prefetch import set_prefetch
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "STRATEGIES",
     "CheckpointError",
     "Checkpointer",
+    "DesyncError",
     "DistInfo",
     "LoadResult",
+    "NonFiniteError",
     "PerRank",
     "RNGState",
+    "RankMonitor",
     "ShardPlan",
+    "StopSignal",
     "UnitPlan",
     "apply_activation_checkpointing",
+    "check_finite",
     "clip_grad_norm_",
     "compile_blocks",
     "dcp_to_hf",

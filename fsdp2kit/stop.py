@@ -65,6 +65,8 @@ class StopSignal:
     def __init__(self, signals: str | Iterable[str | int | signal.Signals] = "SIGTERM,SIGUSR1"):
         self.signals = parse_signals(signals)
         self.received: signal.Signals | None = None
+        self.by_rank: int | None = None
+        self.agreed_signal: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("StopSignal must be created in the main thread (Python delivers signals there)")
@@ -81,12 +83,30 @@ class StopSignal:
         return self.received is not None
 
     def should_stop(self, device: torch.device | str = "cpu", group=None) -> bool:
-        """Whether any rank has received a signal: the same answer on every rank. Collective."""
+        """Whether any rank has received a signal: the same answer on every rank. Collective.
+
+        One all-reduce (MAX) of two integers: the highest rank that received a signal (plus one)
+        and that signal's number, kept in `by_rank` and `agreed_signal` for the log.
+        """
         if not dist.is_initialized():
+            self.by_rank = 0 if self.requested else None
+            self.agreed_signal = self.received
             return self.requested
-        flag = torch.tensor([1 if self.requested else 0], device=device)
+        rank = dist.get_rank(group)
+        mine = [rank + 1, int(self.received)] if self.requested else [0, 0]
+        flag = torch.tensor(mine, dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        by, sig = flag.tolist()
+        self.by_rank = by - 1 if by else None
+        self.agreed_signal = signal.Signals(sig) if sig else None
+        return by > 0
+
+    def describe(self) -> str:
+        """After `should_stop` said yes: which signal reached which rank, in words."""
+        if self.by_rank is None:
+            return "no stop signal"
+        name = self.agreed_signal.name if self.agreed_signal else "a signal"
+        return f"{name} reached rank {self.by_rank}" + (" (at least)" if dist.is_initialized() else "")
 
     def restore(self) -> None:
         """Put back the handlers that were installed before."""

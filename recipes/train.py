@@ -30,11 +30,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from support.config import ConfigError, config_to_dict, parse_config
 from support.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
-from support.metrics import JsonlLogger, Timer, peak_memory_bytes
+from support.metrics import Timer, peak_memory_bytes
+from support.preemption import stop_after_signal
+from support.tracking import RunLog, parse_trackers
 
 import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
+from fsdp2kit.diagnostics import ON_NONFINITE, RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
+from fsdp2kit.stop import parse_signals
 
 
 def opt(default, help: str):
@@ -82,6 +86,13 @@ class TrainConfig:
     smoke: bool = opt(False, "run the pre-flight self-check instead of training")
     plan_only: bool = opt(False, "print the ShardPlan for the configured mesh and exit (no process group, no GPU)")
     fail_at_step: int = opt(-1, "testing aid: rank 1 kills itself at this step on its first attempt")
+    skip_micro_at: int = opt(-1, "testing aid: rank 1 skips micro-step 0 of this step (a desync)")
+    on_nonfinite: str = opt("raise", "a NaN/Inf loss or gradient norm: raise (naming the module) | skip the step")
+    timeout: float = opt(600.0, "seconds a collective may wait before it fails (the process group's timeout)")
+    check_every: int = opt(10, "compare step, micro-step and batch shape across ranks every N steps (0: off)")
+    check_timeout: float = opt(60.0, "seconds a rank waits at a check for the others before naming who is where")
+    stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint")
+    requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
 
 
 @dataclass
@@ -98,6 +109,10 @@ class LogConfig:
     every: int = opt(10, "log every N steps")
     jsonl: str = opt("outputs/train.jsonl", "JSONL metrics file (rank 0); empty: none")
     progress: bool = opt(True, "a progress bar on rank 0")
+    trackers: str = opt("", "comma-separated: tensorboard, wandb (offline), mlflow (local files); empty: none")
+    tracker_dir: str = opt("outputs/tracking", "where the trackers write (tensorboard/, wandb/, mlruns/)")
+    project: str = opt("fsdp2kit", "the W&B project / MLflow experiment")
+    run_name: str = opt("", "the run's name in the trackers (empty: 'run')")
 
 
 @dataclass
@@ -152,8 +167,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
 
+    if cfg.train.on_nonfinite not in ON_NONFINITE:
+        sys.exit(f"config error: train.on_nonfinite={cfg.train.on_nonfinite!r}; one of {', '.join(ON_NONFINITE)}")
+    try:
+        parse_signals(cfg.train.stop_signals)
+        parse_trackers(cfg.log.trackers)
+    except ValueError as e:
+        sys.exit(f"config error: {e}")
     # 1. process group and mesh
-    info = fk.init_distributed()
+    info = fk.init_distributed(timeout=cfg.train.timeout)
     mesh = fk.make_mesh(shard=cfg.parallel.shard, replicate=cfg.parallel.replicate)
     torch.manual_seed(cfg.train.seed)
     loader, vocab = build_data(cfg.data, info, cfg.train.seed)
@@ -222,7 +244,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     peak = peak_flops(info.device)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * info.world_size
-    log = JsonlLogger(cfg.log.jsonl, enabled=info.is_main)
+    lc = cfg.log
+    log = RunLog(
+        lc.jsonl,
+        trackers=lc.trackers,
+        directory=lc.tracker_dir,
+        project=lc.project,
+        run_name=lc.run_name,
+        enabled=info.is_main,
+    )
+    monitor = RankMonitor(model, micro_steps=t.grad_accum, check_every=t.check_every, timeout=t.check_timeout)
+    stop = fk.StopSignal(t.stop_signals)  # from here on a signal stops after the current step, with a checkpoint
     log.log({"event": "start", "step": start, "config": config_to_dict(cfg), "world_size": info.world_size})
     bar = None
     if cfg.log.progress and info.is_main and sys.stderr.isatty():
@@ -233,27 +265,38 @@ def main(argv: list[str] | None = None) -> None:
     batches = iter(loader)
     timer, last_logged = Timer(info.device), start
     first_loss = last_loss = float("nan")
+    skipped = 0
     for step in range(start, t.steps):
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
         loss_sum = torch.zeros((), device=info.device)
-        for micro in range(t.grad_accum):
-            batch = next(batches).to(info.device)
-            with fk.no_sync(model) if micro < t.grad_accum - 1 else contextlib.nullcontext():
-                loss = lm_loss(model, batch) / t.grad_accum
-                loss.backward()
-            loss_sum += loss.detach()
-        if t.clip > 0:
-            fk.clip_grad_norm_(model.parameters(), t.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        monitor.step(step)
+        with monitor.guard():  # a collective that fails or times out names every rank's position
+            for micro in range(t.grad_accum):
+                batch = next(batches).to(info.device)
+                if step == t.skip_micro_at and micro == 0 and info.rank == 1:
+                    continue
+                monitor.micro_step(micro, batch)
+                with fk.no_sync(model) if micro < t.grad_accum - 1 else contextlib.nullcontext():
+                    loss = lm_loss(model, batch) / t.grad_accum
+                    loss.backward()
+                loss_sum += loss.detach()
+            monitor.step_end()
+            grad_norm = fk.clip_grad_norm_(model.parameters(), t.clip if t.clip > 0 else math.inf)
+            monitor.phase("optimizer")
+            if check_finite(model, step=step + 1, loss=loss_sum, grad_norm=grad_norm, on_nonfinite=t.on_nonfinite):
+                optimizer.step()
+            else:
+                skipped += 1
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
         done = step + 1
         if done % cfg.log.every == 0 or done == t.steps or done == start + 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of the global batch
-            mem = torch.tensor([peak_memory_bytes(info.device)], dtype=torch.float64, device=info.device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            mem = torch.zeros(info.world_size, dtype=torch.float64, device=info.device)
+            mem[info.rank] = peak_memory_bytes(info.device)
+            dist.all_reduce(mem)  # every rank's peak, for the trackers
             dt = timer.lap() / (done - last_logged)
             last_logged = done
             record = {
@@ -261,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
                 "loss": loss_sum.item(),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_per_step / dt,
-                "peak_mem_gib": mem.item() / 2**30,
+                "peak_mem_gib": mem.max().item() / 2**30,
+                "peak_mem_gib_per_rank": [m / 2**30 for m in mem.tolist()],
+                "grad_norm": grad_norm.item(),
+                "skipped_steps": skipped,
             }
             if peak:
                 record["mfu"] = flops_per_token * tokens_per_step / dt / (peak * info.world_size)
@@ -269,19 +315,30 @@ def main(argv: list[str] | None = None) -> None:
             last_loss = record["loss"]
             log.log(record)
             if info.is_main:
-                text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+                shown = {k: v for k, v in record.items() if not isinstance(v, list)}
+                text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
                 if bar:
                     bar.write(text)
                 else:
                     print(text, flush=True)
         if bar:
             bar.update(1)
-        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.steps:
+        saved = bool(cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.steps)
+        if saved:
+            monitor.phase("checkpoint")
             ck.save(done, model, optimizer=optimizer, extra=extra)
+        if done < t.steps and stop.should_stop(info.device):  # one tiny all-reduce: a signal on any rank
+            monitor.close()
+            log.close()
+            stop_after_signal(
+                ck, done, model, optimizer, extra, saved=saved, stop=stop, is_main=info.is_main, requeue=t.requeue
+            )
 
     if start < t.steps:
         ck.save(t.steps, model, optimizer=optimizer, extra=extra)
     ck.wait()
+    monitor.close()
+    log.close()
     if bar:
         bar.close()
     if info.is_main:
