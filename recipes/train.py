@@ -86,7 +86,7 @@ class TrainConfig:
     smoke: bool = opt(False, "run the pre-flight self-check instead of training")
     plan_only: bool = opt(False, "print the ShardPlan for the configured mesh and exit (no process group, no GPU)")
     fail_at_step: int = opt(-1, "testing aid: rank 1 kills itself at this step on its first attempt")
-    skip_micro_at: int = opt(-1, "testing aid: rank 1 skips micro-step 0 of this step (a desync)")
+    skip_micro_at: int = opt(-1, "testing aid: rank 1 skips micro-step 0 of step N (counted from 1)")
     on_nonfinite: str = opt("raise", "a NaN/Inf loss or gradient norm: raise (naming the module) | skip the step")
     timeout: float = opt(600.0, "seconds a collective may wait before it fails (the process group's timeout)")
     check_every: int = opt(10, "compare step, micro-step and batch shape across ranks every N steps (0: off)")
@@ -270,11 +270,11 @@ def main(argv: list[str] | None = None) -> None:
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
         loss_sum = torch.zeros((), device=info.device)
-        monitor.step(step)
+        monitor.step(step + 1)  # steps are counted from 1 in every message, as in the log
         with monitor.guard():  # a collective that fails or times out names every rank's position
             for micro in range(t.grad_accum):
                 batch = next(batches).to(info.device)
-                if step == t.skip_micro_at and micro == 0 and info.rank == 1:
+                if step + 1 == t.skip_micro_at and micro == 0 and info.rank == 1:
                     continue
                 monitor.micro_step(micro, batch)
                 with fk.no_sync(model) if micro < t.grad_accum - 1 else contextlib.nullcontext():
