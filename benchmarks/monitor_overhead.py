@@ -56,8 +56,9 @@ def _steps(model, opt, mon, steps: int, accum: int = 2) -> float:
 
 def measure(steps: int, repeats: int) -> dict:
     torch.manual_seed(0)
-    model = build_causal_lm("demo", vocab_size=256, max_seq_len=128)
+    model = build_causal_lm("demo", vocab_size=256, max_seq_len=128, meta=True)
     fk.shard_model(model, fk.make_mesh())
+    fk.materialize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     _steps(model, opt, None, 3)  # warm-up
     times = {v: [] for v in VARIANTS}

@@ -32,6 +32,7 @@ from support.config import ConfigError, config_to_dict, parse_config
 from support.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
 from support.metrics import Timer, peak_memory_bytes
 from support.preemption import stop_after_signal
+from support.resources import RESOURCE_KEYS, process_resources
 from support.tracking import RunLog, parse_trackers
 
 import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
@@ -113,6 +114,7 @@ class LogConfig:
     tracker_dir: str = opt("outputs/tracking", "where the trackers write (tensorboard/, wandb/, mlruns/)")
     project: str = opt("fsdp2kit", "the W&B project / MLflow experiment")
     run_name: str = opt("", "the run's name in the trackers (empty: 'run')")
+    resources: bool = opt(False, "log each rank's current RSS, open file descriptors and threads (leak hunting)")
 
 
 @dataclass
@@ -297,6 +299,10 @@ def main(argv: list[str] | None = None) -> None:
             mem = torch.zeros(info.world_size, dtype=torch.float64, device=info.device)
             mem[info.rank] = peak_memory_bytes(info.device)
             dist.all_reduce(mem)  # every rank's peak, for the trackers
+            if cfg.log.resources:
+                res = torch.zeros(info.world_size, len(RESOURCE_KEYS), dtype=torch.float64, device=info.device)
+                res[info.rank] = torch.tensor(process_resources(), dtype=torch.float64)
+                dist.all_reduce(res)
             dt = timer.lap() / (done - last_logged)
             last_logged = done
             record = {
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                 "grad_norm": grad_norm.item(),
                 "skipped_steps": skipped,
             }
+            if cfg.log.resources:
+                record.update({f"{k}_per_rank": res[:, i].tolist() for i, k in enumerate(RESOURCE_KEYS)})
             if peak:
                 record["mfu"] = flops_per_token * tokens_per_step / dt / (peak * info.world_size)
             first_loss = record["loss"] if math.isnan(first_loss) else first_loss
