@@ -96,16 +96,16 @@ class RankMonitor(PositionTracker):
         self._reported = False  # this rank raised or printed a report: print nothing more
         self._stop = threading.Event()
         self._thread = None
-        self._checks = 0
         if not self.active:
             return
         from torch.distributed.distributed_c10d import _get_default_store  # the group's own store (torchrun's)
 
-        self._store = dist.PrefixStore(_KEY, _get_default_store())
-        self._publish()
-        # Its own gloo group with its own timeout; creating it is collective, so every rank's
-        # first position is in the store before anyone can look for it.
+        # Its own gloo group with its own timeout. Its name (the same on every rank) keeps this
+        # monitor's keys apart from an earlier monitor's in the same store.
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self._store = dist.PrefixStore(f"{_KEY}{self._group.group_name}/", _get_default_store())
+        self._publish()
+        dist.barrier(group=self._group)  # every rank's first position is in the store before anyone reads
         self._thread = threading.Thread(target=self._watch, name="fsdp2kit-monitor", daemon=True)
         self._thread.start()
 
