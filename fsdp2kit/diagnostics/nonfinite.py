@@ -74,11 +74,12 @@ def check_finite(
     Call it after ``backward`` (and after `clip_grad_norm_`, which leaves gradients untouched when
     their norm is not finite) and before ``optimizer.step()``, on every rank. ``loss`` is this
     rank's loss (it may differ between ranks), ``grad_norm`` the global norm. One all-reduce of
-    two flags decides for all ranks at once, so every rank takes the same branch and none is left
-    waiting in a collective the others skipped.
+    two flags (whatever the world size) decides for all ranks at once, so every rank takes the
+    same branch and none is left waiting in a collective the others skipped.
 
-    When something is not finite, the gradients are searched (a second, larger all-reduce, paid
-    only then) for the modules whose own parameters have a non-finite gradient. The one named is
+    When something is not finite and the answer is to raise, the gradients are searched (two more
+    all-reduces, one flag per module and one per rank, paid only then) for the modules whose own
+    parameters have a non-finite gradient. The one named is
     the first in backward order (the last in module order): backward runs from the output to the
     input, so that is where the non-finite value entered the gradients (with a NaN loss, it is the
     output layer). Then:
@@ -95,27 +96,31 @@ def check_finite(
     device = _device_of(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    # One flag per rank for the loss (so the message can say which ranks), one for the norm.
-    flags = torch.zeros(world + 1, device=device)
-    flags[rank] = _flag(loss, device)
-    flags[world] = _flag(grad_norm, device)
+    # Two flags, whatever the world size: this rank's loss, the global norm (MAX over ranks).
+    local_loss = _flag(loss, device)
+    flags = torch.stack([local_loss, _flag(grad_norm, device)])
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if not flags.any().item():
         return True
 
-    modules = nonfinite_modules(model)
     if on_nonfinite == "skip":
         for p in model.parameters():
             p.grad = None
         return False
+    # Something is not finite: the details, at the price of two more collectives, only now.
+    modules = nonfinite_modules(model)
+    per_rank = torch.zeros(world, device=device)
+    per_rank[rank] = local_loss
+    if dist.is_initialized():
+        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
 
-    bad_loss = [r for r in range(world) if flags[r].item()]
+    bad_loss = [r for r, bad in enumerate(per_rank.tolist()) if bad]
     parts = [f"step {step}: non-finite"]
     what = []
     if bad_loss:
         what.append(f"loss on rank{'s' if len(bad_loss) > 1 else ''} {fmt_list(bad_loss)}")
-    if flags[world].item():
+    if flags[1].item():
         what.append("gradient norm")
     parts.append(" and ".join(what))
     first = modules[-1] if modules else None
@@ -124,7 +129,7 @@ def check_finite(
             f"; the first module in backward order with a non-finite gradient is {first!r}"
             f" ({len(modules)} module{'s' if len(modules) > 1 else ''} affected: {fmt_list(modules[::-1], 6)})"
         )
-    elif flags[world].item() or bad_loss:
+    else:
         parts.append("; every gradient is finite (the loss alone is not)")
     parts.append(". Lower the learning rate, check the data of this step, or skip such steps (on_nonfinite='skip').")
     raise NonFiniteError(" ".join(parts[:2]) + "".join(parts[2:]), step=step, module=first)
