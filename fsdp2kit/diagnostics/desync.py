@@ -139,10 +139,10 @@ class RankMonitor(PositionTracker):
         except Exception as e:
             self._raise(f"ranks did not all reach the check within {self.timeout:g} s ({type(e).__name__})", e)
         rows = [tuple(g.tolist()) for g in gathered]
-        if kind == _MICRO:
-            self._set("data", "")
         if len(set(rows)) > 1:
             self._raise("ranks disagree at a check", None, rows=rows)
+        if kind == _MICRO:
+            self._set("data", "")
 
     # --- reporting ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -57,8 +57,10 @@ class Position:
         )
         shape = f", batch {list(self.shape)}" if self.shape else ""
         last = ""
+        if self.micro >= 0 and self.micro_count != self.micro + 1:
+            last = f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
         if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
-            last = f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
+            last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
         return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
 
     def to_dict(self) -> dict:
