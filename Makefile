@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install lint fmt test test-all demo bench bench-search clean
+.PHONY: install lint fmt test test-all demo bench bench-search soak clean
 
 install: $(VENV)/.installed
 
@@ -60,6 +60,11 @@ bench-search: install $(VENV)/.installed-bench
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"
 	touch $@
+
+# 2,000 steps of the demo recipe with a checkpoint every 100: per-rank RSS, file descriptors and
+# threads after warm-up must not grow (benchmarks/results/soak.md). tests/e2e/test_soak.py (slow) checks the same.
+soak: install
+	PYTHONPATH=. $(PY) benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
