@@ -123,8 +123,8 @@ def markdown(result: dict) -> str:
         a, b = r["rss_mib"]
         lines.append(
             f"| {r['rank']} | {a:.1f} -> {b:.1f} ({b - a:+.1f}) | {r['rss_max_after_warmup']:.1f} | "
-            f"{r['open_fds'][0]} -> {r['open_fds'][1]} | {r['py_threads'][0]} -> {r['py_threads'][1]} | "
-            f"{r['os_threads'][0]} -> {r['os_threads'][1]} |"
+            f"{r['open_fds'][0]:.0f} -> {r['open_fds'][1]:.0f} | {r['py_threads'][0]:.0f} -> {r['py_threads'][1]:.0f} | "
+            f"{r['os_threads'][0]:.0f} -> {r['os_threads'][1]:.0f} |"
         )
     found = problems(result)
     lines += [
