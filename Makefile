@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install lint fmt test test-all demo bench bench-search gpu-check gpu-wheels clean
+.PHONY: install lint fmt test test-all demo bench bench-search soak gpu-check gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -84,6 +84,11 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 	@ls -l .whl
+
+# 2,000 steps of the demo recipe with a checkpoint every 100: per-rank RSS, file descriptors and
+# threads after warm-up must not grow (benchmarks/results/soak.md). tests/e2e/test_soak.py (slow) checks the same.
+soak: install
+	PYTHONPATH=. $(PY) benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -7,6 +7,7 @@ README.md for the order in which they compose.
 import fsdp2kit._internal.quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
+from fsdp2kit.diagnostics import DesyncError, NonFiniteError, RankMonitor, check_finite
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.migrate import ImportResult, convert_config, load_fsdp1_checkpoint, load_full_state_dict
@@ -14,6 +15,7 @@ from fsdp2kit.parallel import apply_tensor_parallel
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.planner import MemoryPlan, plan_memory
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
+from fsdp2kit.stop import EXIT_PREEMPTED, StopSignal
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.pretrained import LoadResult, load_pretrained
@@ -25,19 +27,25 @@ from fsdp2kit.wrappers.prefetch import set_prefetch
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "STRATEGIES",
     "CheckpointError",
     "Checkpointer",
+    "DesyncError",
     "DistInfo",
     "ImportResult",
     "LoadResult",
     "MemoryPlan",
+    "NonFiniteError",
     "PerRank",
     "RNGState",
+    "RankMonitor",
     "ShardPlan",
+    "StopSignal",
     "UnitPlan",
     "apply_activation_checkpointing",
     "apply_tensor_parallel",
+    "check_finite",
     "clip_grad_norm_",
     "compile_blocks",
     "convert_config",

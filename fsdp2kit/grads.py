@@ -27,7 +27,7 @@ def clip_grad_norm_(
     different meshes (an FSDP mesh and a 2-D HSDP mesh, say) or are plain replicated tensors.
     ``torch.nn.utils.clip_grad_norm_`` returns a DTensor for sharded gradients and cannot mix
     meshes, so each mesh's gradients are reduced on their own mesh and the partial norms are
-    combined here.
+    combined here. A non-finite norm is returned as it is and the gradients are left unscaled.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -54,6 +54,9 @@ def clip_grad_norm_(
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    # A non-finite norm leaves the gradients as they are (torch's version turns them all into
+    # NaN), so fsdp2kit.diagnostics.check_finite can still name the module where it began.
+    clip_coef = torch.where(torch.isfinite(total), clip_coef, torch.ones_like(clip_coef))
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))

@@ -33,11 +33,16 @@ from support.data import DataError, ResumableLoader, check_vocab, describe, setu
 from support.evaluate import evaluate
 from support.export import export_model
 from support.loss import answer_loss_sum, backward_global_mean
-from support.metrics import JsonlLogger, Timer, peak_memory_bytes
+from support.metrics import Timer, peak_memory_bytes
+from support.preemption import stop_after_signal
+from support.resources import RESOURCE_KEYS, process_resources
+from support.tracking import RunLog, parse_trackers
 
 import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
+from fsdp2kit.diagnostics import ON_NONFINITE, RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
+from fsdp2kit.stop import parse_signals
 
 
 def opt(default, help: str):
@@ -107,6 +112,13 @@ class TrainConfig:
     smoke: bool = opt(False, "run the pre-flight self-check instead of training")
     plan_only: bool = opt(False, "print the ShardPlan for the configured mesh and exit (no process group, no GPU)")
     fail_at_step: int = opt(-1, "testing aid: rank 1 kills itself at this step on its first attempt")
+    skip_micro_at: int = opt(-1, "testing aid: rank 1 skips micro-step 0 of step N (counted from 1)")
+    on_nonfinite: str = opt("raise", "a NaN/Inf loss or gradient norm: raise (naming the module) | skip the step")
+    timeout: float = opt(600.0, "seconds a collective may wait before it fails (the process group's timeout)")
+    check_every: int = opt(10, "compare step, micro-step and batch shape across ranks every N steps (0: off)")
+    check_timeout: float = opt(60.0, "seconds a rank waits at a check for the others before naming who is where")
+    stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint")
+    requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
 
 
 @dataclass
@@ -123,6 +135,11 @@ class LogConfig:
     every: int = opt(10, "log every N steps")
     jsonl: str = opt("outputs/train.jsonl", "JSONL metrics file (rank 0); empty: none")
     progress: bool = opt(True, "a progress bar on rank 0")
+    trackers: str = opt("", "comma-separated: tensorboard, wandb (offline), mlflow (local files); empty: none")
+    tracker_dir: str = opt("outputs/tracking", "where the trackers write (tensorboard/, wandb/, mlruns/)")
+    project: str = opt("fsdp2kit", "the W&B project / MLflow experiment")
+    run_name: str = opt("", "the run's name in the trackers (empty: 'run')")
+    resources: bool = opt(False, "log each rank's current RSS, open file descriptors and threads (leak hunting)")
 
 
 @dataclass
@@ -183,8 +200,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
 
+    if cfg.train.on_nonfinite not in ON_NONFINITE:
+        sys.exit(f"config error: train.on_nonfinite={cfg.train.on_nonfinite!r}; one of {', '.join(ON_NONFINITE)}")
+    try:
+        parse_signals(cfg.train.stop_signals)
+        parse_trackers(cfg.log.trackers)
+    except ValueError as e:
+        sys.exit(f"config error: {e}")
     # 1. process group and mesh
-    info = fk.init_distributed()
+    info = fk.init_distributed(timeout=cfg.train.timeout)
     mesh = fk.make_mesh(shard=p.shard, replicate=p.replicate, tp=p.tp)
     torch.manual_seed(cfg.train.seed)
     # The ranks of one TP group compute on one batch: data is split over the data-parallel groups.
@@ -297,7 +321,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     peak = peak_flops(info.device)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * dp_info.world_size
-    log = JsonlLogger(cfg.log.jsonl, enabled=info.is_main)
+    lc = cfg.log
+    log = RunLog(
+        lc.jsonl,
+        trackers=lc.trackers,
+        directory=lc.tracker_dir,
+        project=lc.project,
+        run_name=lc.run_name,
+        enabled=info.is_main,
+    )
+    monitor = RankMonitor(model, micro_steps=t.grad_accum, check_every=t.check_every, timeout=t.check_timeout)
+    stop = fk.StopSignal(t.stop_signals)  # from here on a signal stops after the current step, with a checkpoint
     log.log({"event": "start", "step": start, "config": config_to_dict(cfg), "world_size": info.world_size})
     bar = None
     if cfg.log.progress and info.is_main and sys.stderr.isatty():
@@ -308,25 +342,45 @@ def main(argv: list[str] | None = None) -> None:
     batches = iter(loader)
     timer, last_logged = Timer(info.device), start
     first_loss = last_loss = float("nan")
+    skipped = 0
     for step in range(start, t.steps):
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
         micro = [{k: v.to(info.device) for k, v in next(batches).items()} for _ in range(t.grad_accum)]
-        # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py.
-        # With TP, each of a TP group's ranks counts the same tokens: the count over all ranks and the
-        # world size are both TP times too large, and the factors cancel.
-        loss_sum, answer_count = backward_global_mean(model, micro, dp_size=mesh.size(), device=info.device)
-        if t.clip > 0:
-            fk.clip_grad_norm_(model.parameters(), t.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        if step + 1 == t.skip_micro_at and info.rank == 1:
+            micro = micro[1:]  # the desync the monitor must name
+        monitor.step(step + 1)  # steps are counted from 1 in every message, as in the log
+        with monitor.guard():  # a collective that fails or times out names every rank's position
+            # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py.
+            # With TP, each of a TP group's ranks counts the same tokens: the count over all ranks and the
+            # world size are both TP times too large, and the factors cancel.
+            loss_sum, answer_count = backward_global_mean(
+                model,
+                micro,
+                dp_size=mesh.size(),
+                device=info.device,
+                before_micro=lambda i, b: monitor.micro_step(i, b["input_ids"]),
+            )
+            monitor.step_end()
+            grad_norm = fk.clip_grad_norm_(model.parameters(), t.clip if t.clip > 0 else math.inf)
+            monitor.phase("optimizer")
+            if check_finite(model, step=step + 1, loss=loss_sum, grad_norm=grad_norm, on_nonfinite=t.on_nonfinite):
+                optimizer.step()
+            else:
+                skipped += 1
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
         done = step + 1
         if done % cfg.log.every == 0 or done == t.steps or done == start + 1:
             dist.all_reduce(loss_sum)  # the loss of the global batch: every rank's sum over the global count
-            mem = torch.tensor([peak_memory_bytes(info.device)], dtype=torch.float64, device=info.device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            mem = torch.zeros(info.world_size, dtype=torch.float64, device=info.device)
+            mem[info.rank] = peak_memory_bytes(info.device)
+            dist.all_reduce(mem)  # every rank's peak, for the trackers
+            if cfg.log.resources:
+                res = torch.zeros(info.world_size, len(RESOURCE_KEYS), dtype=torch.float64, device=info.device)
+                res[info.rank] = torch.tensor(process_resources(), dtype=torch.float64)
+                dist.all_reduce(res)
             dt = timer.lap() / (done - last_logged)
             last_logged = done
             record = {
@@ -334,8 +388,13 @@ def main(argv: list[str] | None = None) -> None:
                 "loss": loss_sum.item() / max(1.0, answer_count.item()),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_per_step / dt,
-                "peak_mem_gib": mem.item() / 2**30,  # CUDA: max allocated; CPU: process RSS
+                "peak_mem_gib": mem.max().item() / 2**30,  # CUDA: max allocated; CPU: process RSS
+                "peak_mem_gib_per_rank": [m / 2**30 for m in mem.tolist()],
+                "grad_norm": grad_norm.item(),
+                "skipped_steps": skipped,
             }
+            if cfg.log.resources:
+                record.update({f"{k}_per_rank": res[:, i].tolist() for i, k in enumerate(RESOURCE_KEYS)})
             if predicted is not None:
                 record["predicted_peak_gib"] = predicted / 2**30  # fsdp2kit.plan_memory, before training
             if peak:
@@ -344,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
             last_loss = record["loss"]
             log.log(record)
             if info.is_main:
-                text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+                shown = {k: v for k, v in record.items() if not isinstance(v, list)}
+                text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
                 if bar:
                     bar.write(text)
                 else:
@@ -364,12 +424,22 @@ def main(argv: list[str] | None = None) -> None:
                 bar.write(text) if bar else print(text, flush=True)
         if bar:
             bar.update(1)
-        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.steps:
+        saved = bool(cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.steps)
+        if saved:
+            monitor.phase("checkpoint")
             ck.save(done, model, optimizer=optimizer, extra=extra)
+        if done < t.steps and stop.should_stop(info.device):  # one tiny all-reduce: a signal on any rank
+            monitor.close()
+            log.close()
+            stop_after_signal(
+                ck, done, model, optimizer, extra, saved=saved, stop=stop, is_main=info.is_main, requeue=t.requeue
+            )
 
     if start < t.steps:
         ck.save(t.steps, model, optimizer=optimizer, extra=extra)
     ck.wait()
+    monitor.close()
+    log.close()
     if bar:
         bar.close()
     if cfg.export.hf_dir:

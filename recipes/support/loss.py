@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,12 @@ def answer_tokens(batches: list[dict[str, torch.Tensor]], device) -> torch.Tenso
 
 
 def backward_global_mean(
-    model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *, dp_size: int, device
+    model: torch.nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    *,
+    dp_size: int,
+    device,
+    before_micro: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward of (sum of every rank's answer-token losses) / (global answer-token count).
 
@@ -44,13 +50,16 @@ def backward_global_mean(
     micro-batch) with few answer tokens weighs by its tokens, not as much as one with many, which is
     what a mean of per-rank means would do. FSDP averages gradients over the ``dp_size``
     data-parallel ranks and accumulation adds micro-steps, hence each micro-loss is scaled by
-    dp_size / count. Returns (this rank's loss sum, the global count), both detached.
+    dp_size / count. ``before_micro(i, batch)`` is called before each micro-step (the recipe's rank
+    monitor records where it is). Returns (this rank's loss sum, the global count), both detached.
     """
     count = answer_tokens(micro_batches, device)
     scale = dp_size / count.clamp(min=1.0).item()
     total = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
+        if before_micro is not None:
+            before_micro(i, batch)
         with contextlib.nullcontext() if last else fk.no_sync(model):
             s = answer_loss_sum(model, batch)
             (s * scale).backward()

@@ -1,0 +1,271 @@
+"""Hangs and desyncs named: ranks compare positions at cheap checks and report where each rank is when one strays."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit.diagnostics.position import Position, PositionTracker
+
+__all__ = ["DesyncError", "RankMonitor"]
+
+_KEY = "fsdp2kit/monitor/"
+_MICRO, _END = 1, 2  # check kinds
+_DIMS = 4  # batch dimensions compared
+
+
+class DesyncError(RuntimeError):
+    """Ranks are not at the same point of training (or one stopped answering); names the ones that diverged."""
+
+    def __init__(self, message: str, *, diverged: list[int], positions: dict[int, Position | None]):
+        super().__init__(message)
+        self.diverged = diverged
+        self.positions = positions
+
+
+class RankMonitor(PositionTracker):
+    """Track this rank's position, compare it with the other ranks' at cheap checks, report hangs.
+
+    ::
+
+        mon = fk.RankMonitor(model, micro_steps=grad_accum, check_every=10, timeout=60)
+        for step in range(start, steps):
+            mon.step(step)
+            with mon.guard():                          # a collective timeout -> DesyncError
+                for i in range(grad_accum):
+                    batch = next(batches)
+                    mon.micro_step(i, batch)           # compared across ranks on checked steps
+                    ...forward, backward...
+                mon.step_end()                         # compared across ranks on checked steps
+                mon.phase("optimizer"); optimizer.step()
+        mon.close()
+
+    What it does, and what it costs:
+
+    - The position (step, micro-step, FSDP unit, phase) is kept by hooks (`PositionTracker`):
+      attribute writes, nothing else.
+    - A background thread publishes the position in the c10d store when it changed, at most
+      every ``heartbeat`` seconds, and watches there for another rank's report.
+    - Every ``check_every`` steps, each micro-step start and the step end are compared across
+      ranks (step, micro-step index and count, batch shape) with one all-gather of 9 integers on
+      a gloo group of its own, whose timeout is ``timeout``: not the default group, which may be
+      the one that hangs. Ranks that disagree, or do not arrive within ``timeout``, give a
+      `DesyncError` that lists every rank's position and names the ranks that diverged: those
+      whose own count contradicts the loop (a skipped or extra micro-step), else the minority.
+    - `guard` turns a collective error or timeout inside it into the same report.
+    - A rank stuck in a collective cannot raise; its thread prints the report another rank
+      published (once), so every rank's log says who was where. The launcher (torchrun) then ends
+      the stuck ranks when the reporting rank exits.
+
+    Collective to create (it makes the gloo group): every rank, same order. With no process
+    group (or one rank), only the tracking is done.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        micro_steps: int | None = None,
+        check_every: int = 1,
+        timeout: float = 60.0,
+        heartbeat: float = 2.0,
+    ):
+        if check_every < 0:
+            raise ValueError(f"check_every must be >= 0 (0: never), got {check_every}")
+        if timeout <= 0 or heartbeat <= 0:
+            raise ValueError(f"timeout and heartbeat must be > 0 seconds, got {timeout} and {heartbeat}")
+        super().__init__(model)
+        self.micro_steps = micro_steps
+        self.check_every = check_every
+        self.timeout = timeout
+        self.heartbeat = heartbeat
+        self.active = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._reported = False  # this rank raised or printed a report: print nothing more
+        self._stop = threading.Event()
+        self._thread = None
+        if not self.active:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store  # the group's own store (torchrun's)
+
+        # Its own gloo group with its own timeout. Its name (the same on every rank) keeps this
+        # monitor's keys apart from an earlier monitor's in the same store.
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self._store = dist.PrefixStore(f"{_KEY}{self._group.group_name}/", _get_default_store())
+        self._publish()
+        dist.barrier(group=self._group)  # every rank's first position is in the store before anyone reads
+        self._thread = threading.Thread(target=self._watch, name="fsdp2kit-monitor", daemon=True)
+        self._thread.start()
+
+    # --- checks ------------------------------------------------------------------------------
+    def _checked(self) -> bool:
+        return self.active and self.check_every > 0 and self.position.step % self.check_every == 0
+
+    def micro_step(self, index: int, batch: torch.Tensor | None = None) -> None:
+        super().micro_step(index, batch)
+        if self._checked():
+            self._compare(_MICRO)
+
+    def step_end(self) -> None:
+        """The micro-steps of this step are done (call before clipping and the optimizer)."""
+        self._set("step end", "")
+        if self._checked():
+            self._compare(_END)
+
+    def _vector(self, kind: int) -> torch.Tensor:
+        p = self.position
+        shape = list(p.shape[:_DIMS]) + [-1] * (_DIMS - len(p.shape[:_DIMS]))
+        return torch.tensor([kind, p.step, p.micro, p.micro_count, p.last_count, *shape], dtype=torch.int64)
+
+    def _compare(self, kind: int) -> None:
+        mine = self._vector(kind)
+        if kind == _MICRO:
+            self._set("check", "")
+        gathered = [torch.empty_like(mine) for _ in range(self.world)]
+        try:
+            dist.all_gather(gathered, mine, group=self._group)
+        except Exception as e:
+            self._raise(f"ranks did not all reach the check within {self.timeout:g} s ({type(e).__name__})", e)
+        rows = [tuple(g.tolist()) for g in gathered]
+        if len(set(rows)) > 1:
+            self._raise("ranks disagree at a check", None, rows=rows)
+        if kind == _MICRO:
+            self._set("data", "")
+
+    # --- reporting ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Inside it, a failed or timed-out collective becomes a `DesyncError` listing every rank's position."""
+        try:
+            yield
+        except DesyncError:
+            raise
+        except Exception as e:
+            if self.active and _is_collective_failure(e):
+                self._raise(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})", e)
+            raise
+
+    def positions(self) -> dict[int, Position | None]:
+        """Every rank's last published position (this rank's current one), read from the store."""
+        out: dict[int, Position | None] = {}
+        for r in range(self.world):
+            if r == self.rank:
+                out[r] = self.position
+                continue
+            try:
+                out[r] = Position.from_dict(json.loads(self._store.get(f"pos/{r}")))
+            except Exception:
+                out[r] = None
+        return out
+
+    def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
+        self._reported = True
+        self._publish()
+        time.sleep(min(self.heartbeat, 1.0))  # a moment for the others' threads to publish theirs
+        positions = self.positions()
+        diverged = _diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps)
+        lines = [f"rank {self.rank}: {what} at step {self.position.step}."]
+        if diverged:
+            lines.append(f"Diverged: rank{'s' if len(diverged) > 1 else ''} {fmt_list(diverged)}.")
+        else:
+            lines.append("Which rank diverged cannot be told from the positions alone.")
+        lines.append("Where each rank is:")
+        now = time.time()
+        for r, p in positions.items():
+            where = "no position published" if p is None else p.describe(self.micro_steps)
+            age = "" if p is None else f"  ({now - p.since:.1f} s in this phase)"
+            mark = "  <- diverged" if r in diverged else ""
+            lines.append(f"  rank {r}: {where}{age}{mark}")
+        message = "\n".join(lines)
+        with contextlib.suppress(Exception):
+            self._store.set("report", message)
+        raise DesyncError(message, diverged=diverged, positions=positions) from cause
+
+    # --- the background thread ---------------------------------------------------------------
+    def _publish(self) -> None:
+        self._published = self.seq
+        self._store.set(f"pos/{self.rank}", json.dumps(self.position.to_dict()))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.heartbeat):
+            try:
+                if self.seq != self._published:
+                    self._publish()
+                if not self._reported and self._store.check(["report"]):
+                    self._reported = True
+                    report = self._store.get("report").decode()
+                    print(
+                        f"[fsdp2kit rank {self.rank}] another rank reported a desync; this rank is at "
+                        f"{self.position.describe(self.micro_steps)}.\n{report}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            except Exception:
+                return  # the store is gone (the job is ending): nothing left to watch
+
+    def close(self) -> None:
+        """Stop the thread and remove the hooks (the gloo group goes with the process group)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat + 5)
+        self.detach()
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text or "connection" in text)
+
+
+def _diverged(rows: list[tuple], micro_steps: int | None) -> list[int]:
+    """The ranks to blame when the check rows differ: self-contradicting counts first, else the minority."""
+    bad = [
+        r
+        for r, (kind, _step, micro, count, last, *_) in enumerate(rows)
+        if _contradicts(kind, micro, count, micro_steps) or _contradicts(_END, 0, last, micro_steps)
+    ]
+    return bad or _minority(rows)
+
+
+def _blame(positions: dict[int, Position | None], micro_steps: int | None) -> list[int]:
+    """The ranks to blame from published positions alone (a timeout: nobody can compare rows)."""
+    bad = []
+    for r, p in positions.items():
+        ended = p is not None and p.phase == "step end"
+        if (
+            p is None
+            or (ended and _contradicts(_END, p.micro, p.micro_count, micro_steps))
+            or (p.micro >= 0 and _contradicts(_MICRO, p.micro, p.micro_count, micro_steps))
+            or _contradicts(_END, 0, p.last_count, micro_steps)
+        ):
+            bad.append(r)
+    if bad:
+        return bad
+    return _minority([(p.step, p.micro_count, p.phase == "check") for p in positions.values()])
+
+
+def _contradicts(kind: int, micro: int, count: int, micro_steps: int | None) -> bool:
+    # `count` includes the current micro-step, so index i is the (i+1)-th of the step.
+    if kind == _MICRO:
+        return count != micro + 1
+    return bool(micro_steps) and count >= 0 and count != micro_steps
+
+
+def _minority(rows: list) -> list[int]:
+    (top, n), *rest = Counter(rows).most_common()
+    if rest and rest[0][1] == n:
+        return []  # a tie: no majority to compare with
+    return [r for r, row in enumerate(rows) if row != top]

@@ -1,0 +1,184 @@
+"""Where this rank is in training (step, micro-step, FSDP unit, phase), kept current by cheap hooks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["PHASES", "Position", "PositionTracker"]
+
+# The phases a rank can be in. All-gather and reduce-scatter are FSDP's collectives around a
+# unit's compute; the others are set by the training loop (`PositionTracker.phase`).
+PHASES = (
+    "start",
+    "data",
+    "all-gather",
+    "forward",
+    "backward all-gather",
+    "backward",
+    "reduce-scatter",
+    "optimizer",
+    "check",
+    "checkpoint",
+    "eval",
+    "step end",
+)
+
+
+@dataclass
+class Position:
+    step: int = -1
+    micro: int = -1
+    """The micro-step index the training loop gave (`PositionTracker.micro_step`)."""
+    micro_count: int = 0
+    """How many micro-steps this rank has begun in this step (counted, not given)."""
+    last_count: int = -1
+    """How many micro-steps the previous step had (-1: no previous step in this process)."""
+    phase: str = "start"
+    unit: str = ""
+    shape: tuple[int, ...] = ()
+    since: float = 0.0
+    """When this phase began (time.time(); ranks on different hosts compare with clock skew)."""
+
+    def describe(self, micro_steps: int | None = None) -> str:
+        if self.step < 0:
+            return f"before the first step ({self.phase})"
+        of = f" of {micro_steps}" if micro_steps else ""
+        micro = f", micro-step {self.micro}{of}" if self.micro >= 0 else ""
+        unit = (
+            f" {self.unit or '<root>'}"
+            if self.phase in ("all-gather", "forward", "backward all-gather", "backward", "reduce-scatter")
+            else ""
+        )
+        shape = f", batch {list(self.shape)}" if self.shape else ""
+        last = ""
+        if self.micro >= 0 and self.micro_count != self.micro + 1:
+            last = f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
+        if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
+            last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
+        return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Position:
+        d = dict(d)
+        d["shape"] = tuple(d.get("shape", ()))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+class PositionTracker:
+    """Keeps `position` current: the loop calls `step`/`micro_step`/`phase`, hooks on the FSDP units do the rest.
+
+    The hooks on each FSDP unit (``fully_shard``-ed module) mark, in order: all-gather (before
+    FSDP's own pre-forward hook, which gathers), forward, backward all-gather (a gradient hook
+    on the unit's output that runs before FSDP's), backward, and reduce-scatter (a gradient hook
+    on the unit's input, which fires when the unit's backward is done, just before FSDP's
+    post-backward reduces the gradients). Each is a few attribute writes: no synchronisation,
+    no communication. `benchmarks/monitor_overhead.py` measures it.
+    """
+
+    def __init__(self, model: nn.Module | None = None):
+        self.position = Position(since=time.time())
+        self.seq = 0
+        """Bumped on every change, so a reader can tell a stale position from a fresh one."""
+        self._handles: list[RemovableHandle] = []
+        if model is not None:
+            self.attach(model)
+
+    # --- called by the training loop ---------------------------------------------------------
+    def step(self, step: int) -> None:
+        p = self.position
+        p.last_count = p.micro_count if p.step >= 0 else -1
+        p.step, p.micro, p.micro_count, p.shape = step, -1, 0, ()
+        self._set("data", "")
+
+    def micro_step(self, index: int, batch: torch.Tensor | None = None) -> None:
+        p = self.position
+        p.micro = index
+        p.micro_count += 1
+        p.shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else ()
+        self._set("data", "")
+
+    def phase(self, phase: str, unit: str = "") -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
+        self._set(phase, unit)
+
+    def _set(self, phase: str, unit: str) -> None:
+        p = self.position
+        p.phase, p.unit, p.since = phase, unit, time.time()
+        self.seq += 1
+
+    # --- hooks --------------------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> None:
+        """Hook every FSDP unit of ``model`` (call after ``shard_model``); `detach` removes the hooks."""
+        units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise ValueError(f"{type(model).__name__} has no FSDP units: attach the tracker after shard_model")
+        for name, module in units:
+            self._hook(name, module)
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str, module: nn.Module) -> None:
+        def on_grad(phase: str):
+            def hook(grad):
+                self._set(phase, name)
+
+            return hook
+
+        def before_fsdp(mod, args):
+            # prepend=True and registered after fully_shard: runs before FSDP's own pre-forward hook.
+            self._set("all-gather", name)
+
+        def after_fsdp(mod, args):
+            self._set("forward", name)
+            if torch.is_grad_enabled():
+                for t in args:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(on_grad("reduce-scatter"))
+                        break
+
+        def out_before_fsdp(mod, args, out):
+            # Runs before FSDP's post-forward, so its gradient hook is registered (and runs) first.
+            t = _first_grad_tensor(out)
+            if t is not None:
+                t.register_hook(on_grad("backward all-gather"))
+
+        def out_after_fsdp(mod, args, out):
+            t = _first_grad_tensor(out)
+            if t is not None:
+                t.register_hook(on_grad("backward"))
+
+        self._handles += [
+            module.register_forward_pre_hook(before_fsdp, prepend=True),
+            module.register_forward_pre_hook(after_fsdp),
+            module.register_forward_hook(out_before_fsdp, prepend=True),
+            module.register_forward_hook(out_after_fsdp),
+        ]
+
+
+def _first_grad_tensor(out) -> torch.Tensor | None:
+    if not torch.is_grad_enabled():
+        return None
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            t = _first_grad_tensor(o)
+            if t is not None:
+                return t
+    logits = getattr(out, "logits", None)  # a transformers ModelOutput is a dict, but keep it cheap
+    return logits if isinstance(logits, torch.Tensor) and logits.requires_grad else None

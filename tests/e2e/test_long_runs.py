@@ -1,0 +1,145 @@
+"""The recipe looking after itself under torchrun: a signal on one rank, a desync, a NaN, TensorBoard read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / "recipes" / "train.py")
+DEMO = str(ROOT / "recipes" / "configs" / "demo.toml")
+STEPS = 24
+FAST = ["--data.seq_len", "64", "--log.every", "2", "--log.progress", "false", "--checkpoint.every", "100"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0"]
+
+
+def recipe_args(tmp: Path, name: str, *extra: str) -> list[str]:
+    return [
+        TRAIN,
+        "--config",
+        DEMO,
+        *FAST,
+        "--train.steps",
+        str(STEPS),
+        "--checkpoint.dir",
+        str(tmp / name / "ckpt"),
+        "--log.jsonl",
+        str(tmp / name / "log.jsonl"),
+        *extra,
+    ]
+
+
+def env(**extra: str) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run(args: list[str], tmp: Path, **kw) -> tuple[int, str, float]:
+    start = time.monotonic()
+    proc = subprocess.run([*TORCHRUN, *args], cwd=tmp, capture_output=True, text=True, timeout=400, **kw)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
+
+
+def worker_pid(parent: int, rank: int) -> int | None:
+    """The torchrun worker of ``rank``: a child of the torchrun process whose environment says RANK=rank."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.timeout(900)
+def test_a_signal_to_one_rank_saves_requeues_and_the_next_launch_resumes_bitwise(tmp_path):
+    # The uninterrupted reference, logging to TensorBoard too.
+    trk = tmp_path / "trk"
+    code, out, _ = run(
+        recipe_args(tmp_path, "ref", "--log.trackers", "tensorboard", "--log.tracker_dir", str(trk)), tmp_path
+    )
+    assert code == 0, out[-4000:]
+    ref = losses(tmp_path / "ref" / "log.jsonl")
+
+    # TensorBoard holds what the JSONL holds: read it back.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(trk / "tensorboard" / "run"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gib", "peak_mem_gib_per_rank/rank_0"}
+    assert expected | {"peak_mem_gib_per_rank/rank_1"} <= tags, tags
+    tb_loss = {e.step: e.value for e in acc.Scalars("loss")}
+    assert set(tb_loss) == set(ref) and all(abs(tb_loss[s] - ref[s]) <= 1e-6 * abs(ref[s]) for s in ref)
+    assert "config/text_summary" in acc.Tags()["tensors"]
+
+    # A fake scontrol on PATH records the requeue that a Slurm job would get.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242")
+
+    proc = subprocess.Popen(
+        [*TORCHRUN, *recipe_args(tmp_path, "cut")],
+        cwd=tmp_path,
+        env=slurm,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines, signalled = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if signalled is None and line.startswith("step 4 "):
+            signalled = worker_pid(proc.pid, 1)
+            assert signalled, "rank 1's process was not found"
+            os.kill(signalled, signal.SIGUSR1)  # ONE rank gets it, as a scheduler may do
+    proc.wait(timeout=300)
+    out = "".join(lines)
+    assert signalled and proc.returncode != 0, out[-4000:]  # torchrun reports the workers' status 75
+    assert "exitcode  : 75" in out or "exitcode: 75" in out, out[-4000:]
+    line = next(ln for ln in lines if ln.startswith("preempted:"))
+    assert "SIGUSR1 reached rank 1" in line and "Slurm job 4242 requeued" in line and "status 75" in line, line
+    stopped = int(line.split("stopped after step ")[1].split(",")[0])
+    assert 4 <= stopped < STEPS, line
+    assert (tmp_path / "cut" / "ckpt" / f"step_{stopped:08d}").is_dir()
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+
+    # The next launch resumes from that checkpoint: the same losses as the reference, bitwise.
+    code, out, _ = run(recipe_args(tmp_path, "cut"), tmp_path, env=env())
+    assert code == 0 and f"resumed from {tmp_path / 'cut' / 'ckpt'}/step_{stopped:08d}" in out, out[-4000:]
+    cut = losses(tmp_path / "cut" / "log.jsonl")
+    after = [s for s in cut if s > stopped]
+    assert after and all(cut[s] == ref[s] for s in after), {s: (cut[s], ref.get(s)) for s in after}
+
+
+@pytest.mark.timeout(600)
+def test_a_skipped_micro_step_and_a_nan_are_named_by_the_recipe(tmp_path):
+    desync = ["--train.grad_accum", "2", "--train.skip_micro_at", "3", "--train.check_every", "1"]
+    code, out, seconds = run(
+        recipe_args(tmp_path, "desync", *desync, "--train.timeout", "60", "--train.check_timeout", "30"),
+        tmp_path,
+        env=env(),
+    )
+    assert code != 0 and "DesyncError" in out and "ranks disagree at a check at step 3" in out, out[-4000:]
+    assert "Diverged: rank 1." in out and "rank 1: step 3, micro-step 0 of 2" not in out, out[-4000:]
+    assert seconds < 300, seconds  # the checks caught it at once, not a timeout
+
+    # A learning rate that blows the weights up: the step and the module are named on every rank.
+    code, out, _ = run(recipe_args(tmp_path, "nan", "--train.lr", "1e30", "--train.warmup", "1"), tmp_path, env=env())
+    assert code != 0 and "NonFiniteError: step " in out and "the first module in backward order" in out, out[-4000:]

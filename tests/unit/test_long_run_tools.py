@@ -1,0 +1,86 @@
+"""Stop signals, tracker choice and the trackers' output, without a process group of more than one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+from support.tracking import RunLog, TrackerError, parse_trackers, scalars
+
+import fsdp2kit as fk
+from fsdp2kit.stop import parse_signals
+
+
+def test_signal_names_parse_and_bad_ones_are_named():
+    assert parse_signals("SIGTERM, usr1,10") == [signal.SIGTERM, signal.SIGUSR1, signal.Signals(10)]
+    with pytest.raises(ValueError, match="unknown signal 'SIGNOPE'"):
+        parse_signals("SIGNOPE")
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        parse_signals("SIGKILL")
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_sets_the_flag_and_handlers_come_back():
+    before = signal.getsignal(signal.SIGUSR2)
+    with fk.StopSignal("SIGUSR2") as stop:
+        assert not stop.requested and not stop.should_stop()
+        os.kill(os.getpid(), signal.SIGUSR2)  # delivered to the main thread before the next bytecode
+        assert stop.requested and stop.received == signal.SIGUSR2
+        assert stop.should_stop() and stop.describe().startswith("SIGUSR2 reached rank 0")
+    assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_tracker_names_and_scalars():
+    assert parse_trackers(" tensorboard ,MLflow") == ["tensorboard", "mlflow"]
+    with pytest.raises(TrackerError, match="unknown tracker 'neptune'"):
+        parse_trackers("tensorboard,neptune")
+    values = scalars({"step": 3, "loss": 2.5, "peak_mem_gib_per_rank": [1.0, 2.0], "event": "x", "ok": True})
+    assert values == {"loss": 2.5, "peak_mem_gib_per_rank/rank_0": 1.0, "peak_mem_gib_per_rank/rank_1": 2.0}
+
+
+def test_a_missing_tracker_names_the_extra_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    log = RunLog(tmp_path / "log.jsonl", trackers="wandb", directory=tmp_path)
+    with pytest.raises(TrackerError, match=r"pip install 'fsdp2kit\[wandb\]'"):
+        log.log({"event": "start", "step": 0, "config": {}})
+
+
+def _records():
+    yield {"event": "start", "step": 0, "config": {"train": {"lr": 0.003, "steps": 3}}, "world_size": 2}
+    for step in (1, 2, 3):
+        yield {"step": step, "loss": 4.0 / step, "lr": 0.003, "peak_mem_gib_per_rank": [0.5, 0.25]}
+
+
+@pytest.mark.timeout(120)
+def test_mlflow_local_file_store_reads_back(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    log = RunLog(None, trackers="mlflow", directory=tmp_path, project="p", run_name="r")
+    for r in _records():
+        log.log(r)
+    run_id = log.trackers[0].run.info.run_id
+    log.close()
+    client = mlflow.tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run = client.get_run(run_id)
+    assert run.data.params["train.lr"] == "0.003" and run.info.run_name == "r"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(1, 4.0), (2, 2.0), (3, 4 / 3)]
+    assert run.data.metrics["peak_mem_gib_per_rank/rank_1"] == 0.25
+
+
+@pytest.mark.timeout(180)
+def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    log = RunLog(None, trackers="wandb", directory=tmp_path, project="p", run_name="r")
+    for r in _records():
+        log.log(r)
+    run = log.trackers[0].run
+    assert run.offline and run.config["train"]["lr"] == 0.003
+    log.close()  # W&B commits a step's values when the next step (or the end) comes
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    data = runs[0].read_bytes()  # the offline record log that `wandb sync` uploads: JSON values inside
+    assert b"peak_mem_gib_per_rank/rank_1" in data and repr(4 / 3).encode() in data
