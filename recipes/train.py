@@ -347,8 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
         micro = [{k: v.to(info.device) for k, v in next(batches).items()} for _ in range(t.grad_accum)]
-        if step + 1 == t.skip_micro_at and info.rank == 1:
-            micro = micro[1:]  # the desync the monitor must name
+        skip = int(step + 1 == t.skip_micro_at and info.rank == 1)  # testing aid: the desync the monitor must name
+        micro = micro[skip:]
         monitor.step(step + 1)  # steps are counted from 1 in every message, as in the log
         with monitor.guard():  # a collective that fails or times out names every rank's position
             # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py.
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                 micro,
                 dp_size=mesh.size(),
                 device=info.device,
-                before_micro=lambda i, b: monitor.micro_step(i, b["input_ids"]),
+                before_micro=lambda i, b, skip=skip: monitor.micro_step(i + skip, b["input_ids"]),
             )
             monitor.step_end()
             grad_norm = fk.clip_grad_norm_(model.parameters(), t.clip if t.clip > 0 else math.inf)
