@@ -23,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
+from fsdp2kit.collectives import install_collectives, resolve_collectives
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
 from fsdp2kit.preflight import (
@@ -180,6 +181,7 @@ def shard_model(
     reshard_after_forward: bool | int | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
+    collectives: str = "auto",
 ) -> ShardPlan:
     """Shard ``model`` in place with FSDP2 over ``mesh`` and return its `ShardPlan`.
 
@@ -204,12 +206,17 @@ def shard_model(
             ``MixedPrecisionPolicy``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
             optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
+        collectives: ``"auto"``: on a CPU mesh over gloo, every unit reduce-scatters and
+            all-gathers with fsdp2kit's bandwidth-optimal collectives (gloo has no reduce-scatter
+            of its own; docs/gloo-collectives.md); elsewhere (NCCL) FSDP2's own. ``"torch"``:
+            FSDP2's own everywhere.
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
     optimizer built before raises on its first step).
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
+    resolve_collectives(collectives)
     layout = _layout(
         model,
         tuple(mesh.shape),
@@ -233,6 +240,7 @@ def shard_model(
             mp_policy=layout.mp_policy,
             offload_policy=offload,
         )
+    install_collectives(model, fsdp_mesh, collectives)
 
     install_optimizer_check()
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
