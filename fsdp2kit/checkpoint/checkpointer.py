@@ -41,8 +41,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -54,6 +52,7 @@ from fsdp2kit.checkpoint.optim import restore_optimizer
 from fsdp2kit.checkpoint.publish import prepare_dir, publish
 from fsdp2kit.checkpoint.state import restore_extra, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
+from fsdp2kit.checkpoint.writer import ReusingSavePlanner, forget_plans, new_plan_key, writer
 
 
 class _AlreadyStaged(AsyncStager):
@@ -128,6 +127,7 @@ class Checkpointer:
         self._comm = Comm(own_group=self.async_save)
         self._pending: _Pending | None = None
         self._stager: DefaultStager | None = None
+        self._plan_key = new_plan_key()  # DCP's cached save plan for this Checkpointer (writer.py)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_save={self.async_save})"
@@ -192,14 +192,13 @@ class Checkpointer:
             raise_gathered([r[0] for r in replies], what)
         tmp = Path(replies[0][1])
 
-        writer = FileSystemWriter(tmp, sync_files=True, overwrite=False)
         if self.async_save:
             quiet_without_process_group(comm.active)
             try:
                 upload = dcp.async_save(
                     state,
-                    storage_writer=writer,
-                    planner=DefaultSavePlanner(),
+                    storage_writer=writer(tmp),
+                    planner=ReusingSavePlanner(self._plan_key),
                     process_group=comm.group,
                     async_stager=_AlreadyStaged(),
                     no_dist=not comm.active,
@@ -218,8 +217,8 @@ class Checkpointer:
             quiet_without_process_group(comm.active)
             dcp.save(
                 state,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
+                storage_writer=writer(tmp),
+                planner=ReusingSavePlanner(self._plan_key),
                 process_group=comm.group,
                 no_dist=not comm.active,
             )
@@ -253,6 +252,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            forget_plans(self._plan_key)
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
