@@ -69,9 +69,9 @@ class GlooReduceScatter(_PlainAlloc, ReduceScatter):
     built-in path that all-reduces the whole input. ``SUM`` and ``AVG`` (FSDP2's op for fp32 and
     bf16 gradients; the sum divided by N, as gloo computes it) are handled here; other ops
     (``PREMUL_SUM`` from a custom gradient divide factor) and ``async_op=True`` (FSDP2 does not
-    ask for it) go to ``dist.reduce_scatter_single`` (gloo's own) unchanged. At two ranks the result is
-    bitwise gloo's; at more, the sum's order differs from gloo's ring (float32: ~1 ulp). A bf16
-    reduction is summed with float32 accumulation, rounded once.
+    ask for it) go to gloo's own ``dist.reduce_scatter_single`` unchanged. At two ranks the
+    result is bitwise gloo's; at more, the sum's order differs from gloo's ring (float32: ~1
+    ulp). A bf16 reduction is summed with float32 accumulation, rounded once.
     """
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
@@ -121,6 +121,7 @@ def uses_gloo(mesh: DeviceMesh) -> bool:
 
 
 def resolve_collectives(collectives: str) -> str:
+    """``collectives`` checked against `COLLECTIVES` (a ValueError names the valid ones)."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives={collectives!r}: expected one of {list(COLLECTIVES)}")
     return collectives
