@@ -1,11 +1,9 @@
 """How a save drives DCP: the file writer's options, and a save planner that reuses its plan between saves.
 
-Measured with benchmarks/checkpoint_bench.py (benchmarks/README.md, "Checkpoints"):
-
 - one file per rank (DCP's default): a file per tensor would multiply opens and fsyncs;
-- one writer thread per rank: ranks already share the cores, and a second thread per rank
-  serialises into the same page cache; ``WRITER_THREADS`` says how many, if a faster disk or
-  more cores per rank make threads pay;
+- one writer thread per rank (DCP's default, kept): on the project's 2-core machine the ranks
+  already share the cores; more threads were not measured here. ``WRITER_THREADS`` is the one
+  place to change it where a faster disk or more cores per rank could make threads pay;
 - plan caching (DCP's ``enable_plan_caching``): a training run saves the same tensors again and
   again, so after the first save each rank sends an empty "unchanged" plan instead of one entry
   per record, and the coordinator reuses the global plan and metadata it made before. DCP keys
