@@ -10,12 +10,14 @@ import json
 from pathlib import Path
 
 MiB = 2**20
-ORDER = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best")
+ORDER = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best", "fsdp2_torch")
 RATIO_NAMES = {
     "fsdp2_over_fsdp1": "FSDP2 / FSDP1, defaults",
     "best_fsdp2_over_best_fsdp1": "best FSDP2 / best FSDP1",
     "fsdp2_over_ddp": "FSDP2 / DDP, defaults",
     "best_fsdp2_over_ddp": "best FSDP2 / DDP",
+    "fsdp2_over_fsdp2_torch_collectives": "FSDP2 / FSDP2 with FSDP2's own collectives",
+    "fsdp2_torch_collectives_over_fsdp1": "FSDP2 with FSDP2's own collectives / FSDP1",
 }
 
 
@@ -104,15 +106,9 @@ def _verdict_rows(result: dict) -> list[list[str]]:
     for key, v in result["verdict"].items():
         cells = [_ratio_cells(result["sizes"][s], key) for s in result["sizes"]]
         rows.append([RATIO_NAMES[key], f">= {v['target']:.2f}", *cells, "met" if v["met"] else "**missed**"])
-    if all("best_fsdp2_over_ddp" in s["ratios"] for s in result["sizes"].values()):
-        rows.append(
-            [
-                RATIO_NAMES["best_fsdp2_over_ddp"],
-                "-",
-                *[_ratio_cells(result["sizes"][s], "best_fsdp2_over_ddp") for s in result["sizes"]],
-                "",
-            ]
-        )
+    for key in ("best_fsdp2_over_ddp", "fsdp2_over_fsdp2_torch_collectives", "fsdp2_torch_collectives_over_fsdp1"):
+        if all(key in s["ratios"] for s in result["sizes"].values()):
+            rows.append([RATIO_NAMES[key], "-", *[_ratio_cells(result["sizes"][s], key) for s in result["sizes"]], ""])
     return rows
 
 
@@ -204,6 +200,7 @@ def _chart(result: dict, path: Path) -> None:
         "fsdp1_best": "#08519c",
         "fsdp2": "#fd8d3c",
         "fsdp2_best": "#a63603",
+        "fsdp2_torch": "#fdd0a2",
     }
     for j, key in enumerate(keys):
         xs = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(sizes))]

@@ -25,6 +25,7 @@ class Config:
     strategy: str = "FULL_SHARD"  # or SHARD_GRAD_OP (ZeRO-2: no re-gather in backward)
     forward_prefetch: bool = False  # FSDP1 forward_prefetch=True / fk.set_prefetch(forward=1)
     compile: bool = False  # every block compiled with fk.compile_blocks (FSDP1: use_orig_params=True)
+    collectives: str = "auto"  # FSDP2 only: shard_model(collectives=...); "torch" = FSDP2's own
 
     def describe(self) -> str:
         parts = [self.strategy]
@@ -32,6 +33,8 @@ class Config:
             parts.append("fwd prefetch")
         if self.compile:
             parts.append("compiled")
+        if self.collectives != "auto":
+            parts.append(f"{self.collectives} collectives")
         return ", ".join(parts)
 
 
@@ -86,7 +89,9 @@ def build_variant(
             # the recompute does not run the unit's all-gather hooks a second time
             _checkpoint_wrap(model, blocks)
     else:
-        fk.shard_model(model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision)
+        fk.shard_model(
+            model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision, collectives=c.collectives
+        )
         if c.forward_prefetch:
             fk.set_prefetch(model, forward=1, backward=1)
     # foreach=None is torch's default: the multi-tensor path on CUDA, a per-parameter loop on CPU

@@ -11,6 +11,8 @@ initial weights on the same batches, in one process per rank:
 - ``ddp``:        DistributedDataParallel with its defaults, the un-sharded baseline;
 - ``fsdp1``:      FullyShardedDataParallel with its own defaults and fsdp2kit's units (`wrap_fsdp1`);
 - ``fsdp2``:      `fsdp2kit.shard_model` with its defaults;
+- ``fsdp2_torch``: the same with FSDP2's own collectives (``collectives="torch"``): on gloo, what
+  fsdp2kit's reduce-scatter and all-gather (docs/gloo-collectives.md) change; not in the default set;
 - ``fsdp1_best``/``fsdp2_best``: each library's best configuration from one grid searched for both
   (`GRID`); ``--search`` runs that search and writes benchmarks/best_configs.json, which this
   run reads, so `make bench` always runs the same thing.
@@ -219,8 +221,11 @@ RATIOS = {
     "best_fsdp2_over_best_fsdp1": ("fsdp2_best", "fsdp1_best"),
     "fsdp2_over_ddp": ("fsdp2", "ddp"),
     "best_fsdp2_over_ddp": ("fsdp2_best", "ddp"),
+    "fsdp2_over_fsdp2_torch_collectives": ("fsdp2", "fsdp2_torch"),
+    "fsdp2_torch_collectives_over_fsdp1": ("fsdp2_torch", "fsdp1"),
 }
-VARIANT_KEYS = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best")
+VARIANT_KEYS = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best", "fsdp2_torch")
+DEFAULT_VARIANTS = VARIANT_KEYS[:5]
 
 
 def bench(args, info, mesh) -> dict:
@@ -231,6 +236,7 @@ def bench(args, info, mesh) -> dict:
         "fsdp2": Variant("fsdp2", "fsdp2"),
         "fsdp1_best": Variant("fsdp1_best", "fsdp1", best1),
         "fsdp2_best": Variant("fsdp2_best", "fsdp2", best2),
+        "fsdp2_torch": Variant("fsdp2_torch", "fsdp2", Config(collectives="torch")),
     }
     keys = args.variants.split(",")
     unknown = sorted(set(keys) - set(every))
@@ -362,7 +368,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6, help="interleaved rounds after warm-up")
     p.add_argument(
         "--variants",
-        default=",".join(VARIANT_KEYS),
+        default=",".join(DEFAULT_VARIANTS),
         help="which to run (e.g. leave out ddp for a model whose unsharded state does not fit one GPU)",
     )
     p.add_argument("--lr", type=float, default=1e-4)

@@ -151,10 +151,15 @@ def main() -> None:
 
 
 def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
-    """The three collectives of FSDP and DDP on one unit's worth of fp32 parameters, and a
-    memory copy of the same size for scale: what one FSDP unit costs per step in communication."""
+    """The collectives of FSDP and DDP on one unit's worth of fp32 parameters, and a memory copy
+    of the same size for scale: what one FSDP unit costs per step in communication. On gloo,
+    fsdp2kit's own reduce-scatter and all-gather (fsdp2kit.collectives) are timed beside gloo's.
+    Rounds run every collective once, in an order rotated each round, so a busy neighbour slows
+    them alike; the median over rounds is kept."""
     import statistics
     import warnings
+
+    from fsdp2kit.collectives import GlooAllGather, GlooReduceScatter
 
     # torch 2.13 suggests the *_single spellings; the *_tensor ones are what FSDP calls
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
@@ -163,35 +168,35 @@ def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
     full = torch.randn(numel, device=info.device)
     shard, out = torch.randn(numel // world, device=info.device), torch.empty(numel // world, device=info.device)
     gathered = torch.empty(numel, device=info.device)
-
-    def timed(fn) -> float:
-        ts = []
-        for _ in range(repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            if info.device.type == "cuda":
-                torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(ts[1:])
+    group = dist.group.WORLD
 
     mb = numel * 4 / 1e6
-    rows = [
-        (
-            f"all-gather ({mb / world:.1f} MB in, {mb:.1f} MB out)",
-            timed(lambda: dist.all_gather_into_tensor(gathered, shard)),
-        ),
-        (
-            f"reduce-scatter ({mb:.1f} MB in, {mb / world:.1f} MB out)",
-            timed(lambda: dist.reduce_scatter_tensor(out, full)),
-        ),
-        (f"all-reduce ({mb:.1f} MB)", timed(lambda: dist.all_reduce(full))),
-        (f"memory copy ({mb:.1f} MB)", timed(lambda: full.clone())),
-    ]
+    ops = {
+        f"all-gather ({mb / world:.1f} MB in, {mb:.1f} MB out)": lambda: dist.all_gather_into_tensor(gathered, shard),
+        f"reduce-scatter ({mb:.1f} MB in, {mb / world:.1f} MB out)": lambda: dist.reduce_scatter_tensor(out, full),
+        f"all-reduce ({mb:.1f} MB)": lambda: dist.all_reduce(full),
+        f"memory copy ({mb:.1f} MB)": lambda: full.clone(),
+    }
+    if dist.get_backend() == "gloo" and info.device.type == "cpu":
+        ops["all-gather, fsdp2kit (point-to-point)"] = lambda: GlooAllGather()(gathered, shard, group)
+        ops["reduce-scatter, fsdp2kit (all-to-all + sum)"] = lambda: GlooReduceScatter()(
+            out, full, group, dist.ReduceOp.AVG
+        )
+    names = list(ops)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for rnd in range(repeats + 1):
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            ops[name]()
+            if info.device.type == "cuda":
+                torch.cuda.synchronize()
+            if rnd:
+                times[name].append(time.perf_counter() - t0)
     if info.is_main:
-        print(f"{world} ranks, {dist.get_backend()}, median of {repeats}:")
-        for label, ms in rows:
-            print(f"  {ms:8.2f} ms  {label}")
+        print(f"{world} ranks, {dist.get_backend()}, median of {repeats} interleaved rounds, load {os.getloadavg()}:")
+        for name in names:
+            print(f"  {1e3 * statistics.median(times[name]):8.2f} ms  {name}")
 
 
 def report(v: Variant, prof, args, cpu_ms: float, wall_ms: float) -> None:

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
+from fsdp2kit.collectives import install_collectives, resolve_collectives
 from fsdp2kit.dist import data_parallel_mesh
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
@@ -181,6 +182,7 @@ def shard_model(
     reshard_after_forward: bool | int | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
+    collectives: str = "auto",
 ) -> ShardPlan:
     """Shard ``model`` in place with FSDP2 over ``mesh`` and return its `ShardPlan`.
 
@@ -208,6 +210,10 @@ def shard_model(
             ``MixedPrecisionPolicy``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
             optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
+        collectives: ``"auto"``: on a CPU mesh over gloo, every unit reduce-scatters and
+            all-gathers with fsdp2kit's bandwidth-optimal collectives (gloo has no reduce-scatter
+            of its own; docs/gloo-collectives.md); elsewhere (NCCL) FSDP2's own. ``"torch"``:
+            FSDP2's own everywhere.
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
     optimizer built before raises on its first step).
@@ -215,6 +221,7 @@ def shard_model(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
     check_not_sharded(model, mesh)
+    resolve_collectives(collectives)
     dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
     layout = _layout(
         model,
@@ -239,6 +246,7 @@ def shard_model(
             mp_policy=layout.mp_policy,
             offload_policy=offload,
         )
+    install_collectives(model, fsdp_mesh, collectives)
 
     install_optimizer_check()
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch

@@ -15,18 +15,19 @@ leaves the previous step loadable. Pruning renames a step out of the way before 
 a crash mid-delete never leaves a half-deleted ``step_*`` behind either.
 
 The DCP state dict has three top-level keys: ``model`` (`get_model_state_dict`: full FQNs, each
-rank writing only its shards), ``optimizer`` (`get_optimizer_state_dict`, flattened to one key
-per parameter and state so it reshards like the model) and ``extra``. Because DCP records the
+rank writing only its shards), ``optimizer`` (one key per parameter and tensor state, so it
+reshards like the model, and the hyper-parameters once per param group: see optim.py, which
+also reads the older per-parameter format) and ``extra``. Because DCP records the
 global shape and the offsets of every chunk, a checkpoint loads at any world size or mesh shape.
 Under ``extra``, ``shared.<name>`` holds rank 0's values and ``rank.<r>.<name>`` each rank's
 `PerRank` values and RNG states (``__rng__``); every value is ``json`` (a uint8 tensor of JSON
 text) plus ``tensors.<i>`` for the tensors it contains.
 
 Nothing from a checkpoint is ever unpickled with arbitrary globals: ``.metadata`` (a pickle, as
-DCP writes it) is read with an unpickler that admits only DCP's metadata classes, optimizer
-hyper-parameters (DCP stores non-tensors as small pickles) are read with
-``torch.load(weights_only=True)``, and ``extra`` is stored as JSON text in a uint8 tensor plus
-plain tensors, never as a pickle.
+DCP writes it) is read with an unpickler that admits only DCP's metadata classes, the
+optimizer's hyper-parameters and ``extra`` are stored as JSON text in a uint8 tensor plus plain
+tensors, never as a pickle, and the pickled hyper-parameters of older checkpoints are read with
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -40,21 +41,18 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
 from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_without_process_group, raise_gathered
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, resolve_step, step_dir
+from fsdp2kit.checkpoint.optim import restore_optimizer
 from fsdp2kit.checkpoint.publish import prepare_dir, publish
-from fsdp2kit.checkpoint.state import OPTIM_OPTIONS, restore_extra, state_to_load, state_to_save
+from fsdp2kit.checkpoint.state import restore_extra, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
+from fsdp2kit.checkpoint.writer import ReusingSavePlanner, forget_plans, new_plan_key, writer
 
 
 class _AlreadyStaged(AsyncStager):
@@ -129,6 +127,7 @@ class Checkpointer:
         self._comm = Comm(own_group=self.async_save)
         self._pending: _Pending | None = None
         self._stager: DefaultStager | None = None
+        self._plan_key = new_plan_key()  # DCP's cached save plan for this Checkpointer (writer.py)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_save={self.async_save})"
@@ -193,14 +192,13 @@ class Checkpointer:
             raise_gathered([r[0] for r in replies], what)
         tmp = Path(replies[0][1])
 
-        writer = FileSystemWriter(tmp, sync_files=True, overwrite=False)
         if self.async_save:
             quiet_without_process_group(comm.active)
             try:
                 upload = dcp.async_save(
                     state,
-                    storage_writer=writer,
-                    planner=DefaultSavePlanner(),
+                    storage_writer=writer(tmp),
+                    planner=ReusingSavePlanner(self._plan_key),
                     process_group=comm.group,
                     async_stager=_AlreadyStaged(),
                     no_dist=not comm.active,
@@ -219,8 +217,8 @@ class Checkpointer:
             quiet_without_process_group(comm.active)
             dcp.save(
                 state,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
+                storage_writer=writer(tmp),
+                planner=ReusingSavePlanner(self._plan_key),
                 process_group=comm.group,
                 no_dist=not comm.active,
             )
@@ -254,6 +252,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            forget_plans(self._plan_key)
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -380,7 +379,7 @@ class Checkpointer:
         try:
             set_model_state_dict(model, state["model"])
             if optimizer is not None:
-                set_optimizer_state_dict(model, optimizer, state["optimizer"], options=OPTIM_OPTIONS)
+                restore_optimizer(model, optimizer, state["optimizer"])
             self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
         except Exception as e:
             error = describe(e)

@@ -7,15 +7,12 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
+from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
 
-__all__ = ["OPTIM_OPTIONS", "restore_extra", "state_to_load", "state_to_save"]
-
-# One key per parameter and optimizer state ("state.<fqn>.exp_avg"): resharding then works key by
-# key exactly as for the model, and the checkpoint lists what it holds in plain names.
-OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+__all__ = ["restore_extra", "state_to_load", "state_to_save"]
 
 
 def state_to_save(model: nn.Module, optimizer, extra: dict | None, *, rank: int, rng: bool) -> dict:
@@ -23,7 +20,7 @@ def state_to_save(model: nn.Module, optimizer, extra: dict | None, *, rank: int,
     encoded (shared values from rank 0, `PerRank` values and RNG states from every rank)."""
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+        state["optimizer"] = optimizer_to_save(model, optimizer)  # see optim.py for the layout
     shared, mine = {}, {}
     for key, value in (extra or {}).items():
         if isinstance(value, (PerRank, RNGState)):
@@ -45,7 +42,7 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int)
     and templates for ``extra`` shaped after the metadata."""
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
+        state["optimizer"] = optimizer_template(model, optimizer, metadata)  # in the checkpoint's format
     key = str(rank)
     state["extra"] = {
         "shared": extra_entries(metadata, ("extra", "shared")),

@@ -1,0 +1,142 @@
+"""The optimizer in a checkpoint: tensors one record each, hyper-parameters once per param group.
+
+Format 2 (this module; format 1 is what fsdp2kit wrote before, still read):
+
+    optimizer.state.<fqn>.<name>        every tensor state with a shape (Adam's exp_avg,
+                                        exp_avg_sq; SGD's momentum_buffer): sharded like the
+                                        parameter, so it reshards on load exactly like the model
+    optimizer.packed.json               one uint8 tensor of JSON text: the param groups (their
+                                        hyper-parameters once, and the FQNs of their parameters),
+                                        and where each packed scalar state sits
+    optimizer.packed.tensors.<i>        the scalar (0-d) states, e.g. Adam's ``step``, one 1-D
+                                        tensor per dtype; tensors inside hyper-parameters
+
+Format 1 flattened the optimizer per parameter (``flatten_optimizer_state_dict``): every
+hyper-parameter of every parameter was a pickled record of its own, and every ``step`` a tensor
+record. For a model of 75 parameters under AdamW that was 539 of a rank's 735 records, and
+each record costs a serialisation, a planning entry and a read. Both formats are plain DCP:
+``dcp.load`` and torch's format utilities read them without fsdp2kit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from fsdp2kit.checkpoint.extras import decode, encode, extra_entries
+
+__all__ = [
+    "FORMAT",
+    "FORMAT1_OPTIONS",
+    "optimizer_format",
+    "optimizer_template",
+    "optimizer_to_save",
+    "restore_optimizer",
+]
+
+FORMAT = 2
+PACKED = "packed"
+# Format 1's layout, kept to read older checkpoints: one key per parameter, state and hyper-parameter.
+FORMAT1_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _sharded(value: Any) -> bool:
+    """A state DCP stores as a record of its own: a tensor with a shape (a DTensor always)."""
+    return isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``{"state": {fqn: {name: tensor}}, "packed": <JSON + tensors entry>}`` for DCP to write."""
+    osd = get_optimizer_state_dict(model, optimizer)
+    state: dict[str, dict[str, Any]] = {}
+    scalars: dict[str, tuple[list[torch.Tensor], list[list[str]]]] = {}
+    values: dict[str, dict[str, Any]] = {}
+    for fqn, entries in osd["state"].items():
+        for name, value in entries.items():
+            if _sharded(value):
+                state.setdefault(fqn, {})[name] = value
+            elif isinstance(value, torch.Tensor):
+                dtype = str(value.dtype).removeprefix("torch.")
+                ts, keys = scalars.setdefault(dtype, ([], []))
+                ts.append(value.detach().reshape(()))
+                keys.append([fqn, name])
+            else:
+                values.setdefault(fqn, {})[name] = value
+    packed = {
+        "format": FORMAT,
+        "param_groups": osd["param_groups"],
+        "scalars": {dtype: {"keys": keys, "values": torch.stack(ts)} for dtype, (ts, keys) in scalars.items()},
+        "values": values,
+    }
+    return {"state": state, PACKED: encode(packed, "optimizer state")}
+
+
+def optimizer_format(metadata: Metadata) -> int | None:
+    """Which optimizer format a checkpoint holds: 2, 1, or None (saved without an optimizer)."""
+    keys = metadata.state_dict_metadata
+    if f"optimizer.{PACKED}.json" in keys:
+        return FORMAT
+    if any(k.startswith("optimizer.") for k in keys):
+        return 1
+    return None
+
+
+def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata) -> dict:
+    """What DCP fills in place on load, in the format the checkpoint was written in: this
+    optimizer's own (sharded) tensor states, and for format 2 an entry shaped after the metadata."""
+    if optimizer_format(metadata) == 1:
+        return get_optimizer_state_dict(model, optimizer, options=FORMAT1_OPTIONS)
+    osd = get_optimizer_state_dict(model, optimizer)
+    state = {}
+    for fqn, entries in osd["state"].items():
+        tensors = {name: v for name, v in entries.items() if _sharded(v)}
+        if tensors:
+            state[fqn] = tensors
+    template: dict[str, Any] = {"state": state}
+    template.update(extra_entries(metadata, ("optimizer",)))  # the packed entry, when saved
+    return template
+
+
+def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
+    """Load what DCP read (either format) into ``optimizer``."""
+    if PACKED not in loaded:  # format 1: already flattened per parameter
+        set_optimizer_state_dict(model, optimizer, loaded, options=FORMAT1_OPTIONS)
+        return
+    packed = decode(loaded[PACKED])
+    if packed.get("format") != FORMAT:
+        raise ValueError(
+            f"the checkpoint's optimizer is in format {packed.get('format')!r}, which this fsdp2kit "
+            f"(format {FORMAT}) cannot read: load it with the fsdp2kit that wrote it, or upgrade"
+        )
+    # Rebuilt in format 1's flattened layout, whose loader maps FQNs to this optimizer's groups.
+    flat: dict[str, Any] = {}
+    for fqn, entries in loaded["state"].items():
+        for name, value in entries.items():
+            flat[f"state.{fqn}.{name}"] = value
+    for block in packed["scalars"].values():
+        for (fqn, name), value in zip(block["keys"], block["values"]):
+            flat[f"state.{fqn}.{name}"] = value.clone()
+    for fqn, entries in packed["values"].items():
+        for name, value in entries.items():
+            flat[f"state.{fqn}.{name}"] = value
+    for group in packed["param_groups"]:
+        for fqn in group["params"]:
+            for key, value in group.items():
+                if key != "params":
+                    flat[f"param_groups.{fqn}.{key}"] = value
+    try:
+        set_optimizer_state_dict(model, optimizer, flat, options=FORMAT1_OPTIONS)
+    except KeyError as e:  # torch looks each parameter's hyper-parameters up by FQN
+        raise ValueError(
+            f"this optimizer has a parameter the checkpoint's param groups do not list ({e}): "
+            "was it saved with another model, or another grouping of the parameters?"
+        ) from e
