@@ -13,6 +13,7 @@ from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
 from fsdp2kit.weights.materialize import materialize
+from fsdp2kit.weights.nf4 import quantize_nf4
 from fsdp2kit.weights.pretrained import LoadResult, load_pretrained
 from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 from fsdp2kit.wrappers.compile import compile_blocks
@@ -44,6 +45,7 @@ __all__ = [
     "make_mesh",
     "materialize",
     "no_sync",
+    "quantize_nf4",
     "set_prefetch",
     "shard_model",
 ]

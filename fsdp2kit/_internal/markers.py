@@ -12,3 +12,5 @@ COMPILED = "_fsdp2kit_compiled"
 BLOCK_ORDER = "_fsdp2kit_blocks"
 # On a parameter fully_shard is about to replace: its name, so a stale optimizer can be named.
 SHARDED_AS = "_fsdp2kit_sharded_as"
+# On a sharded parameter that is frozen (a LoRA / QLoRA base): its name, so an optimizer holding it can be named.
+FROZEN_AS = "_fsdp2kit_frozen_as"
