@@ -211,7 +211,7 @@ def run_qlora(case: Case) -> dict:
 
 
 def run_cases(cases: list[Case]) -> list[dict]:
-    runs = {"qlora": run_qlora, "export": run_export, "export-qlora": run_export, "load": run_load}
+    runs = {"qlora": run_qlora, "export": run_export, "export-qlora": run_export, "load": run_load, "ckpt": run_ckpt}
     return [runs.get(c.kind, run_lora)(c) for c in cases]
 
 
@@ -317,3 +317,57 @@ def run_load(case: Case) -> dict:
             out["meta_init_ok"] = b_zero  # B zero (the adapted model starts as the base), A drawn
             out["meta_logits_diff"] = (_logits(model, x) - _logits(file_model, x)).abs().max().item()
     return out
+
+
+def run_ckpt(case: Case) -> dict:
+    """A LoRA run saved by the Checkpointer (trainable only, by default) and resumed into a model
+    sharded another way (NO_SHARD): adapters, optimizer state and the next step all match."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = Path(case.tmp) / f"ckpt-w{dist.get_world_size()}"
+    torch.manual_seed(0)
+    model = peft_llama()
+    fk.shard_model(model, _mesh(case))
+    opt = _optimizer(model)
+    gen = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(3)]
+    for tokens in batches[:2]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    ck = fk.Checkpointer(root)
+    ck.save(2, model, optimizer=opt, extra={"note": "lora"})
+    saved = [k for k in FileSystemReader(str(root / "step_00000002")).read_metadata().state_dict_metadata]
+    frozen = sum(not p.requires_grad for p in model.parameters())
+
+    torch.manual_seed(0)
+    other = peft_llama(seed=41)  # the same base, other adapter values: the load must replace them
+    fk.shard_model(other, _mesh(case), strategy="NO_SHARD")
+    other_opt = _optimizer(other)
+    step = fk.Checkpointer(root).load(other, optimizer=other_opt)
+    same_adapters = all(
+        torch.equal(_full(a).detach(), _full(b).detach())
+        for (_, a), (_, b) in zip(model.named_parameters(), other.named_parameters())
+        if a.requires_grad
+    )
+    losses = []
+    for m, o in ((model, opt), (other, other_opt)):
+        loss = lm_loss(m, batches[2])
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    after = max(
+        (_full(a).detach() - _full(b).detach()).abs().max().item()
+        for (_, a), (_, b) in zip(model.named_parameters(), other.named_parameters())
+        if a.requires_grad
+    )
+    return {
+        "label": case.label,
+        "step": step,
+        "model_keys": sorted(k for k in saved if k.startswith("model.")),
+        "frozen": frozen,
+        "trainable": sum(p.requires_grad for p in model.parameters()),
+        "same_adapters": same_adapters,
+        "losses": losses,
+        "after_step_diff": after,
+    }

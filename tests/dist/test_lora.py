@@ -22,6 +22,7 @@ CASES: dict[int, list[Case]] = {
         Case("export"),
         Case("export-qlora"),
         Case("load"),
+        Case("ckpt"),
     ],
     3: [Case("lora"), Case("export")],  # every tensor sharded unevenly (hidden 40, vocab 96)
     4: [Case("lora", shard=2, replicate=2), Case("qlora", shard=2, replicate=2)],
@@ -92,3 +93,10 @@ def test_lora(world: int, index: int, tmp_root: str) -> None:
             assert not res[f"{tag}_adapter_bad"], f"{tag}: adapters changed by the load"
         assert res["meta_init_ok"]
         assert res["meta_logits_diff"] == 0.0
+    elif case.kind == "ckpt":
+        assert res["step"] == 2
+        assert len(res["model_keys"]) == res["trainable"], "the checkpoint holds frozen base weights"
+        assert all("lora_" in k for k in res["model_keys"])
+        assert res["same_adapters"], "adapters not restored"
+        assert res["losses"][0] == pytest.approx(res["losses"][1], rel=1e-6)
+        assert res["after_step_diff"] < 1e-6, "optimizer state not restored: the next step differs"
