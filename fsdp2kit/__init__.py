@@ -11,6 +11,7 @@ from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
+from fsdp2kit.weights.adapters import apply_lora
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.nf4 import quantize_nf4
@@ -33,6 +34,7 @@ __all__ = [
     "ShardPlan",
     "UnitPlan",
     "apply_activation_checkpointing",
+    "apply_lora",
     "clip_grad_norm_",
     "compile_blocks",
     "dcp_to_hf",

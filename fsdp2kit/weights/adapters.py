@@ -10,7 +10,16 @@ import torch.nn as nn
 
 from fsdp2kit.weights.hf_layout import clean_fqn
 
-__all__ = ["PeftView", "adapter_keys", "base_name", "is_peft_model", "merged_weight", "peft_init_fn", "peft_view"]
+__all__ = [
+    "PeftView",
+    "adapter_keys",
+    "apply_lora",
+    "base_name",
+    "is_peft_model",
+    "merged_weight",
+    "peft_init_fn",
+    "peft_view",
+]
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -196,3 +205,41 @@ def peft_init_fn(model: nn.Module):
             nn.init.zeros_(module.bias)
 
     return init
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    r: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    targets: str | list[str] = "all-linear",
+    **lora_kwargs,
+) -> nn.Module:
+    """Wrap ``model`` with peft LoRA adapters (``get_peft_model``), checking the targets first.
+
+    Call it before `fsdp2kit.shard_model` (after `fsdp2kit.quantize_nf4` for QLoRA). Every other
+    parameter is frozen; peft keeps the adapters in fp32 even on a bf16 base, which
+    ``shard_model(..., mixed_precision="bf16")`` then uses as master weights.
+
+    Args:
+        targets: ``"all-linear"`` (peft's: every Linear but the output head), or module names
+            as peft matches them (a name equal to, or ending with ``.`` + the target). A target
+            that matches no ``nn.Linear`` raises ``ValueError`` listing the Linear names there are.
+        lora_kwargs: any other ``peft.LoraConfig`` field (``init_lora_weights``, ``use_rslora``...).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if isinstance(targets, str):
+        targets = [targets] if targets != "all-linear" else "all-linear"
+    if targets != "all-linear":
+        linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
+        if unmatched:
+            leaves = sorted({n.rpartition(".")[2] for n in linear})
+            raise ValueError(
+                f"LoRA targets {unmatched} match no nn.Linear of {type(model).__name__}; its Linear layers are "
+                f"named {leaves} (targets match a module name or its last parts, e.g. 'q_proj' or 'self_attn.q_proj')"
+            )
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, **lora_kwargs)
+    return get_peft_model(model, config)
