@@ -86,9 +86,15 @@ def check_nf4_shards(params: dict[str, nn.Parameter], shard: int) -> None:
     """NF4 weights split into whole quantization groups, evenly (FSDP would pad, NF4 cannot hold padding)."""
     from fsdp2kit.weights.nf4 import is_nf4, nf4_shard_problem
 
-    bad = [
-        f"{n} {tuple(p.shape)}: {why}" for n, p in params.items() if is_nf4(p) and (why := nf4_shard_problem(p, shard))
-    ]
+    nf4 = {n: p for n, p in params.items() if is_nf4(p)}
+    if nf4 and shard == 1:
+        # FSDP2 skips the all-gather of a one-rank shard group and hands an all-gather extension
+        # only its first input (FSDPParamGroup.wait_for_unshard, torch 2.13); NF4 has three.
+        raise ValueError(
+            f"NF4 weights ({fmt_list(sorted(nf4), 2)}) need a shard group of 2 or more ranks: with one rank "
+            "per shard group (NO_SHARD, or HSDP with shard=1) FSDP2 skips the all-gather that unpacks NF4 shards"
+        )
+    bad = [f"{n} {tuple(p.shape)}: {why}" for n, p in nf4.items() if (why := nf4_shard_problem(p, shard))]
     if bad:
         raise ValueError(
             f"NF4 weights cannot be sharded {shard} ways: {fmt_list(bad, 4)}. Use a shard size that divides these "

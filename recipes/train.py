@@ -30,11 +30,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from support.config import ConfigError, config_to_dict, parse_config
 from support.data import ByteTokenizer, PackedDataset, ResumableLoader, demo_corpus, read_texts, tokenize
+from support.lora import apply_lora_table
 from support.metrics import JsonlLogger, Timer, peak_memory_bytes
 
 import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
+from fsdp2kit.weights.adapters import peft_init_fn
 
 
 def opt(default, help: str):
@@ -68,6 +70,15 @@ class ParallelConfig:
     activation_checkpointing: str | None = opt(None, "full | selective | N (every N-th block)")
     compile: bool = opt(False, "torch.compile each block")
     float8: bool = opt(False, "float8 matmuls and float8 all-gather (torchao)")
+
+
+@dataclass
+class LoraConfig:
+    r: int = opt(0, "LoRA rank; 0: full fine-tuning (no adapters)")
+    alpha: float = opt(16.0, "LoRA scaling numerator (the update is alpha / r x B @ A)")
+    dropout: float = opt(0.0, "dropout on the adapters' input")
+    targets: str = opt("all-linear", "comma-separated Linear module names to adapt, or all-linear")
+    qlora: bool = opt(False, "quantize the frozen base's block weights to 4-bit NF4 (QLoRA)")
 
 
 @dataclass
@@ -105,6 +116,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -159,13 +171,26 @@ def main(argv: list[str] | None = None) -> None:
     loader, vocab = build_data(cfg.data, info, cfg.train.seed)
 
     # 2. the model, on the meta device unless asked otherwise
+    lora = cfg.lora
+    # QLoRA quantizes real weights: the base is built (and loaded) in host memory on every rank
+    # first, then quantized; quantizing rows as load_pretrained streams them is not supported yet.
+    quantize_first = lora.r > 0 and lora.qlora
     model = build_causal_lm(
         cfg.model.name,
         vocab_size=None if cfg.model.pretrained else vocab,
         max_seq_len=cfg.data.seq_len,
-        meta=cfg.model.meta_init or cfg.model.pretrained,
-        device=info.device,
+        meta=(cfg.model.meta_init or cfg.model.pretrained) and not quantize_first,
+        device="cpu" if quantize_first else info.device,
     )
+    if quantize_first and cfg.model.pretrained:
+        fk.load_pretrained(model, cfg.model.name)
+    if lora.r > 0:  # LoRA / QLoRA adapters: they change modules, so before everything else
+        model = apply_lora_table(
+            model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, qlora=lora.qlora,
+            dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+        )  # fmt: skip
+    if quantize_first:
+        model.to(info.device)
 
     # 3. wrappers that change modules must come before sharding
     if p.float8:
@@ -182,15 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     if info.is_main:
         print(plan, flush=True)
-    if cfg.model.pretrained:
-        fk.load_pretrained(model, cfg.model.name)
-    elif cfg.model.meta_init:
-        fk.materialize(model)
+    if cfg.model.pretrained and not quantize_first:
+        fk.load_pretrained(model, cfg.model.name)  # a peft model: the base only, adapters keep their init
+    elif cfg.model.meta_init and not quantize_first:
+        fk.materialize(model, init_fn=peft_init_fn(model) if lora.r > 0 else None)
 
     # 5. prefetch, then the optimizer
     if p.prefetch:
         fk.set_prefetch(model, forward=p.prefetch, backward=p.prefetch)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    trainable = [q for q in model.parameters() if q.requires_grad]  # a LoRA base keeps no optimizer state
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     t = cfg.train
 
     def lr_factor(step: int) -> float:

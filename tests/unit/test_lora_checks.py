@@ -57,6 +57,8 @@ def test_quantize_nf4_and_plan():
     assert plan.param_bytes_per_rank == pytest.approx(nf4_bytes + small + rest / 4, rel=0.02)
     with pytest.raises(ValueError, match=r"NF4 weights cannot be sharded 3 ways.*64 rows do not split evenly"):
         fk.estimate_plan(peft_model, shard=3)
+    with pytest.raises(ValueError, match=r"need a shard group of 2 or more ranks"):
+        fk.estimate_plan(peft_model, shard=2, strategy="NO_SHARD")
 
 
 def test_quantize_nf4_refusals(mesh):
