@@ -16,6 +16,7 @@ import torch.distributed as dist
 from models import lm_loss, tiny_llama
 
 import fsdp2kit as fk
+from fsdp2kit.weights.hf_layout import clean_fqn
 
 VOCAB, SEQ, BATCH = 96, 12, 2
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -23,7 +24,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "lora" | "frozen" | "qlora" | "export" | "load"
+    kind: str  # "lora" | "frozen" | "mixed" | "qlora" | "export" | "export-qlora" | "load" | "ckpt"
+    wrappers: bool = False  # full activation checkpointing before sharding, prefetch 1/1 after
     shard: int = -1
     replicate: int = 1
     mixed_precision: str | None = None
@@ -38,6 +40,8 @@ class Case:
             parts.append(self.mixed_precision)
         if self.base_dtype != "float32":
             parts.append(f"base {self.base_dtype}")
+        if self.wrappers:
+            parts.append("AC full + prefetch")
         return ", ".join(parts)
 
 
@@ -68,6 +72,16 @@ def peft_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **model_kw):
 
 def _optimizer(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, eps=1e-5)
+
+
+def shard(case: Case, model, **kw):
+    """shard_model, with the speed and memory wrappers around it when the case asks for them."""
+    if case.wrappers:
+        fk.apply_activation_checkpointing(model, "full")
+    plan = fk.shard_model(model, _mesh(case), **kw)
+    if case.wrappers:
+        fk.set_prefetch(model, forward=1, backward=1)
+    return plan
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -111,7 +125,8 @@ def _compare(model, ref, before: dict[str, torch.Tensor]) -> dict:
     """Worst relative error on trainable parameters; frozen ones must equal their start bit for bit."""
     ref_params = dict(ref.named_parameters())
     worst, worst_name, changed, dtypes = 0.0, "", [], {}
-    for name, p in model.named_parameters():
+    for wrapped, p in model.named_parameters():
+        name = clean_fqn(wrapped)  # activation checkpointing inserts a wrapper segment
         full = _dequant(_full(p).detach())
         if p.requires_grad:
             r = ref_params[name].detach()
@@ -143,7 +158,7 @@ def run_lora(case: Case) -> dict:
                 p.requires_grad_(True)
     model = copy.deepcopy(ref)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    plan = fk.shard_model(model, _mesh(case), mixed_precision=case.mixed_precision)
+    plan = shard(case, model, mixed_precision=case.mixed_precision)
     grad_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     losses, ref_losses = train_both(case, model, ref, case.steps)
     out = _compare(model, ref, before)
@@ -191,7 +206,7 @@ def run_qlora(case: Case) -> dict:
     plain = dict(lora.named_parameters())
     quant_err = max(((w - plain[n].detach()).norm() / plain[n].detach().norm()).item() for n, w in before.items())
     n_nf4 = sum(type(p).__name__ == "NF4Tensor" for p in model.parameters())
-    plan = fk.shard_model(model, _mesh(case), mixed_precision=case.mixed_precision)
+    plan = shard(case, model, mixed_precision=case.mixed_precision)
     local_bytes = sum(_local_bytes(p) for p in model.parameters())
     fk.shard_model(lora_model, _mesh(case), mixed_precision=case.mixed_precision)
     losses, ref_losses = train_both(case, model, ref, case.steps)
@@ -248,7 +263,7 @@ def run_export(case: Case) -> dict:
     else:
         torch.manual_seed(0)
         model = peft_llama()
-    fk.shard_model(model, _mesh(case))
+    shard(case, model)
     opt = _optimizer(model)
     gen = torch.Generator().manual_seed(7)
     for _ in range(2):

@@ -18,8 +18,9 @@ CASES: dict[int, list[Case]] = {
         Case("frozen"),  # no PEFT: a model frozen by hand, fp32 norms trainable
         Case("mixed"),  # fp64 adapters and fp32 norms trainable in the same blocks
         Case("lora", mixed_precision="bf16", base_dtype="bfloat16"),
-        Case("qlora"),
-        Case("export"),
+        Case("lora", wrappers=True),
+        Case("qlora", wrappers=True),
+        Case("export", wrappers=True),  # names under checkpoint wrappers map back to PEFT's
         Case("export-qlora"),
         Case("load"),
         Case("ckpt"),
