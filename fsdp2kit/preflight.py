@@ -23,7 +23,6 @@ __all__ = [
     "check_devices",
     "check_nf4_shards",
     "check_not_sharded",
-    "check_unit_dtypes",
     "install_optimizer_check",
     "mark_frozen",
     "mark_replaced",
@@ -65,20 +64,6 @@ def check_devices(model: nn.Module, mesh: DeviceMesh, *, cpu_offload: bool) -> N
             f"parameters are on {dev} (e.g. {names[0]}) but the mesh is a {mesh.device_type!r} mesh; "
             f"move the model with model.to({mesh.device_type!r}), build it on the meta device, or make the mesh "
             f"with make_mesh(device_type={dev.type!r})"
-        )
-
-
-def check_unit_dtypes(unit: str, params: dict[str, nn.Parameter]) -> None:
-    """FSDP2 flattens a unit's trainable parameters into one buffer per collective: one dtype only."""
-    by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
-    for name, param in params.items():
-        if param.requires_grad:
-            by_dtype[param.dtype].append(name)
-    if len(by_dtype) > 1:
-        listing = "; ".join(f"{dt}: {fmt_list(ns, 3)}" for dt, ns in by_dtype.items())
-        raise ValueError(
-            f"FSDP unit {unit} mixes trainable parameter dtypes ({listing}). Cast the model to one dtype "
-            "(e.g. model.float()) and choose the compute dtype with mixed_precision=..., or freeze the odd ones"
         )
 
 
