@@ -152,6 +152,13 @@ def main(argv: list[str] | None = None) -> None:
         if p.shard < 1:
             sys.exit("config error: --train.plan_only needs an explicit --parallel.shard (the GPUs per replica)")
         model = build_causal_lm(cfg.model.name, max_seq_len=cfg.data.seq_len, meta=True)
+        if cfg.lora.r > 0:
+            if cfg.lora.qlora:
+                sys.exit("config error: --train.plan_only cannot plan QLoRA yet (NF4 needs real weights to quantize)")
+            model = apply_lora_table(
+                model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, targets=cfg.lora.targets,
+                qlora=False, dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+            )  # fmt: skip
         print(
             fk.estimate_plan(
                 model,
