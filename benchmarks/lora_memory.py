@@ -140,7 +140,10 @@ def _markdown(results: dict) -> str:
         "",
         "Measured = bytes of this rank's tensors after the step (local shards of parameters, gradients, "
         "AdamW state); plan = `ShardPlan`'s analytic figure. Every rank of a world holds the same figures "
-        "here (all sizes split evenly), so rank 0 is shown.",
+        "here (all sizes split evenly), so rank 0 is shown. The last column is the rise of the resident set "
+        "during the first step (fresh processes per mode): activations, gathered units, gradients and optimizer "
+        "state allocated by the step, first-step one-off allocations and allocator slack; it is what the step "
+        "cost this process, not a floor.",
         "",
         "| world | mode | params MB (plan) | grads MB (plan) | AdamW MB (plan) | sum MB | x full | step RSS rise MB |",
         "|---|---|---|---|---|---|---|---|",
