@@ -12,34 +12,42 @@ from fsdp2kit.testing import run_world
 
 RTOL = 1e-5  # fp32 adapters after 3 AdamW steps, as in test_parity
 
-CASES: dict[int, list[Case]] = {
-    2: [
+# One spawn per key; "2-slow" (make test-all) holds the cases that add coverage but not a new feature.
+CASES: dict[str, list[Case]] = {
+    "2": [
         Case("lora"),
         Case("frozen"),  # no PEFT: a model frozen by hand, fp32 norms trainable
-        Case("mixed"),  # fp64 adapters and fp32 norms trainable in the same blocks
-        Case("lora", mixed_precision="bf16", base_dtype="bfloat16"),
-        Case("lora", wrappers=True),
-        Case("qlora", wrappers=True),
+        Case("qlora"),
         Case("export", wrappers=True),  # names under checkpoint wrappers map back to PEFT's
         Case("export-qlora"),
         Case("load"),
         Case("ckpt"),
     ],
-    3: [Case("lora"), Case("export")],  # every tensor sharded unevenly (hidden 40, vocab 96)
-    4: [Case("lora", shard=2, replicate=2), Case("qlora", shard=2, replicate=2)],
+    "2-slow": [
+        Case("mixed"),  # fp64 adapters and fp32 norms trainable in the same blocks
+        Case("lora", mixed_precision="bf16", base_dtype="bfloat16"),
+        Case("lora", wrappers=True),
+        Case("qlora", wrappers=True),
+    ],
+    "3": [Case("lora"), Case("export")],  # every tensor sharded unevenly (hidden 40, vocab 96)
+    "4": [Case("lora", shard=2, replicate=2), Case("qlora", shard=2, replicate=2)],
 }
 
-_results: dict[int, list[list[dict]]] = {}
+_results: dict[str, list[list[dict]]] = {}
 
 
-def _world_results(world: int, tmp: str) -> list[list[dict]]:
-    if world not in _results:
-        cases = [Case(**{**c.__dict__, "tmp": tmp}) for c in CASES[world]]
-        _results[world] = run_world(run_cases, world, cases, timeout=400)
-    return _results[world]
+def _world_results(key: str, tmp: str) -> list[list[dict]]:
+    if key not in _results:
+        cases = [Case(**{**c.__dict__, "tmp": tmp}) for c in CASES[key]]
+        _results[key] = run_world(run_cases, int(key.split("-")[0]), cases, timeout=400)
+    return _results[key]
 
 
-PARAMS = [pytest.param(w, i, id=f"w{w}-{c.kind}-{i}") for w, cases in CASES.items() for i, c in enumerate(cases)]
+PARAMS = [
+    pytest.param(k, i, id=f"w{k}-{c.kind}-{i}", marks=[pytest.mark.slow] if k.endswith("slow") else [])
+    for k, cases in CASES.items()
+    for i, c in enumerate(cases)
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +56,11 @@ def tmp_root(tmp_path_factory):
 
 
 @pytest.mark.timeout(450)
-@pytest.mark.parametrize("world,index", PARAMS)
-def test_lora(world: int, index: int, tmp_root: str) -> None:
-    ranks = _world_results(world, tmp_root)
+@pytest.mark.parametrize("key,index", PARAMS)
+def test_lora(key: str, index: int, tmp_root: str) -> None:
+    ranks = _world_results(key, tmp_root)
     res = ranks[0][index]
-    case = CASES[world][index]
+    case = CASES[key][index]
     for other in ranks[1:]:  # every rank saw the same losses
         assert other[index].get("losses") == res.get("losses")
     if case.kind in ("lora", "frozen", "mixed"):
