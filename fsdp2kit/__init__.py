@@ -16,8 +16,10 @@ from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.planner import MemoryPlan, plan_memory
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 from fsdp2kit.stop import EXIT_PREEMPTED, StopSignal
+from fsdp2kit.weights.adapters import apply_lora
 from fsdp2kit.weights.export import dcp_to_hf, export_hf
 from fsdp2kit.weights.materialize import materialize
+from fsdp2kit.weights.nf4 import quantize_nf4
 from fsdp2kit.weights.pretrained import LoadResult, load_pretrained
 from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 from fsdp2kit.wrappers.compile import compile_blocks
@@ -44,6 +46,7 @@ __all__ = [
     "StopSignal",
     "UnitPlan",
     "apply_activation_checkpointing",
+    "apply_lora",
     "apply_tensor_parallel",
     "check_finite",
     "clip_grad_norm_",
@@ -62,6 +65,7 @@ __all__ = [
     "materialize",
     "no_sync",
     "plan_memory",
+    "quantize_nf4",
     "set_prefetch",
     "shard_model",
 ]

@@ -38,6 +38,23 @@ def _sharded_numel(shape: torch.Size, shard: int) -> int:
     return math.ceil(shape[0] / shard) * math.prod(shape[1:])
 
 
+_NF4_SHARDED = ("quantized_data", "quantized_scalers", "quantization_factor")
+
+
+def _sharded_bytes(p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None) -> int:
+    """Bytes of the largest shard of ``p``. A tensor subclass that stores other tensors (torchao's
+    NF4Tensor: packed 4-bit data plus scalers) is split in proportion, so it counts what it stores."""
+    if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
+        total = 0
+        for attr in p.__tensor_flatten__()[0]:
+            t = getattr(p, attr)
+            # the packed data and both scaler levels are split by rows; the mean and the 16-entry table are copied
+            parts = shard if attr in _NF4_SHARDED else 1
+            total += math.ceil(t.numel() / parts) * t.element_size()
+        return total
+    return _sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size()
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     name: str
@@ -70,7 +87,7 @@ class ShardPlan:
         reshard_after_forward: bool | int,
         tp_shapes: Mapping[int, torch.Size] | None = None,
     ) -> UnitPlan:
-        per_rank = sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size() for p in params)
+        per_rank = sum(_sharded_bytes(p, shard, tp_shapes) for p in params)
         gathered = sum(
             math.prod(_tp_shape(p, tp_shapes))
             * (compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size())
@@ -83,9 +100,7 @@ class ShardPlan:
             bytes_per_rank=per_rank,
             bytes_gathered=gathered,
             trainable_numel_per_rank=sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) for p in trainable),
-            trainable_bytes_per_rank=sum(
-                _sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size() for p in trainable
-            ),
+            trainable_bytes_per_rank=sum(_sharded_bytes(p, shard, tp_shapes) for p in trainable),
             reshard_after_forward=reshard_after_forward,
         )
 

@@ -17,9 +17,16 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit._internal.markers import SHARDED_AS, TENSOR_PARALLEL
+from fsdp2kit._internal.markers import FROZEN_AS, SHARDED_AS, TENSOR_PARALLEL
 
-__all__ = ["check_devices", "check_not_sharded", "check_unit_dtypes", "install_optimizer_check", "mark_replaced"]
+__all__ = [
+    "check_devices",
+    "check_nf4_shards",
+    "check_not_sharded",
+    "install_optimizer_check",
+    "mark_frozen",
+    "mark_replaced",
+]
 
 
 def check_not_sharded(model: nn.Module, mesh: DeviceMesh | None = None) -> None:
@@ -87,17 +94,23 @@ def check_devices(model: nn.Module, mesh: DeviceMesh, *, cpu_offload: bool) -> N
         )
 
 
-def check_unit_dtypes(unit: str, params: dict[str, nn.Parameter]) -> None:
-    """FSDP2 flattens a unit's trainable parameters into one buffer per collective: one dtype only."""
-    by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
-    for name, param in params.items():
-        if param.requires_grad:
-            by_dtype[param.dtype].append(name)
-    if len(by_dtype) > 1:
-        listing = "; ".join(f"{dt}: {fmt_list(ns, 3)}" for dt, ns in by_dtype.items())
+def check_nf4_shards(params: dict[str, nn.Parameter], shard: int) -> None:
+    """NF4 weights split into whole quantization groups, evenly (FSDP would pad, NF4 cannot hold padding)."""
+    from fsdp2kit.weights.nf4 import is_nf4, nf4_shard_problem
+
+    nf4 = {n: p for n, p in params.items() if is_nf4(p)}
+    if nf4 and shard == 1:
+        # FSDP2 skips the all-gather of a one-rank shard group and hands an all-gather extension
+        # only its first input (FSDPParamGroup.wait_for_unshard, torch 2.13); NF4 has three.
         raise ValueError(
-            f"FSDP unit {unit} mixes trainable parameter dtypes ({listing}). Cast the model to one dtype "
-            "(e.g. model.float()) and choose the compute dtype with mixed_precision=..., or freeze the odd ones"
+            f"NF4 weights ({fmt_list(sorted(nf4), 2)}) need a shard group of 2 or more ranks: with one rank "
+            "per shard group (NO_SHARD, or HSDP with shard=1) FSDP2 skips the all-gather that unpacks NF4 shards"
+        )
+    bad = [f"{n} {tuple(p.shape)}: {why}" for n, p in nf4.items() if (why := nf4_shard_problem(p, shard))]
+    if bad:
+        raise ValueError(
+            f"NF4 weights cannot be sharded {shard} ways: {fmt_list(bad, 4)}. Use a shard size that divides these "
+            "rows into whole quantization groups, or quantize_nf4 with a smaller block_size / scaler_block_size"
         )
 
 
@@ -110,9 +123,24 @@ def mark_replaced(params: dict[str, nn.Parameter]) -> None:
         setattr(param, SHARDED_AS, name)
 
 
+def mark_frozen(params: dict[str, nn.Parameter]) -> None:
+    """Tag the sharded parameters that are frozen, so an optimizer holding them can be refused."""
+    for name, param in params.items():
+        if not param.requires_grad:
+            setattr(param, FROZEN_AS, name)
+
+
 def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
+            frozen = getattr(param, FROZEN_AS, None)
+            if frozen is not None and not param.requires_grad:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds the frozen parameter {frozen!r} (requires_grad=False): with a "
+                    "frozen base (LoRA, QLoRA) build the optimizer from the trainable parameters only, "
+                    "[p for p in model.parameters() if p.requires_grad], so that no state is kept or checkpointed "
+                    "for the base"
+                )
             name = getattr(param, SHARDED_AS, None)
             if name is not None:
                 raise RuntimeError(

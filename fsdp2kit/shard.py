@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.collectives import install_collectives, resolve_collectives
@@ -29,9 +30,10 @@ from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
 from fsdp2kit.preflight import (
     check_devices,
+    check_nf4_shards,
     check_not_sharded,
-    check_unit_dtypes,
     install_optimizer_check,
+    mark_frozen,
     mark_replaced,
 )
 
@@ -173,6 +175,56 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
     return groups, unit_of
 
 
+def _dtype_subunits(
+    model: nn.Module, unit: str, params: dict[str, nn.Parameter], unit_of: dict[int, str]
+) -> list[tuple[str, list[nn.Module]]]:
+    """Sub-units that give every FSDP unit trainable parameters of one dtype.
+
+    FSDP2 reduce-scatters a unit's gradients as one flat buffer and keeps one original dtype
+    per unit, so a unit whose trainable parameters mix dtypes (fp32 adapters beside bf16
+    trainable norms) cannot be one unit. Frozen parameters are free to differ (FSDP2 all-gathers
+    mixed dtypes as bytes). The dtype holding most trainable elements stays in the unit; the
+    modules that own each other dtype's parameters become one extra unit per dtype, sharded
+    before the unit (FSDP2 wants children first): one more all-gather and reduce-scatter per
+    dtype, not a whole-model upcast. Raises when a module owns trainable parameters of two
+    dtypes itself, since no grouping of modules can separate them.
+    """
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    numel: dict[torch.dtype, int] = defaultdict(int)
+    for p in trainable.values():
+        numel[p.dtype] += p.numel()
+    if len(numel) < 2:
+        return []
+    keep = max(numel, key=lambda d: numel[d])
+    label = unit or "(root)"
+    out = []
+    for dtype in sorted((d for d in numel if d != keep), key=str):
+        owners = sorted({n.rpartition(".")[0] for n, p in trainable.items() if p.dtype == dtype})
+        outermost = [o for o in owners if not any(o != q and (q == "" or o.startswith(q + ".")) for q in owners)]
+        bad = []
+        for owner in outermost:
+            module = model.get_submodule(owner)
+            mixed = [
+                f"{owner}.{n}" if owner else n
+                for n, p in module.named_parameters()
+                if p.requires_grad and p.dtype != dtype and unit_of.get(id(p)) == unit
+            ]
+            if module is model or (unit and owner == unit) or mixed:
+                bad.append(f"{owner or '(root)'} ({', '.join(mixed[:3]) or 'the unit itself'})")
+        if bad:
+            listing = "; ".join(
+                f"{d}: {fmt_list(sorted(n for n, p in trainable.items() if p.dtype == d), 3)}" for d in numel
+            )
+            raise ValueError(
+                f"FSDP unit {label} mixes trainable parameter dtypes ({listing}) inside single modules that cannot "
+                f"become units of their own: {fmt_list(bad, 3)}. Give trainable parameters one dtype (e.g. "
+                "p.data = p.data.float() for each trainable p) and choose the compute dtype with mixed_precision=..."
+            )
+        tag = str(dtype).removeprefix("torch.")
+        out.append((f"[{tag} trainable: {fmt_list(outermost, 2)}]", [model.get_submodule(o) for o in outermost]))
+    return out
+
+
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -248,6 +300,7 @@ def shard_model(
         )
     install_collectives(model, fsdp_mesh, collectives)
 
+    mark_frozen(dict(model.named_parameters()))
     install_optimizer_check()
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
     return layout.plan
@@ -339,19 +392,31 @@ def _layout(
     by_unit: dict[str, dict[str, nn.Parameter]] = defaultdict(dict)
     for name, p in model.named_parameters():
         by_unit[unit_of[id(p)]][name] = p
-    for unit, params in by_unit.items():
-        check_unit_dtypes(unit or "(root)", params)
+    check_nf4_shards(dict(model.named_parameters()), shard_size)
+    split = {unit: _dtype_subunits(model, unit, params, unit_of) for unit, params in by_unit.items()}
 
     # Units in the order FSDP2 needs them (children before parents).
     names = {id(m): n for n, m in model.named_modules()}
     default = resolved.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     root_reshard = False if reshard_after_forward is None else reshard_after_forward
-    units: list[tuple[str, list[nn.Module], bool | int]] = [
-        (names[id(b)], [b], False if (i == len(found) - 1 and reshard_after_forward is None) else default)
-        for i, b in enumerate(found)
-    ]
-    units += [(" + ".join(names[id(m)] for m in g), g, default) for g in groups]
-    units.append((f"(root) {type(model).__name__}", [model], root_reshard))
+    units: list[tuple[str, list[nn.Module], bool | int]] = []
+
+    def add(key: str, label: str, modules: list[nn.Module], reshard: bool | int) -> None:
+        # A unit's trainable parameters of a minority dtype are sharded first, as their own unit.
+        units.extend((f"{label} {sub}", mods, reshard) for sub, mods in split.get(key, []))
+        units.append((label, modules, reshard))
+
+    for i, b in enumerate(found):
+        add(
+            names[id(b)],
+            names[id(b)],
+            [b],
+            False if (i == len(found) - 1 and reshard_after_forward is None) else default,
+        )
+    for g in groups:
+        label = " + ".join(names[id(m)] for m in g)
+        add("+".join(names[id(m)] for m in g), label, g, default)
+    add("", f"(root) {type(model).__name__}", [model], root_reshard)
 
     plan = ShardPlan(
         strategy=resolved.name,

@@ -32,6 +32,7 @@ from support.config import ConfigError, config_to_dict, parse_config
 from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
 from support.evaluate import evaluate
 from support.export import export_model
+from support.lora import apply_lora_table
 from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import Timer, peak_memory_bytes
 from support.preemption import stop_after_signal
@@ -43,6 +44,7 @@ from fsdp2kit.diagnostics import ON_NONFINITE, RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
 from fsdp2kit.stop import parse_signals
+from fsdp2kit.weights.adapters import peft_init_fn
 
 
 def opt(default, help: str):
@@ -101,6 +103,15 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    r: int = opt(0, "LoRA rank; 0: full fine-tuning (no adapters)")
+    alpha: float = opt(16.0, "LoRA scaling numerator (the update is alpha / r x B @ A)")
+    dropout: float = opt(0.0, "dropout on the adapters' input")
+    targets: str = opt("all-linear", "comma-separated Linear module names to adapt, or all-linear")
+    qlora: bool = opt(False, "quantize the frozen base's block weights to 4-bit NF4 (QLoRA)")
+
+
+@dataclass
 class TrainConfig:
     steps: int = opt(300, "optimizer steps in total")
     lr: float = opt(3e-3, "peak learning rate (AdamW)")
@@ -147,6 +158,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -187,6 +199,13 @@ def main(argv: list[str] | None = None) -> None:
         if p.shard < 1:
             sys.exit("config error: --train.plan_only needs an explicit --parallel.shard (the GPUs per replica)")
         model = build_causal_lm(cfg.model.name, max_seq_len=cfg.data.seq_len, meta=True)
+        if cfg.lora.r > 0:
+            if cfg.lora.qlora:
+                sys.exit("config error: --train.plan_only cannot plan QLoRA yet (NF4 needs real weights to quantize)")
+            model = apply_lora_table(
+                model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, targets=cfg.lora.targets,
+                qlora=False, dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+            )  # fmt: skip
         print(
             fk.estimate_plan(
                 model,
@@ -223,12 +242,16 @@ def main(argv: list[str] | None = None) -> None:
     vocab = len(tokenizer)
 
     # 2. the model, on the meta device unless asked otherwise
+    lora = cfg.lora
+    # QLoRA quantizes real weights: the base is built (and loaded) in host memory on every rank
+    # first, then quantized; quantizing rows as load_pretrained streams them is not supported yet.
+    quantize_first = lora.r > 0 and lora.qlora
     model = build_causal_lm(
         cfg.model.name,
         vocab_size=None if cfg.model.pretrained else vocab,
         max_seq_len=cfg.data.seq_len,
-        meta=cfg.model.meta_init or cfg.model.pretrained,
-        device=info.device,
+        meta=(cfg.model.meta_init or cfg.model.pretrained) and not quantize_first,
+        device="cpu" if quantize_first else info.device,
     )
     try:
         check_vocab(tokenizer, model)  # the same answer on every rank: no collective needed
@@ -263,6 +286,16 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # a plan is advice: a model the planner cannot trace still trains
             print(f"memory plan unavailable: {type(e).__name__}: {e}", flush=True)
 
+    if quantize_first and cfg.model.pretrained:
+        fk.load_pretrained(model, cfg.model.name)
+    if lora.r > 0:  # LoRA / QLoRA adapters: they change modules, so before everything else
+        model = apply_lora_table(
+            model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, qlora=lora.qlora,
+            dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+        )  # fmt: skip
+    if quantize_first:
+        model.to(info.device)
+
     # 3. wrappers that change modules must come before sharding
     if p.float8:
         fk.enable_float8(model)
@@ -280,15 +313,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     if info.is_main:
         print(plan, flush=True)
-    if cfg.model.pretrained:
-        fk.load_pretrained(model, cfg.model.name)
-    elif cfg.model.meta_init:
-        fk.materialize(model)
+    if cfg.model.pretrained and not quantize_first:
+        fk.load_pretrained(model, cfg.model.name)  # a peft model: the base only, adapters keep their init
+    elif cfg.model.meta_init and not quantize_first:
+        fk.materialize(model, init_fn=peft_init_fn(model) if lora.r > 0 else None)
 
     # 5. prefetch, then the optimizer
     if p.prefetch:
         fk.set_prefetch(model, forward=p.prefetch, backward=p.prefetch)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    trainable = [q for q in model.parameters() if q.requires_grad]  # a LoRA base keeps no optimizer state
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     t = cfg.train
 
     def lr_factor(step: int) -> float:

@@ -88,3 +88,31 @@ def reshard_all(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def gather_full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for a DTensor: call it on every rank, in the same order)."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    local = t._local_tensor
+    if local.device.type != t.device_mesh.device_type:  # CPU-offloaded shards of a CUDA mesh
+        from fsdp2kit.dist import mesh_device
+
+        t = DTensor.from_local(
+            local.to(mesh_device(t.device_mesh.device_type)),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+    return t.full_tensor()
+
+
+def is_first_rank(model: nn.Module) -> bool:
+    """Whether this rank is the first of the model's mesh (the one that writes files), or the only process."""
+    import torch.distributed as dist
+
+    meshes = model_meshes(model)
+    if meshes:
+        return dist.get_rank() == int(meshes[0].mesh.flatten()[0])
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -14,3 +14,5 @@ BLOCK_ORDER = "_fsdp2kit_blocks"
 SHARDED_AS = "_fsdp2kit_sharded_as"
 # On the root: {"tp": size, "plan": {module name: style}} once apply_tensor_parallel ran.
 TENSOR_PARALLEL = "_fsdp2kit_tensor_parallel"
+# On a sharded parameter that is frozen (a LoRA / QLoRA base): its name, so an optimizer holding it can be named.
+FROZEN_AS = "_fsdp2kit_frozen_as"

@@ -50,7 +50,13 @@ from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer
 from fsdp2kit.checkpoint.publish import prepare_dir, publish
-from fsdp2kit.checkpoint.state import restore_extra, state_to_load, state_to_save
+from fsdp2kit.checkpoint.state import (
+    model_options,
+    resolve_trainable_only,
+    restore_extra,
+    state_to_load,
+    state_to_save,
+)
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.checkpoint.writer import ReusingSavePlanner, forget_plans, new_plan_key, writer
 
@@ -111,10 +117,21 @@ class Checkpointer:
         rng: save every rank's RNG states (torch, CUDA, Python, NumPy; see `RNGState`) and
             restore them on load, so a resumed run continues exactly as an uninterrupted one.
             Ranks that did not exist at save time keep their generators.
+        trainable_only: leave frozen parameters out of the checkpoint (and out of what a load
+            expects): a LoRA / QLoRA run saves its adapters, optimizer and extras, not the base it
+            can rebuild from its pretrained files, so a step costs the adapters' bytes. ``None``
+            (the default) decides per call: on when the model has a frozen parameter. Buffers
+            are kept. Loading still reshards (any world size or mesh shape).
     """
 
     def __init__(
-        self, root: str | os.PathLike, keep_last: int | None = 2, async_save: bool = False, *, rng: bool = True
+        self,
+        root: str | os.PathLike,
+        keep_last: int | None = 2,
+        async_save: bool = False,
+        *,
+        rng: bool = True,
+        trainable_only: bool | None = None,
     ):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None (keep every step) or an int >= 1, got {keep_last!r}")
@@ -122,6 +139,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.async_save = bool(async_save)
         self.rng = bool(rng)
+        self.trainable_only = trainable_only
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._comm = Comm(own_group=self.async_save)
@@ -174,11 +192,13 @@ class Checkpointer:
 
         error, tmp, state = None, None, None
         try:
-            state = state_to_save(model, optimizer, extra, rank=rank, rng=self.rng)
+            trainable_only = resolve_trainable_only(model, self.trainable_only)
+            state = state_to_save(model, optimizer, extra, rank=rank, rng=self.rng, trainable_only=trainable_only)
             if self.async_save:
                 state = self._stage(state)
             if rank == 0:
-                tmp = prepare_dir(self.root, step, model, self._info(optimizer, extra, comm.world))
+                info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
+                tmp = prepare_dir(self.root, step, model, info)
         except Exception as e:  # reported to every rank below, so none enters DCP alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
         what = f"save of step {step} to {self.root} did not start"
@@ -356,7 +376,8 @@ class Checkpointer:
         state: dict[str, Any] = {}
         try:
             metadata = read_metadata(path)
-            state = state_to_load(model, optimizer, metadata, rank=comm.rank)
+            trainable_only = resolve_trainable_only(model, self.trainable_only)
+            state = state_to_load(model, optimizer, metadata, rank=comm.rank, trainable_only=trainable_only)
             problems = check_against(state, metadata, path, optimizer is not None) + check_files(metadata, path)
             problems += check_extra_keys(extra, metadata)
         except Exception as e:
@@ -377,7 +398,7 @@ class Checkpointer:
 
         error = None
         try:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=model_options(trainable_only))
             if optimizer is not None:
                 restore_optimizer(model, optimizer, state["optimizer"])
             self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)

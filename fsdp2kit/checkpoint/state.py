@@ -7,18 +7,32 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
 from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
 
-__all__ = ["restore_extra", "state_to_load", "state_to_save"]
+__all__ = ["model_options", "resolve_trainable_only", "restore_extra", "state_to_load", "state_to_save"]
 
 
-def state_to_save(model: nn.Module, optimizer, extra: dict | None, *, rank: int, rng: bool) -> dict:
+def resolve_trainable_only(model: nn.Module, trainable_only: bool | None) -> bool:
+    """``None`` means: leave the frozen parameters out when there are any (a LoRA / QLoRA base)."""
+    if trainable_only is None:
+        return any(not p.requires_grad for p in model.parameters())
+    return bool(trainable_only)
+
+
+def model_options(trainable_only: bool) -> StateDictOptions:
+    """DCP's own filter: frozen parameters are neither written nor expected back (buffers still are)."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def state_to_save(
+    model: nn.Module, optimizer, extra: dict | None, *, rank: int, rng: bool, trainable_only: bool = False
+) -> dict:
     """The nested state dict DCP writes: the model's and optimizer's sharded tensors, and ``extra``
     encoded (shared values from rank 0, `PerRank` values and RNG states from every rank)."""
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=model_options(trainable_only))}
     if optimizer is not None:
         state["optimizer"] = optimizer_to_save(model, optimizer)  # see optim.py for the layout
     shared, mine = {}, {}
@@ -37,10 +51,10 @@ def state_to_save(model: nn.Module, optimizer, extra: dict | None, *, rank: int,
     return state
 
 
-def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int) -> dict:
+def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int, trainable_only: bool = False) -> dict:
     """The state dict DCP fills in place: the model's own (sharded) tensors, the optimizer's,
     and templates for ``extra`` shaped after the metadata."""
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=model_options(trainable_only))}
     if optimizer is not None:
         state["optimizer"] = optimizer_template(model, optimizer, metadata)  # in the checkpoint's format
     key = str(rank)

@@ -20,16 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.agree import agree_failed
-from fsdp2kit._internal.dtensor import model_meshes, reshard_all
+from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.checkpoint.unpickler import SafeReader
-from fsdp2kit.dist import mesh_device
+from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.weights.hf_layout import export_groups, model_tensors, to_hf_layout
 from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
 
@@ -94,29 +92,6 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.cpu()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for a DTensor)."""
-    if not isinstance(t, DTensor):
-        return t.detach()
-    local = t._local_tensor
-    if local.device.type != t.device_mesh.device_type:  # CPU-offloaded shards of a CUDA mesh
-        t = DTensor.from_local(
-            local.to(mesh_device(t.device_mesh.device_type)),
-            t.device_mesh,
-            t.placements,
-            shape=t.shape,
-            stride=t.stride(),
-        )
-    return t.full_tensor()
-
-
-def _is_writer(model: nn.Module) -> bool:
-    meshes = model_meshes(model)
-    if meshes:
-        return dist.get_rank() == int(meshes[0].mesh.flatten()[0])
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def export_hf(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -124,8 +99,16 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
+    merge: bool = False,
 ) -> Path | None:
     """Write a (sharded) model as a Hugging Face checkpoint that ``from_pretrained`` loads.
+
+    A peft ``PeftModel`` is written as peft writes it: the adapters only, as
+    ``adapter_config.json`` + ``adapter_model.safetensors`` under peft's own key names, which
+    ``PeftModel.from_pretrained(base, out_dir)`` loads (one subdirectory per adapter other than
+    ``default``). With ``merge=True`` the active LoRA adapters are folded into the base weights
+    instead (``W + scaling * B @ A``, as peft's ``merge_and_unload``; an NF4 base is dequantized
+    first) and the wrapped model is written as its own checkpoint, which ``from_pretrained`` loads.
 
     Collective: call it on every rank of the mesh. Parameters are gathered one at a time (or,
     where a reverse weight conversion needs several, those few together); the mesh's first rank
@@ -150,8 +133,17 @@ def export_hf(
     max_bytes = parse_size(max_shard_size)
     reshard_all(model)
     tensors, aliases = model_tensors(model)
+    full_of = lambda name: gather_full(tensors[name])
+    if is_peft_model(model):
+        from fsdp2kit.weights.adapter_export import export_adapters, merged_source
+
+        if not merge:
+            return export_adapters(model, out_dir, tensors, dtype=dtype, overwrite=overwrite)
+        model, tensors, aliases, full_of = merged_source(model, tensors, aliases)
+    elif merge:
+        raise ValueError(f"export_hf(merge=True) merges peft adapters; {type(model).__name__} is not a peft PeftModel")
     names = _export_names(model, tensors, aliases)
-    writer_rank = _is_writer(model)
+    writer_rank = is_first_rank(model)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
 
     error: BaseException | None = None
@@ -167,7 +159,7 @@ def export_hf(
     # other ranks would wait in one forever: it stops writing and reports at the end.
     with torch.no_grad():
         for group in export_groups(model, names):
-            fulls = {n: _full(tensors[n]) for n in group}
+            fulls = {n: full_of(n) for n in group}
             if writer is None or error is not None:
                 continue
             try:

@@ -13,10 +13,12 @@ import torch.nn as nn
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
 from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit.weights.adapters import base_name, is_peft_model, peft_init_fn, peft_view
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import fill_buffers
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
+from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.weights.safetensors import SafetensorsReader, checkpoint_files
 
 
@@ -68,8 +70,8 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         files = checkpoint_files(hf_dir)
         reader = SafetensorsReader(files)
         shapes = {k: reader.shape(k) for k in files}
-        tensors, aliases = model_tensors(model)
-        plan = plan_load(model, shapes, tensors, aliases)
+        target, tensors, aliases = _load_targets(model)
+        plan = plan_load(target, shapes, tensors, aliases)
         problems = []
         if plan.mismatched:
             problems.append(f"shapes differ: {fmt_list(plan.mismatched, 6)}")
@@ -80,26 +82,52 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         if problems:
             hint = " Is this the checkpoint of another model?" if len(plan.groups) < len(tensors) // 2 else ""
             raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)
-    if plan.missing and any(t.is_meta for t in tensors.values()):
+    if is_peft_model(model) and any(p.is_meta for p in model.parameters()):
+        materialize(model, init_fn=peft_init_fn(model))  # the adapters' own init; the base is read below
+    elif plan.missing and any(t.is_meta for t in tensors.values()):
         materialize(model)  # the parameters the checkpoint lacks get the model's own init
     else:
         device = target_device(model, None)
         with all_ranks_or_none(model, "load_pretrained"):
             _, buffers = allocate(model, device)
             fill_buffers(model, buffers, missing_ok=False)
-    tensors, _ = model_tensors(model)  # allocation may have replaced plain (unsharded) tensors
+    _, tensors, _ = _load_targets(model)  # allocation may have replaced plain (unsharded) tensors
 
     result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected, files=len(set(files.values())))
     with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
         try:
             for group in plan.groups:
-                _load_group(model, group, tensors, reader)
+                _load_group(target, group, tensors, reader)
                 result.tensors += len(group.targets)
         finally:
             result.bytes_read = reader.bytes
             reader.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
+    """The model whose checkpoint is read, and its tensors under that checkpoint's names.
+
+    A peft model is read as the model it wraps: its frozen base under the base's own names
+    (``...q_proj.base_layer.weight`` is the checkpoint's ``...q_proj.weight``), the adapters
+    left out, so a plain checkpoint of the base fills the base and the adapters keep their init.
+    """
+    tensors, aliases = model_tensors(model)
+    nf4 = [n for n, t in tensors.items() if is_nf4(t)]
+    if nf4:
+        raise ValueError(
+            f"load_pretrained cannot fill NF4 weights ({fmt_list(nf4, 3)}): load the checkpoint first "
+            "(from_pretrained, or load_pretrained before quantizing), then quantize_nf4, PEFT and shard_model"
+        )
+    if not is_peft_model(model):
+        return model, tensors, aliases
+    view = peft_view(model, tensors)
+    return (
+        view.inner,
+        {b: tensors[n] for b, n in view.names.items()},
+        {b: base_name(aliases.get(n, n)) for b, n in view.names.items()},
+    )
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:

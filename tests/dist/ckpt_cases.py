@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from models import TinyGPT, build, lm_loss
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
 import fsdp2kit.checkpoint.checkpointer as checkpointer_module
-from fsdp2kit.checkpoint import CheckpointError, Checkpointer, PerRank, RNGState, list_steps, step_dir
-from models import TinyGPT, build, lm_loss
+from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState, list_steps, step_dir
 
 VOCAB, SEQ, BATCH = 96, 12, 2
 
@@ -120,7 +120,7 @@ def error_of(fn, *args, **kwargs) -> str:
         fn(*args, **kwargs)
     except CheckpointError as e:
         return str(e)
-    except Exception as e:  # noqa: BLE001 - the test reports the wrong type
+    except Exception as e:
         return f"WRONG TYPE {type(e).__name__}: {e}"
     return "NO ERROR"
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel
-
-import fsdp2kit as fk
 from fsdp1 import wrap_fsdp1
 from models import build, lm_loss
 from parity import BATCH, SEQ, VOCAB, _optimizer
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+import fsdp2kit as fk
 
 
 @dataclass(frozen=True)

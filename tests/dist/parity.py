@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from models import build, lm_loss
 
 import fsdp2kit as fk
-from models import build, lm_loss
 
 VOCAB, SEQ, BATCH = 96, 12, 2
 

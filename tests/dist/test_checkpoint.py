@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 
+import ckpt_cases
 import pytest
 import torch
+from models import build
 
 from fsdp2kit.checkpoint import Checkpointer, PerRank, incomplete_dirs, list_steps
 from fsdp2kit.testing import WorldError, run_world
-
-import ckpt_cases
-from models import build
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,8 +8,8 @@ every case.
 from __future__ import annotations
 
 import pytest
-
 from fsdp1_cases import Fsdp1Case, run_cases
+
 from fsdp2kit.testing import run_world
 
 RTOL = 1e-5

@@ -7,9 +7,9 @@ each case is then asserted on its own so a failure names the case.
 from __future__ import annotations
 
 import pytest
+from parity import Case, run_cases
 
 from fsdp2kit.testing import run_world
-from parity import Case, run_cases
 
 RTOL = 1e-5  # fp32, after 3 optimizer steps; measured worst cases sit near 1e-6
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from weights import KINDS, Case, hf_config, hf_model, pretrained, run_cases, save_references, tokens
 
 from fsdp2kit.testing import run_world
-from weights import KINDS, Case, hf_config, hf_model, pretrained, run_cases, save_references, tokens
 
 FUSED_BYTES = 2 * (2 * 56 * 40 * 4)  # two layers' gate_up tensors, fp32
 LOADS = [Case("load", k) for k in KINDS]

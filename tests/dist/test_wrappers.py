@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fsdp2kit.testing import run_world
 from parity import Case
 from wrappers_world import run_all
+
+from fsdp2kit.testing import run_world
 
 RTOL = 1e-5  # fp32 (or bf16 against bf16), 3 optimizer steps
 COMPILE_RTOL = 1e-4
@@ -83,7 +83,7 @@ def _once(key: str, *args, timeout: float) -> list[dict]:
     if key not in _results:
         try:
             _results[key] = run_world(run_all, 2, *args, timeout=timeout)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             _results[key] = e
     if isinstance(_results[key], Exception):
         raise _results[key]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from models import TinyGPT, build, lm_loss
+from parity import Case, _mesh, _optimizer, run_case
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import fsdp2kit as fk
-from models import TinyGPT, build, lm_loss
-from parity import Case, _mesh, _optimizer, run_case
 
 WRAPPERS = {
     "plain": lambda m: None,

@@ -69,10 +69,15 @@ def test_plan_table_on_meta_model(mesh):
 
 def test_mixed_dtypes_in_a_unit(mesh):
     model = TinyGPT()
-    model.trunk[1].fc1.half()
-    with pytest.raises(ValueError, match=r"unit trunk.1 mixes trainable parameter dtypes.*trunk.1.fc1.weight"):
+    model.trunk[1].fc1.half()  # a whole module of another dtype: sharded as a unit of its own
+    plan = fk.shard_model(model, mesh)
+    assert [u.name for u in plan.units].count("trunk.1 [float16 trainable: trunk.1.fc1]") == 1
+    model = TinyGPT()
+    fc1 = model.trunk[1].fc1
+    fc1.weight.data = fc1.weight.data.half()  # one module holding two trainable dtypes: no unit can separate them
+    with pytest.raises(ValueError, match=r"unit trunk.1 mixes trainable parameter dtypes.*trunk.1.fc1 \(trunk.1.fc1.b"):
         fk.shard_model(model, mesh)
-    model.trunk[1].fc1.requires_grad_(False)  # frozen parameters may differ
+    fc1.requires_grad_(False)  # frozen parameters may differ
     fk.shard_model(model, mesh)
 
 

@@ -1,0 +1,245 @@
+"""PEFT models seen from fsdp2kit: which parameters are adapters, the base's own names, merged weights."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit.weights.hf_layout import clean_fqn
+
+__all__ = [
+    "PeftView",
+    "adapter_keys",
+    "apply_lora",
+    "base_name",
+    "is_peft_model",
+    "merged_weight",
+    "peft_init_fn",
+    "peft_view",
+]
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft ``PeftModel`` (without importing peft for other models)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def adapter_keys(model: nn.Module, adapter: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Model parameter name -> the key PEFT writes it under in ``adapter_model.safetensors``.
+
+    Asks peft itself (``get_peft_model_state_dict``) which entries belong to the adapter and
+    how they are named, then maps its values back to our names by identity, so the selection
+    and the renaming stay exactly peft's for every tuner type.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    by_id = {id(t): n for n, t in tensors.items()}
+    selected = get_peft_model_state_dict(model, state_dict=tensors, adapter_name=adapter, save_embedding_layers=False)
+    keys = {}
+    for key, value in selected.items():
+        name = by_id.get(id(value))
+        if name is None:
+            raise RuntimeError(f"internal: peft's adapter entry {key} is not a tensor of the model")
+        keys[name] = key
+    return keys
+
+
+@dataclass
+class _Merge:
+    a: str
+    b: str
+    scaling: float
+    fan_in_fan_out: bool
+
+
+@dataclass
+class PeftView:
+    """The base model inside a PEFT model, under the names its own checkpoints use."""
+
+    inner: nn.Module  # the transformers model PEFT wraps
+    names: dict[str, str]  # base checkpoint name -> PEFT model parameter/buffer name
+    adapters: set[str]  # PEFT model names of every adapter parameter
+    merges: dict[str, list[_Merge]] = field(default_factory=dict)  # base name -> LoRA factors to fold in
+
+
+def base_name(name: str) -> str:
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def peft_view(model: nn.Module, tensors: dict[str, torch.Tensor], *, for_merge: bool = False) -> PeftView:
+    """Map a PEFT model's frozen base onto the names of the model it wraps.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` is the checkpoint's
+    ``model.layers.0.self_attn.q_proj.weight``. With ``for_merge``, every weight wrapped by
+    a LoRA layer also lists the active adapters' factors to add to it; anything a plain merge
+    cannot express (DoRA, LoRA biases, non-Linear LoRA layers, other tuners, trained copies of
+    whole modules) raises ``ValueError`` naming it.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    inner = model.get_base_model()
+    adapters: set[str] = set()
+    for adapter in model.peft_config:
+        adapters.update(adapter_keys(model, adapter, tensors))
+    names = {}
+    for name in tensors:
+        if name in adapters or ".modules_to_save." in name:
+            continue
+        names[base_name(name.replace(".original_module.", "."))] = name
+
+    merges: dict[str, list[_Merge]] = {}
+    if for_merge:
+        config_types = {str(c.peft_type) for c in model.peft_config.values()}
+        if config_types != {"LORA"} and config_types != {"PeftType.LORA"}:
+            raise ValueError(f"export_hf(merge=True) merges LoRA adapters only; this model has {sorted(config_types)}")
+        active = list(model.active_adapters)
+        modnames = {id(m): clean_fqn(n) for n, m in model.named_modules()}
+        bad = []
+        for module in model.modules():
+            if ".modules_to_save" in modnames[id(module)]:
+                bad.append(f"{modnames[id(module)]} (modules_to_save)")
+            if not isinstance(module, LoraLayer):
+                continue
+            label = modnames[id(module)]
+            if not isinstance(module, LoraLinear):
+                bad.append(f"{label} ({type(module).__name__})")
+                continue
+            if any(a in getattr(module, "lora_magnitude_vector", {}) for a in active):
+                bad.append(f"{label} (DoRA)")
+                continue
+            if any(getattr(module.lora_B[a], "bias", None) is not None for a in active if a in module.lora_B):
+                bad.append(f"{label} (lora_bias)")
+                continue
+            weight = base_name(f"{label}.base_layer.weight")
+            for a in active:
+                if a in module.lora_A:
+                    merges.setdefault(weight, []).append(
+                        _Merge(
+                            f"{label}.lora_A.{a}.weight",
+                            f"{label}.lora_B.{a}.weight",
+                            module.scaling[a],
+                            module.fan_in_fan_out,
+                        )
+                    )
+        if bad:
+            raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
+    return PeftView(inner, names, adapters, merges)
+
+
+def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float, bool]]) -> torch.Tensor:
+    """``weight + sum(scaling * B @ A)``, computed as peft's ``merge`` does it.
+
+    peft adds the delta in place into the base weight (``W += delta``): the sum is taken in the
+    wider of the two dtypes and rounded to the weight's dtype, which is what this does, so the
+    result is bit for bit the weight of ``merge_and_unload()``. An NF4 weight is first
+    dequantized (to its compute dtype).
+    """
+    if type(weight).__name__ == "NF4Tensor":
+        weight = weight.get_original_weight()
+    out = weight
+    for a, b, scaling, fan_in_fan_out in factors:
+        delta = b @ a
+        if fan_in_fan_out:
+            delta = delta.T
+        delta = delta * scaling
+        out = (out.to(torch.promote_types(out.dtype, delta.dtype)) + delta).to(weight.dtype)
+    return out
+
+
+def peft_init_fn(model: nn.Module):
+    """An ``init_fn`` for `fsdp2kit.materialize` that gives a PEFT model built on meta PEFT's own init.
+
+    On the meta device peft's ``reset_lora_parameters`` runs on storage-less tensors, so the
+    adapters have no values yet. This re-runs what it would have done (``init_lora_weights``
+    True: A Kaiming-uniform, B zero, so the adapted model starts as the base; "gaussian": A
+    normal with std 1/r; False: torch's default Linear init for both) and, for every other
+    module, the wrapped model's own ``_init_weights`` (or ``reset_parameters``).
+    """
+    import math
+
+    from peft.tuners.lora import LoraLayer
+
+    roles: dict[int, tuple[str, object]] = {}
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer):
+            for adapter, a in layer.lora_A.items():
+                roles[id(a)] = ("A", model.peft_config[adapter].init_lora_weights, layer.r[adapter])
+            for adapter, b in layer.lora_B.items():
+                roles[id(b)] = ("B", model.peft_config[adapter].init_lora_weights, layer.r[adapter])
+    own = getattr(model.get_base_model(), "_init_weights", None)
+
+    def init(module: nn.Module) -> None:
+        role = roles.get(id(module))
+        if role is None:
+            if not any(True for _ in module.parameters(recurse=False)):
+                return
+            if own is not None:
+                own(module)
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            return
+        kind, how, r = role
+        if how is False:
+            module.reset_parameters()
+        elif kind == "B" and how in (True, "gaussian"):
+            nn.init.zeros_(module.weight)
+        elif how is True:
+            nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        elif how == "gaussian":
+            nn.init.normal_(module.weight, std=1 / r)
+        else:
+            raise ValueError(
+                f"init_lora_weights={how!r} cannot be re-run on a model built on the meta device (it needs the base "
+                "weights first); build the PEFT model on CPU, or use init_lora_weights=True / 'gaussian' / False"
+            )
+        if getattr(module, "bias", None) is not None and how is not False:
+            nn.init.zeros_(module.bias)
+
+    return init
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    r: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    targets: str | list[str] = "all-linear",
+    **lora_kwargs,
+) -> nn.Module:
+    """Wrap ``model`` with peft LoRA adapters (``get_peft_model``), checking the targets first.
+
+    Call it before `fsdp2kit.shard_model` (after `fsdp2kit.quantize_nf4` for QLoRA). Every other
+    parameter is frozen; peft keeps the adapters in fp32 even on a bf16 base, which
+    ``shard_model(..., mixed_precision="bf16")`` then uses as master weights.
+
+    Args:
+        targets: ``"all-linear"`` (peft's: every Linear but the output head), or module names
+            as peft matches them (a name equal to, or ending with ``.`` + the target). A target
+            that matches no ``nn.Linear`` raises ``ValueError`` listing the Linear names there are.
+        lora_kwargs: any other ``peft.LoraConfig`` field (``init_lora_weights``, ``use_rslora``...).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if isinstance(targets, str):
+        targets = [targets] if targets != "all-linear" else "all-linear"
+    if targets != "all-linear":
+        linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
+        if unmatched:
+            leaves = sorted({n.rpartition(".")[2] for n in linear})
+            raise ValueError(
+                f"LoRA targets {unmatched} match no nn.Linear of {type(model).__name__}; its Linear layers are "
+                f"named {leaves} (targets match a module name or its last parts, e.g. 'q_proj' or 'self_attn.q_proj')"
+            )
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, **lora_kwargs)
+    return get_peft_model(model, config)

@@ -1,0 +1,127 @@
+"""quantize_nf4: the frozen Linear weights of a model's blocks as torchao NF4 tensors (QLoRA's base)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp2kit._internal.dtensor import local_shard
+from fsdp2kit.blocks import BlockSpec, find_blocks
+
+__all__ = ["NF4_DEFAULTS", "is_nf4", "nf4_shard_problem", "quantize_nf4"]
+
+# QLoRA's sizes (Dettmers et al. 2023, and torchao's defaults): one absmax scaler per 64 weights,
+# the scalers themselves quantized to int8 in groups of 256.
+NF4_DEFAULTS = {"block_size": 64, "scaler_block_size": 256}
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or a DTensor's local shard) is a torchao NF4Tensor (checked by name: torchao is
+    imported only for QLoRA)."""
+    t = local_shard(t)
+    return type(t).__name__ == "NF4Tensor" and hasattr(t, "quantized_data")
+
+
+def nf4_shard_problem(t: torch.Tensor, shard: int) -> str | None:
+    """Why ``t`` (an NF4Tensor) cannot be split into ``shard`` equal row blocks, or None.
+
+    torchao splits the packed data, the block scalers and the scaler factors of an NF4Tensor
+    in the same proportion as the rows, so every rank's rows must hold whole scaler groups.
+    FSDP pads uneven shards, which NF4 cannot represent: the rows must divide evenly.
+    """
+    rows, numel = t.shape[0], t.numel()
+    group = t.block_size * t.scaler_block_size
+    if rows % shard:
+        return f"{rows} rows do not split evenly over {shard} ranks"
+    if (numel // shard) % group:
+        return (
+            f"{numel // shard} elements per rank are not a multiple of block_size x scaler_block_size = "
+            f"{t.block_size} x {t.scaler_block_size}"
+        )
+    return None
+
+
+def _has_lora(model: nn.Module) -> bool:
+    return any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
+
+
+def quantize_nf4(
+    model: nn.Module,
+    *,
+    blocks: BlockSpec = "auto",
+    block_size: int = NF4_DEFAULTS["block_size"],
+    scaler_block_size: int = NF4_DEFAULTS["scaler_block_size"],
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Replace the weight of every ``nn.Linear`` inside the model's blocks by a frozen NF4Tensor.
+
+    QLoRA's base model: 4 bits per weight plus one int8 scaler per ``block_size`` weights and
+    one factor per ``block_size * scaler_block_size``, about 0.52 byte per parameter with the
+    defaults. Call it before wrapping the model with PEFT and before `fsdp2kit.shard_model`:
+    FSDP2 then shards the packed tensors themselves (torchao's NF4Tensor implements FSDP2's
+    all-gather extension), so each rank holds 1/N of the 4-bit base and all-gathers 4-bit data.
+
+    Only the blocks are quantized: embeddings, the output head and norms stay as they are, as
+    in QLoRA. A Linear's bias (if any) is left alone; the weight becomes frozen
+    (``requires_grad=False``): NF4 weights cannot be trained, the adapters are.
+
+    Args:
+        blocks: which modules are the blocks, as for `shard_model` (``"auto"``, classes, predicate).
+        block_size, scaler_block_size: NF4 quantization groups. A weight whose element count is
+            not a multiple of ``block_size * scaler_block_size`` is left unquantized (and named
+            in the error if no weight qualifies).
+        dtype: the dtype the weights dequantize to for compute; default: the weight's own dtype.
+
+    Returns the names of the quantized weights.
+    """
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError as exc:  # pragma: no cover - torchao is a dependency
+        raise ImportError("quantize_nf4 needs torchao (pip install torchao)") from exc
+    if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    ):
+        raise ValueError(
+            "quantize_nf4 must run before shard_model (and before PEFT wrapping): the model is already sharded. "
+            "Quantize the unsharded model, wrap it with peft, then call shard_model"
+        )
+    if _has_lora(model):
+        raise ValueError(
+            "quantize_nf4 must run before PEFT wrapping: quantize the base model, then call get_peft_model "
+            "(PEFT's layers then wrap the NF4 weights and train fp32 adapters beside them)"
+        )
+    names = {id(m): n for n, m in model.named_modules()}
+    group = block_size * scaler_block_size
+    done: list[str] = []
+    skipped: list[str] = []
+    linears = 0
+    for block in find_blocks(model, blocks):
+        for module in block.modules():
+            if not isinstance(module, nn.Linear) or is_nf4(module.weight):
+                continue
+            linears += 1
+            name = f"{names[id(module)]}.weight"
+            w = module.weight
+            if w.is_meta:
+                raise ValueError(
+                    f"quantize_nf4: {name} is on the meta device; quantize a model with real weights "
+                    "(build it on CPU, or load it with from_pretrained first)"
+                )
+            if w.numel() % group:
+                skipped.append(f"{name} {tuple(w.shape)}")
+                continue
+            with torch.no_grad():
+                nf4 = to_nf4(w.detach().to(dtype or w.dtype).contiguous(), block_size, scaler_block_size)
+            module.weight = nn.Parameter(nf4, requires_grad=False)
+            done.append(name)
+    if not done:
+        why = (
+            f"none of its {linears} nn.Linear weights has a multiple of block_size x scaler_block_size = "
+            f"{block_size} x {scaler_block_size} = {group} elements ({', '.join(skipped[:6])})"
+            if linears
+            else "its blocks hold no nn.Linear (a model with Conv1D layers, e.g. GPT-2, is not supported)"
+        )
+        raise ValueError(f"quantize_nf4: nothing to quantize in {type(model).__name__}: {why}")
+    return done

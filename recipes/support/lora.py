@@ -1,0 +1,29 @@
+"""The recipe's [lora] table: LoRA or QLoRA adapters on the model, before sharding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import fsdp2kit as fk
+
+
+def split_targets(targets: str) -> str | list[str]:
+    """``"all-linear"`` or a comma-separated list of module names, as the table spells them."""
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    if not names:
+        raise ValueError("[lora] targets is empty: name the Linear modules to adapt, or 'all-linear'")
+    return "all-linear" if names == ["all-linear"] else names
+
+
+def apply_lora_table(
+    model: nn.Module, *, r: int, alpha: float, dropout: float, targets: str, qlora: bool, dtype: torch.dtype
+) -> nn.Module:
+    """The base frozen at ``dtype`` (4-bit NF4 blocks with ``qlora``), fp32 adapters from peft.
+
+    Returns the peft model that replaces ``model`` in the rest of the recipe.
+    """
+    model = model.to(dtype)  # free on the meta device; the base's storage dtype from here on
+    if qlora:
+        fk.quantize_nf4(model)
+    return fk.apply_lora(model, r=r, alpha=alpha, dropout=dropout, targets=split_targets(targets))
