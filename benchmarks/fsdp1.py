@@ -36,7 +36,8 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.dist import mesh_device
 from fsdp2kit.precision import resolve_mixed_precision
-from fsdp2kit.shard import assign_units, resolve_strategy
+from fsdp2kit.shard import resolve_strategy
+from fsdp2kit.units import assign_units
 
 __all__ = ["fsdp1_sharding_strategy", "wrap_fsdp1"]
 

@@ -23,21 +23,10 @@ import math
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from support.config import ConfigError, config_to_dict, parse_config
-from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
-from support.evaluate import evaluate
-from support.export import export_model
-from support.lora import apply_lora_table
-from support.loss import answer_loss_sum, backward_global_mean
-from support.metrics import Timer, peak_memory_bytes
-from support.preemption import stop_after_signal
-from support.resources import RESOURCE_KEYS, process_resources
-from support.tracking import RunLog, parse_trackers
 
 import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
 from fsdp2kit.diagnostics import ON_NONFINITE, RankMonitor, check_finite
@@ -45,125 +34,17 @@ from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
 from fsdp2kit.stop import parse_signals
 from fsdp2kit.weights.adapters import peft_init_fn
-
-
-def opt(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class ModelConfig:
-    name: str = opt("demo", "a named config (demo, llama3-8b, llama3-70b, ...) or a local HF config/model directory")
-    pretrained: bool = opt(False, "load the weights of the local directory in `name` (load_pretrained)")
-    meta_init: bool = opt(True, "build on the meta device: no rank ever holds the whole model")
-
-
-@dataclass
-class DataConfig:
-    files: str = opt("", "comma-separated local .jsonl/.json/.parquet/.arrow/.txt files; empty: the demo corpus")
-    format: str = opt("text", "text (train on every token) | chat (a messages list) | completion (prompt, completion)")
-    tokenizer: str = opt("", "a local Hugging Face tokenizer directory; empty: the demo BPE, trained into cache_dir")
-    seq_len: int = opt(128, "tokens per training sequence")
-    batch_size: int = opt(8, "sequences per rank per micro-step")
-    packing: bool = opt(True, "pack several examples per sequence (they never attend to each other); false: pad")
-    text_field: str = opt("text", "format=text: the field that holds the text")
-    messages_field: str = opt("messages", "format=chat: the field that holds the list of {role, content}")
-    prompt_field: str = opt("prompt", "format=completion: the field that holds the prompt")
-    completion_field: str = opt("completion", "format=completion: the field that holds the answer (trained on)")
-    template: str = opt("", "format=completion: a str.format template over the record's fields making the prompt")
-    cache_dir: str = opt("outputs/data_cache", "tokenized rows are cached here, keyed by files, tokenizer, settings")
-    num_proc: int = opt(0, "processes that tokenize (0: up to 8, one per core)")
-
-
-@dataclass
-class EvalConfig:
-    files: str = opt("", "held-out files (same format as [data]); empty: a fraction of the data, or no eval")
-    fraction: float = opt(0.0, "hold out this fraction of the [data] records when no eval files are given")
-    every: int = opt(0, "evaluate every N steps (0: only at the end); each covers the whole held-out split")
-    batch_size: int = opt(8, "sequences per rank per eval forward")
-
-
-@dataclass
-class ExportConfig:
-    hf_dir: str = opt("", "at the end, write a Hugging Face model (and its tokenizer) here; empty: no export")
-
-
-@dataclass
-class ParallelConfig:
-    shard: int = opt(-1, "ranks that shard the model (-1: all that replicate leaves)")
-    replicate: int = opt(1, "replica groups (HSDP when > 1, e.g. the number of nodes)")
-    tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)")
-    strategy: str | None = opt(None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
-    mixed_precision: str | None = opt(None, "fp32 | bf16 | fp16")
-    cpu_offload: bool = opt(False, "keep parameters, gradients and optimizer state in CPU memory")
-    prefetch: int = opt(1, "blocks whose all-gather is issued ahead, forward and backward (0: off)")
-    activation_checkpointing: str | None = opt(None, "full | selective | N (every N-th block)")
-    compile: bool = opt(False, "torch.compile each block")
-    float8: bool = opt(False, "float8 matmuls and float8 all-gather (torchao)")
-
-
-@dataclass
-class LoraConfig:
-    r: int = opt(0, "LoRA rank; 0: full fine-tuning (no adapters)")
-    alpha: float = opt(16.0, "LoRA scaling numerator (the update is alpha / r x B @ A)")
-    dropout: float = opt(0.0, "dropout on the adapters' input")
-    targets: str = opt("all-linear", "comma-separated Linear module names to adapt, or all-linear")
-    qlora: bool = opt(False, "quantize the frozen base's block weights to 4-bit NF4 (QLoRA)")
-
-
-@dataclass
-class TrainConfig:
-    steps: int = opt(300, "optimizer steps in total")
-    lr: float = opt(3e-3, "peak learning rate (AdamW)")
-    warmup: int = opt(30, "linear warm-up steps, then cosine decay to 10% of lr")
-    weight_decay: float = opt(0.1, "AdamW weight decay")
-    grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)")
-    clip: float = opt(1.0, "clip the gradient norm to this (0: off)")
-    seed: int = opt(0, "seed for weights and data order")
-    smoke: bool = opt(False, "run the pre-flight self-check instead of training")
-    plan_only: bool = opt(False, "print the ShardPlan for the configured mesh and exit (no process group, no GPU)")
-    fail_at_step: int = opt(-1, "testing aid: rank 1 kills itself at this step on its first attempt")
-    skip_micro_at: int = opt(-1, "testing aid: rank 1 skips micro-step 0 of step N (counted from 1)")
-    on_nonfinite: str = opt("raise", "a NaN/Inf loss or gradient norm: raise (naming the module) | skip the step")
-    timeout: float = opt(600.0, "seconds a collective may wait before it fails (the process group's timeout)")
-    check_every: int = opt(10, "compare step, micro-step and batch shape across ranks every N steps (0: off)")
-    check_timeout: float = opt(60.0, "seconds a rank waits at a check for the others before naming who is where")
-    stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint")
-    requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
-
-
-@dataclass
-class CheckpointConfig:
-    dir: str = opt("outputs/ckpt", "checkpoint root (step_XXXXXXXX directories)")
-    every: int = opt(100, "save every N steps (and at the end); 0: only at the end")
-    keep_last: int = opt(2, "complete checkpoints to keep")
-    async_save: bool = opt(False, "save in the background while training continues")
-    resume: bool = opt(True, "resume from the newest complete checkpoint in dir")
-
-
-@dataclass
-class LogConfig:
-    every: int = opt(10, "log every N steps")
-    jsonl: str = opt("outputs/train.jsonl", "JSONL metrics file (rank 0); empty: none")
-    progress: bool = opt(True, "a progress bar on rank 0")
-    trackers: str = opt("", "comma-separated: tensorboard, wandb (offline), mlflow (local files); empty: none")
-    tracker_dir: str = opt("outputs/tracking", "where the trackers write (tensorboard/, wandb/, mlruns/)")
-    project: str = opt("fsdp2kit", "the W&B project / MLflow experiment")
-    run_name: str = opt("", "the run's name in the trackers (empty: 'run')")
-    resources: bool = opt(False, "log each rank's current RSS, open file descriptors and threads (leak hunting)")
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
+from support.config import ConfigError, config_to_dict, parse_config
+from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
+from support.evaluate import evaluate
+from support.export import export_model
+from support.lora import apply_lora_table
+from support.loss import answer_loss_sum, backward_global_mean
+from support.metrics import Timer, peak_memory_bytes
+from support.options import Config
+from support.preemption import stop_after_signal
+from support.resources import RESOURCE_KEYS, process_resources
+from support.tracking import RunLog, parse_trackers
 
 
 def build_data(cfg: Config, info: fk.DistInfo, dp_info: fk.DistInfo):

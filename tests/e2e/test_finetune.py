@@ -40,9 +40,10 @@ def test_pretrain_finetune_eval_export(tmp_path):
     assert train[8]["loss"] < train[1]["loss"]
 
     # the export is an ordinary HF model: loaded by transformers, its held-out loss is the recipe's
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from support.evaluate import evaluate
     from support.rows import load_rows
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(chat, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(chat, local_files_only=True)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from support.demo_data import demo_chat, write_demo_chat
 from support.evaluate import eval_batches, eval_shard, evaluate
 from support.formats import IGNORE, FormatSpec, encode_record
@@ -312,8 +313,9 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok_plain):
 
 
 def test_export_loads_in_transformers_with_its_tokenizer(tok, tmp_path):
-    from support.export import export_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from support.export import export_model
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

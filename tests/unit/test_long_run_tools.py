@@ -7,10 +7,10 @@ import signal
 import sys
 
 import pytest
-from support.tracking import RunLog, TrackerError, parse_trackers, scalars
 
 import fsdp2kit as fk
 from fsdp2kit.stop import parse_signals
+from support.tracking import RunLog, TrackerError, parse_trackers, scalars
 
 
 def test_signal_names_parse_and_bad_ones_are_named():

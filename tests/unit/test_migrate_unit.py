@@ -60,7 +60,7 @@ def test_every_source_key_is_accounted_for(example: Path) -> None:
 
 
 def test_recipe_keys_exist_in_the_recipe() -> None:
-    from train import Config
+    from support.options import Config
 
     defaults = Config()  # `from __future__ import annotations` makes field types strings: use instances
     tables = {}
@@ -73,7 +73,7 @@ def test_recipe_keys_exist_in_the_recipe() -> None:
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if "nvme" not in e.name], ids=lambda p: p.name)
 def test_toml_is_accepted_by_the_recipe(example: Path, tmp_path: Path) -> None:
     from support.config import parse_config
-    from train import Config
+    from support.options import Config
 
     conv = fk.convert_config(example)
     path = tmp_path / "c.toml"

@@ -1,0 +1,132 @@
+"""Which modules form each FSDP unit: embedding groups with their tied heads, and dtype sub-units.
+
+A parameter shared between modules must live in one unit (FSDP would shard it in one and the
+other unit would compute with the wrong-sized tensor), and a unit's trainable parameters must
+share one dtype (FSDP2 reduces them in one buffer): both are decided here, before any collective.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit._internal.fmt import fmt_list
+
+__all__ = ["assign_units", "dtype_subunits"]
+
+
+def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
+    """Embedding groups outside the blocks, and each parameter's unit (by id) for the checks.
+
+    Raises if a parameter shared between modules would end up in two units: FSDP would shard it
+    in one and the other unit would compute with the sharded (wrong-sized) tensor.
+    """
+    block_ids = {id(b) for b in blocks}
+    names = {id(m): n for n, m in model.named_modules()}
+
+    # Which block (or None for "outside every block") each module lives in.
+    owner_block: dict[int, nn.Module | None] = {}
+
+    def visit(module: nn.Module, block: nn.Module | None) -> None:
+        owner_block[id(module)] = block
+        for child in module.children():
+            visit(child, child if id(child) in block_ids else block)
+
+    visit(model, None)
+
+    # Which modules register each parameter (a tied weight is registered by several).
+    owners: dict[int, list[nn.Module]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for _, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+            params[id(p)] = p
+
+    unit_of: dict[int, str] = {}
+    for pid, mods in owners.items():
+        homes = {id(owner_block[id(m)]) if owner_block[id(m)] is not None else None for m in mods}
+        if len(homes) > 1:
+            where = [
+                names[id(owner_block[id(m)])] if owner_block[id(m)] is not None else "(outside the blocks)"
+                for m in mods
+            ]
+            who = [names[id(m)] for m in mods]
+            raise ValueError(
+                f"tied parameter shared by {who} would be split across FSDP units {where}; "
+                "choose blocks that keep every user of a shared weight in one unit"
+            )
+        block = owner_block[id(mods[0])]
+        unit_of[pid] = names[id(block)] if block is not None else ""
+
+    # Embedding groups: each nn.Embedding outside the blocks, with every module that shares a weight with it.
+    groups: list[list[nn.Module]] = []
+    grouped: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, nn.Embedding) or owner_block[id(module)] is not None or id(module) in grouped:
+            continue
+        group = [module]
+        for p in module.parameters(recurse=False):
+            for other in owners[id(p)]:
+                if all(other is not g for g in group):
+                    group.append(other)
+        if any(m is model for m in group):
+            continue  # the root owns it: it stays in the root unit
+        grouped.update(id(m) for m in group)
+        groups.append(group)
+        label = "+".join(names[id(m)] for m in group)
+        for m in group:
+            for p in m.parameters():
+                unit_of[id(p)] = label
+    return groups, unit_of
+
+
+def dtype_subunits(
+    model: nn.Module, unit: str, params: dict[str, nn.Parameter], unit_of: dict[int, str]
+) -> list[tuple[str, list[nn.Module]]]:
+    """Sub-units that give every FSDP unit trainable parameters of one dtype.
+
+    FSDP2 reduce-scatters a unit's gradients as one flat buffer and keeps one original dtype
+    per unit, so a unit whose trainable parameters mix dtypes (fp32 adapters beside bf16
+    trainable norms) cannot be one unit. Frozen parameters are free to differ (FSDP2 all-gathers
+    mixed dtypes as bytes). The dtype holding most trainable elements stays in the unit; the
+    modules that own each other dtype's parameters become one extra unit per dtype, sharded
+    before the unit (FSDP2 wants children first): one more all-gather and reduce-scatter per
+    dtype, not a whole-model upcast. Raises when a module owns trainable parameters of two
+    dtypes itself, since no grouping of modules can separate them.
+    """
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    numel: dict[torch.dtype, int] = defaultdict(int)
+    for p in trainable.values():
+        numel[p.dtype] += p.numel()
+    if len(numel) < 2:
+        return []
+    keep = max(numel, key=lambda d: numel[d])
+    label = unit or "(root)"
+    out = []
+    for dtype in sorted((d for d in numel if d != keep), key=str):
+        owners = sorted({n.rpartition(".")[0] for n, p in trainable.items() if p.dtype == dtype})
+        outermost = [o for o in owners if not any(o != q and (q == "" or o.startswith(q + ".")) for q in owners)]
+        bad = []
+        for owner in outermost:
+            module = model.get_submodule(owner)
+            mixed = [
+                f"{owner}.{n}" if owner else n
+                for n, p in module.named_parameters()
+                if p.requires_grad and p.dtype != dtype and unit_of.get(id(p)) == unit
+            ]
+            if module is model or (unit and owner == unit) or mixed:
+                bad.append(f"{owner or '(root)'} ({', '.join(mixed[:3]) or 'the unit itself'})")
+        if bad:
+            listing = "; ".join(
+                f"{d}: {fmt_list(sorted(n for n, p in trainable.items() if p.dtype == d), 3)}" for d in numel
+            )
+            raise ValueError(
+                f"FSDP unit {label} mixes trainable parameter dtypes ({listing}) inside single modules that cannot "
+                f"become units of their own: {fmt_list(bad, 3)}. Give trainable parameters one dtype (e.g. "
+                "p.data = p.data.float() for each trainable p) and choose the compute dtype with mixed_precision=..."
+            )
+        tag = str(dtype).removeprefix("torch.")
+        out.append((f"[{tag} trainable: {fmt_list(outermost, 2)}]", [model.get_submodule(o) for o in outermost]))
+    return out
