@@ -34,3 +34,11 @@ def all_ranks_or_none(model: nn.Module, what: str) -> Iterator[None]:
         raise
     if agree_failed(False, model):
         raise RuntimeError(f"{what} failed on another rank (see that rank's error); nothing is usable here")
+
+
+def raise_agreed(error: BaseException | None, model: nn.Module, what: str) -> None:
+    """Raise ``error`` on this rank, or a RuntimeError on every other rank, if any rank failed."""
+    if agree_failed(error is not None, model):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"{what} failed on another rank (see its error)")

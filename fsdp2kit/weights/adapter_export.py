@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.agree import agree_failed
+from fsdp2kit._internal.agree import raise_agreed
 from fsdp2kit._internal.dtensor import gather_full, is_first_rank
 from fsdp2kit.weights.adapters import adapter_keys, base_name, merged_weight, peft_view
 from fsdp2kit.weights.hf_writer import StagedDir
@@ -73,15 +73,6 @@ def export_adapters(
             except BaseException as exc:
                 error = exc
     if stage is not None:
-        try:
-            if error is None:
-                stage.commit()
-        except BaseException as exc:
-            error = exc
-        if error is not None:
-            stage.abort()
-    if agree_failed(error is not None, model):
-        if error is not None:
-            raise error
-        raise RuntimeError("export_hf failed on another rank (see its error)")
+        error = stage.close(error)
+    raise_agreed(error, model, "export_hf")
     return out_dir if writer_rank else None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.agree import agree_failed
+from fsdp2kit._internal.agree import raise_agreed
 from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
@@ -169,19 +169,13 @@ def export_hf(
                 error = exc
             del fulls
     if stage is not None:
-        try:
-            if error is None:
-                writer.finish()
-                _save_config(model, stage.dir, dtype or held)
-                stage.commit()
-        except BaseException as exc:
-            error = exc
-        if error is not None:
-            stage.abort()
-    if agree_failed(error is not None, model):
-        if error is not None:
-            raise error
-        raise RuntimeError("export_hf failed on another rank (see its error)")
+
+        def last() -> None:
+            writer.finish()
+            _save_config(model, stage.dir, dtype or held)
+
+        error = stage.close(error, last)
+    raise_agreed(error, model, "export_hf")
     return out_dir if writer_rank else None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,3 +85,16 @@ class StagedDir:
 
     def abort(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close(self, error: BaseException | None, last: Callable[[], None] = lambda: None) -> BaseException | None:
+        """Unless ``error`` came first, write the ``last`` files and publish; on any error remove
+        the directory. Returns the error, if any, for the caller to agree on with the other ranks."""
+        try:
+            if error is None:
+                last()
+                self.commit()
+        except BaseException as exc:
+            error = exc
+        if error is not None:
+            self.abort()
+        return error
