@@ -26,14 +26,17 @@ def align_special_tokens(model: nn.Module, tokenizer) -> None:
                 setattr(config, key, value)
 
 
-def export_model(model: nn.Module, tokenizer, hf_dir: str | Path, *, is_main: bool) -> Path | None:
+def export_model(model: nn.Module, tokenizer, hf_dir: str | Path, *, is_main: bool, merge: bool = True) -> Path | None:
     """Collective: every rank calls it. Writes ``hf_dir`` (replacing an old export there) on one rank,
-    then the tokenizer beside the weights, so ``from_pretrained(hf_dir)`` gives both. Returns the
-    directory on the writing rank."""
+    then the tokenizer beside the weights, so ``from_pretrained(hf_dir)`` gives both. A LoRA model is
+    written merged into its base (``merge``), else as the PEFT adapter directory that
+    ``PeftModel.from_pretrained(base, hf_dir)`` loads. Returns the directory on the writing rank."""
     align_special_tokens(model, tokenizer)
-    out = fk.export_hf(model, hf_dir, overwrite=True)
+    peft = hasattr(model, "peft_config")
+    out = fk.export_hf(model, hf_dir, overwrite=True, merge=merge and peft)
     if out is not None:
         tokenizer.save_pretrained(str(out))
     if is_main:
-        print(f"exported a Hugging Face model and its tokenizer to {Path(hf_dir).resolve()}", flush=True)
+        what = "a PEFT adapter" if peft and not merge else "a Hugging Face model"
+        print(f"exported {what} and its tokenizer to {Path(hf_dir).resolve()}", flush=True)
     return out

@@ -44,6 +44,7 @@ class EvalConfig:
 @dataclass
 class ExportConfig:
     hf_dir: str = opt("", "at the end, write a Hugging Face model (and its tokenizer) here; empty: no export")
+    merge: bool = opt(True, "with [lora]: the adapters merged into the base (false: a PEFT adapter directory)")
 
 
 @dataclass
