@@ -59,6 +59,7 @@ from fsdp2kit.checkpoint.state import (
 )
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.checkpoint.writer import ReusingSavePlanner, forget_plans, new_plan_key, writer
+from fsdp2kit.weights.adapters import peft_description
 
 
 class _AlreadyStaged(AsyncStager):
@@ -198,6 +199,8 @@ class Checkpointer:
                 state = self._stage(state)
             if rank == 0:
                 info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
+                if trainable_only:  # what `dcp_to_hf(..., base=...)` needs to rebuild the model offline
+                    info["peft"] = peft_description(model)
                 tmp = prepare_dir(self.root, step, model, info)
         except Exception as e:  # reported to every rank below, so none enters DCP alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"

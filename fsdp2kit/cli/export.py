@@ -11,7 +11,9 @@ def add_export_hf(subparsers) -> None:
         help="convert a checkpoint to Hugging Face safetensors that from_pretrained loads",
         description="Convert the newest complete step under CKPT_DIR (or --step, or CKPT_DIR as a step "
         "directory) to consolidated safetensors plus config in OUT_DIR, in one process, with the model's "
-        "usual Hugging Face layout. Nothing is unpickled beyond DCP's tensor descriptions.",
+        "usual Hugging Face layout. Nothing is unpickled beyond DCP's tensor descriptions. A LoRA/QLoRA "
+        "checkpoint (adapters only) needs --base, and is written as PEFT's adapter directory or, with --merge, "
+        "as the merged model.",
     )
     p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
     p.add_argument("out_dir", help="where to write model*.safetensors and config.json")
@@ -19,6 +21,16 @@ def add_export_hf(subparsers) -> None:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast on export (default: as saved)")
     p.add_argument("--config", default=None, help="a Hugging Face config directory, when the step has no config.json")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    p.add_argument(
+        "--base",
+        default=None,
+        help="a LoRA/QLoRA checkpoint holds only the adapters: the pretrained model directory the run started from",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --base: write the base with the adapters folded in (default: PEFT's adapter directory)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     p.set_defaults(func=run_export_hf)
 
@@ -37,7 +49,14 @@ def run_export_hf(args) -> int:
         config = AutoConfig.from_pretrained(args.config, local_files_only=True)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     out = dcp_to_hf(
-        source, args.out_dir, config=config, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite
+        source,
+        args.out_dir,
+        config=config,
+        dtype=dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        base=args.base,
+        merge=args.merge,
     )
     print(f"wrote {out}")
     return 0

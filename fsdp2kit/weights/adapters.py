@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.weights.hf_layout import clean_fqn
+from fsdp2kit.weights.nf4 import is_nf4
 
 __all__ = [
     "PeftView",
@@ -17,6 +19,7 @@ __all__ = [
     "base_name",
     "is_peft_model",
     "merged_weight",
+    "peft_description",
     "peft_init_fn",
     "peft_view",
 ]
@@ -29,6 +32,38 @@ def is_peft_model(model: nn.Module) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
+
+
+def peft_description(model: nn.Module) -> dict | None:
+    """What rebuilds a PEFT model around its pretrained base, for a checkpoint of its adapters only.
+
+    peft's own adapter configs (as its ``adapter_config.json`` holds them), the active adapters,
+    the frozen base's storage dtype, and the NF4 groups and weights of a QLoRA base. None for a
+    model that is not a peft ``PeftModel``.
+    """
+    if not is_peft_model(model):
+        return None
+    adapters = {}
+    for name, config in model.peft_config.items():
+        d = config.to_dict()
+        adapters[name] = {k: sorted(v) if isinstance(v, set) else v for k, v in d.items()}
+    nf4 = [(n, local_shard(p)) for n, p in model.named_parameters() if is_nf4(p)]
+    plain = [p.dtype for p in model.parameters() if not p.requires_grad and not is_nf4(p) and p.is_floating_point()]
+    base_dtype = max(set(plain), key=plain.count) if plain else (nf4[0][1].dtype if nf4 else None)
+    active = model.active_adapters
+    return {
+        "adapters": adapters,
+        "active": list(active) if isinstance(active, (list, tuple)) else [active],
+        "base_dtype": str(base_dtype).removeprefix("torch.") if base_dtype is not None else None,
+        "nf4": {
+            "block_size": nf4[0][1].block_size,
+            "scaler_block_size": nf4[0][1].scaler_block_size,
+            "dtype": str(nf4[0][1].dtype).removeprefix("torch."),
+            "weights": sorted(base_name(clean_fqn(n)) for n, _ in nf4),
+        }
+        if nf4
+        else None,
+    }
 
 
 def adapter_keys(model: nn.Module, adapter: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -27,6 +27,7 @@ from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.checkpoint.unpickler import SafeReader
+from fsdp2kit.weights.adapter_checkpoint import peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.weights.hf_layout import export_groups, model_tensors, to_hf_layout
 from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
@@ -219,6 +220,8 @@ def dcp_to_hf(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     prefix: str = "model",
+    base: str | os.PathLike | None = None,
+    merge: bool = False,
 ) -> Path:
     """Convert a DCP checkpoint of a transformers model to Hugging Face safetensors, in one process.
 
@@ -234,10 +237,25 @@ def dcp_to_hf(
     it to learn the expected keys, ties and conversions; a checkpoint that does not match it is a
     ``ValueError`` naming the keys. DCP's ``.metadata`` pickle is read with an unpickler that
     admits only tensor-description classes.
+
+    A LoRA / QLoRA step (saved ``trainable_only``: adapters, no base) needs ``base``, the
+    pretrained model directory the run started from: the PEFT model is rebuilt around it in
+    memory (see `peft_model_from_checkpoint`) and written as `export_hf` writes it, PEFT's
+    adapter directory or, with ``merge=True``, the merged model.
     """
     import torch.distributed.checkpoint as dcp
 
     step_dir = resolve_step_dir(checkpoint)
+    if read_info(step_dir).get("trainable_only"):
+        if base is None:
+            raise ValueError(
+                f"{step_dir} holds only the trainable parameters (a LoRA / QLoRA run saves its adapters, not the "
+                "frozen base): pass base= (--base) the pretrained model directory the run started from"
+            )
+        model = peft_model_from_checkpoint(step_dir, base)
+        return export_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, merge=merge)
+    if merge:
+        raise ValueError(f"merge=True folds LoRA adapters into their base; {step_dir} is a full model's checkpoint")
     config = _load_config(config, step_dir)
     model = _meta_model(config)
     metadata = read_metadata(step_dir)

@@ -24,7 +24,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "lora" | "frozen" | "mixed" | "qlora" | "export" | "export-qlora" | "load" | "ckpt"
+    kind: str  # "lora" | "frozen" | "mixed" | "qlora" | "export[-qlora]" | "load" | "ckpt" | "offline[-qlora]"
     wrappers: bool = False  # full activation checkpointing before sharding, prefetch 1/1 after
     shard: int = -1
     replicate: int = 1
@@ -227,6 +227,7 @@ def run_qlora(case: Case) -> dict:
 
 def run_cases(cases: list[Case]) -> list[dict]:
     runs = {"qlora": run_qlora, "export": run_export, "export-qlora": run_export, "load": run_load, "ckpt": run_ckpt}
+    runs.update({"offline": run_offline, "offline-qlora": run_offline})
     return [runs.get(c.kind, run_lora)(c) for c in cases]
 
 
@@ -386,3 +387,49 @@ def run_ckpt(case: Case) -> dict:
         "losses": losses,
         "after_step_diff": after,
     }
+
+
+def _files(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {f"{f.name}:{k}": v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def run_offline(case: Case) -> dict:
+    """A LoRA / QLoRA run's checkpoint (adapters only) exported offline, in one process, from the
+    step and the base model directory (`fsdp2kit export-hf --base`), against `export_hf` of the
+    sharded model itself: the same files, tensor for tensor."""
+    from fsdp2kit.cli import main
+
+    qlora = case.kind == "offline-qlora"
+    root = Path(case.tmp) / f"{case.kind}-w{dist.get_world_size()}"
+    base_dir = root / "base"
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        (qlora_base(quantize=False) if qlora else tiny_llama()).save_pretrained(base_dir)
+    if qlora:
+        model = qlora_llama()
+    else:
+        torch.manual_seed(0)
+        model = peft_llama()
+    fk.shard_model(model, _mesh(case))
+    opt = _optimizer(model)
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(2):
+        lm_loss(model, torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+    fk.Checkpointer(root / "ckpt").save(2, model, optimizer=opt)
+    fk.export_hf(model, root / "online-adapter")
+    fk.export_hf(model, root / "online-merged", merge=True)
+    out: dict = {"label": case.label}
+    if dist.get_rank() == 0:
+        ckpt = str(root / "ckpt")
+        out["no_base_status"] = main(["export-hf", ckpt, str(root / "nobase")])
+        out["adapter_status"] = main(["export-hf", ckpt, str(root / "offline-adapter"), "--base", str(base_dir)])
+        fk.dcp_to_hf(ckpt, root / "offline-merged", base=base_dir, merge=True)
+        for kind in ("adapter", "merged"):
+            online, offline = _files(root / f"online-{kind}"), _files(root / f"offline-{kind}")
+            out[f"{kind}_keys"] = (len(online), sorted(set(online) ^ set(offline)))
+            out[f"{kind}_unequal"] = sorted(k for k in online.keys() & offline.keys() if not torch.equal(online[k], offline[k]))
+    return out

@@ -22,6 +22,8 @@ CASES: dict[str, list[Case]] = {
         Case("export-qlora"),
         Case("load"),
         Case("ckpt"),
+        Case("offline"),
+        Case("offline-qlora"),
     ],
     "2-slow": [
         Case("mixed"),  # fp64 adapters and fp32 norms trainable in the same blocks
@@ -109,3 +111,10 @@ def test_lora(key: str, index: int, tmp_root: str) -> None:
         assert res["same_adapters"], "adapters not restored"
         assert res["losses"][0] == pytest.approx(res["losses"][1], rel=1e-6)
         assert res["after_step_diff"] < 1e-6, "optimizer state not restored: the next step differs"
+    elif case.kind.startswith("offline"):
+        assert res["no_base_status"] == 1, "an adapters-only checkpoint exported without --base must fail"
+        assert res["adapter_status"] == 0
+        for kind in ("adapter", "merged"):
+            count, differ = res[f"{kind}_keys"]
+            assert count and not differ, f"offline {kind} export has other keys than the online one: {differ[:4]}"
+            assert not res[f"{kind}_unequal"], f"offline {kind} tensors differ from online: {res[f'{kind}_unequal'][:4]}"

@@ -1,0 +1,75 @@
+"""A PEFT model rebuilt in one process from its pretrained base and a checkpoint of its adapters."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from fsdp2kit.checkpoint.layout import INFO_FILE
+from fsdp2kit.checkpoint.state import model_options
+from fsdp2kit.checkpoint.unpickler import SafeReader
+from fsdp2kit.weights.nf4 import quantize_nf4
+
+__all__ = ["peft_model_from_checkpoint", "read_info"]
+
+
+def read_info(step_dir: Path) -> dict:
+    """The ``fsdp2kit.json`` the Checkpointer writes beside a step's DCP files ({} if there is none)."""
+    path = step_dir / INFO_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Module:
+    """The PEFT model of a trainable-only step: ``base`` loaded with ``from_pretrained`` at the
+    run's storage dtype, NF4-quantized again for QLoRA (deterministic: the same 4-bit weights as
+    in training), wrapped with the saved adapter configs, and the adapters read from the step.
+
+    The whole base is held once in memory, in one process, at its storage dtype (or in 4 bits).
+    """
+    from peft import PeftConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    info = read_info(step_dir)
+    desc = info.get("peft")
+    if not desc:
+        raise ValueError(
+            f"{step_dir} holds only the trainable parameters of a model that is not a peft PeftModel (parameters "
+            "frozen by hand): rebuild that model, load the step into it with fsdp2kit.Checkpointer and call "
+            "fsdp2kit.export_hf"
+        )
+    if not Path(base, "config.json").is_file():
+        raise FileNotFoundError(f"base={str(base)!r} is not a Hugging Face model directory (no config.json there)")
+    dtype = getattr(torch, desc["base_dtype"]) if desc.get("base_dtype") else None
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True)
+    nf4 = desc.get("nf4")
+    if nf4:
+        done = quantize_nf4(
+            model,
+            block_size=nf4["block_size"],
+            scaler_block_size=nf4["scaler_block_size"],
+            dtype=getattr(torch, nf4["dtype"]),
+        )
+        differ = sorted(set(done) ^ set(nf4["weights"]))
+        if differ:
+            raise ValueError(f"quantizing {base} to NF4 again gives other weights than the run had: {differ[:6]}")
+    configs = {name: PeftConfig.from_peft_type(**d) for name, d in desc["adapters"].items()}
+    first, *others = configs
+    model = get_peft_model(model, configs[first], adapter_name=first)
+    for name in others:
+        model.add_adapter(name, configs[name])
+    model.base_model.set_adapter(desc["active"])
+    # DCP without a process group: this runs alone, even beside a live one (e.g. on rank 0 only).
+    options = model_options(trainable_only=True)
+    state = {"model": get_model_state_dict(model, options=options)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
+    set_model_state_dict(model, state["model"], options=options)
+    return model
