@@ -57,7 +57,7 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _build(mode: str):
+def build_model(mode: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import fsdp2kit as fk
@@ -81,7 +81,7 @@ def measure(mode: str) -> dict:
     import fsdp2kit as fk
 
     world = dist.get_world_size()
-    model, base_params, block_weights = _build(mode)
+    model, base_params, block_weights = build_model(mode)
     plan = fk.shard_model(model, fk.make_mesh(), mixed_precision="bf16")
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
@@ -205,7 +205,7 @@ def _nf4_bytes_world(world: int) -> int:
     """NF4 bytes per rank of the quantized block weights (from the quantized tensors, split N ways)."""
     from fsdp2kit.plan import ShardPlan
 
-    model, _, _ = _build("qlora")
+    model, _, _ = build_model("qlora")
     nf4 = [p for p in model.parameters() if type(p).__name__ == "NF4Tensor"]
     return ShardPlan.unit("nf4", nf4, world, None, True).bytes_per_rank
 
