@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
@@ -74,6 +75,24 @@ class _RefreshScales:
         if versions != self.versions:
             precompute_float8_dynamic_scale_for_fsdp(module)
             self.versions = versions
+
+
+def _check_tokens(module: nn.Module, args) -> None:
+    """Forward pre-hook of a float8 Linear: on CUDA, the tokens it sees must be a multiple of 16.
+
+    ``torch._scaled_mm`` wants every matmul dimension divisible by 16, and the weight gradient's
+    matmul runs over the tokens (``grad_output.T @ input``): any other count fails in the
+    backward with an error about matrix shapes. Said here, before the forward, in user terms.
+    """
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.is_cuda and x.dim() >= 2:
+        tokens = x.numel() // x.shape[-1]
+        if tokens % _MULTIPLE:
+            raise ValueError(
+                f"float8 training needs the tokens per rank and micro-batch (batch x sequence) to be a multiple of "
+                f"{_MULTIPLE} on CUDA (torch._scaled_mm's shapes); this forward has {tokens}: pad the sequence or "
+                "change the micro-batch"
+            )
 
 
 def enable_float8(
@@ -140,6 +159,9 @@ def enable_float8(
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: id(m) in chosen, config=config)
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            m.register_forward_pre_hook(_check_tokens)
     if fsdp_all_gather:
         layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
         model.register_forward_pre_hook(_RefreshScales(layers))

@@ -81,6 +81,7 @@ def test_float8_tracks_bf16(world):
     assert res["weight_local_types"] == ["WeightWithDynamicFloat8CastTensor"], res["weight_local_types"]
     assert res["loss_rel"] < F8_LOSS_RTOL, (res["losses"], res["bf16_losses"])
     assert res["update_cos"] > F8_MIN_COSINE, res
+    assert res["odd_tokens_error"] and "multiple of 16" in res["odd_tokens_error"]
 
 
 @pytest.mark.timeout(540)
