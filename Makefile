@@ -34,7 +34,7 @@ fmt: install
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" --durations=15
 
 test-all: lint
 	$(PY) -m pytest
