@@ -63,6 +63,7 @@ class TPCase:
     clip: float | None = None
     ac: str | None = None
     loss_parallel: bool = False
+    compile: str | None = None  # compile_blocks with this torch.compile backend ("aot_eager", "inductor")
     steps: int = 3
 
     @property
@@ -77,6 +78,8 @@ class TPCase:
             parts.append(f"AC {self.ac}")
         if self.loss_parallel:
             parts.append("loss parallel")
+        if self.compile:
+            parts.append(f"compiled ({self.compile})")
         return ", ".join(parts)
 
 
@@ -110,6 +113,9 @@ def run_parity(case: TPCase) -> dict:
     fk.apply_tensor_parallel(model, mesh, loss_parallel=case.loss_parallel)
     if case.ac:
         fk.apply_activation_checkpointing(model, case.ac)
+    if case.compile:
+        model.config.use_cache = False  # no KV cache in training: see compile_blocks
+        fk.compile_blocks(model, backend=case.compile)
     plan = fk.shard_model(model, mesh)
     opt, ref_opt = _optimizer(case.optim, model.parameters()), _optimizer(case.optim, ref.parameters())
     group, groups = dp_rank(mesh)
