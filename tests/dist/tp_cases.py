@@ -114,6 +114,10 @@ def run_parity(case: TPCase) -> dict:
     if case.ac:
         fk.apply_activation_checkpointing(model, case.ac)
     if case.compile:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # graphs counted per case
+        counters.clear()
         model.config.use_cache = False  # no KV cache in training: see compile_blocks
         fk.compile_blocks(model, backend=case.compile)
     plan = fk.shard_model(model, mesh)
@@ -150,6 +154,11 @@ def run_parity(case: TPCase) -> dict:
             worst, worst_name = rel, name
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     tied = model.lm_head.weight is model.get_input_embeddings().weight
+    graphs = None
+    if case.compile:
+        from torch._dynamo.utils import counters
+
+        graphs = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
     return {
         "label": case.label,
         "worst_rel": worst,
@@ -161,6 +170,7 @@ def run_parity(case: TPCase) -> dict:
         "plan_text": str(plan),
         "tied": tied,
         "dtensor_meshes": sorted({p.device_mesh.mesh_dim_names for p in model.parameters()}),
+        "graphs": graphs,  # compiled cases: (graphs dynamo compiled, graph breaks)
     }
 
 
