@@ -3,6 +3,10 @@
 Three spawns in all (4 ranks: FSDP 2 x TP 2 and HSDP 2 x FSDP 1 x TP 2; 2 ranks: TP 2 alone;
 1 process), each running many cases. HSDP 2 x FSDP 2 x TP 2 needs 8 ranks: on this 2-core
 machine that is a slow test (make test-all); `make test` trains the 3-D mesh with a shard dim of 1.
+
+Per-block compile on a TP model: `make test` compiles with backend="aot_eager" (dynamo and
+AOTAutograd, where the bug `compile_blocks` works around lives, without inductor's C++ build);
+inductor itself runs in a slow test.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ WORLD4 = [
     TPCase(model="llama", optim="adamw", shard=2, accum=2, ac="full"),
     # the 3-D mesh (replicate, shard, tp) at 4 ranks: HSDP 2 x FSDP 1 x TP 2
     TPCase(model="qwen3", optim="sgd", shard=1, replicate=2),
+    # per-block compile composed with FSDP x TP, activation checkpointing and the tied head
+    TPCase(model="llama-tied", optim="adamw", shard=2, ac="full", clip=0.05, compile="aot_eager"),
 ]
 WORLD2 = [
     TPCase(model="llama", optim="adamw"),
     TPCase(model="qwen3", optim="sgd", clip=0.5),
     TPCase(model="llama-tied", optim="sgd", ac="selective"),
+    TPCase(model="llama", optim="adamw", compile="aot_eager"),
 ]
 
 
@@ -60,6 +67,10 @@ def test_tp_parity(worlds, world: int, index: int, parity_table) -> None:
     assert "tp=2" in res["plan_text"]
     if "tied" in res["label"]:
         assert all(r["tied"] for r in ranks), "the tied head must stay one parameter under TP"
+    if res["graphs"] is not None:
+        # One graph serves every block and nothing breaks it. (Without compile_blocks' wait, the
+        # first block, fed the embedding's AsyncCollectiveTensor, got a graph of its own.)
+        assert res["graphs"] == (1, 0), f"(graphs, graph breaks) = {res['graphs']}"
     if res["norms"]:
         # clip_grad_norm_: the norm over both meshes equals the reference's, on every rank.
         for r in ranks:
@@ -133,7 +144,6 @@ ERRORS = {
     "tp3": r"shard=1, replicate=1, tp=3 does not fit the world size 2; sizes that work: \(shard=2, replicate=1\), "
     r"\(shard=1, replicate=2\), \(shard=1, replicate=1, tp=2\)",
     "after_shard": r"must be called before shard_model",
-    "compile_after_tp": r"compile_blocks on a tensor-parallel model is not supported yet",
 }
 
 
@@ -149,6 +159,7 @@ def test_tp_errors(worlds, key: str) -> None:
 def test_tp_order_and_mesh_names(worlds) -> None:
     errors = worlds[2][0]["errors"]
     assert errors["ac_after_tp"] is None  # activation checkpointing comes after TP
+    assert errors["compile_after_tp"] is None  # and so does per-block compile
     assert errors["mesh_names"] == [("shard", "tp"), ("shard",)]
 
 
@@ -175,3 +186,31 @@ def test_tp_hsdp_fsdp_tp_8_ranks() -> None:
         assert r["tied"] and r["norms"] == ranks[0]["norms"]
     assert ranks[0]["plan_bytes"] == ranks[0]["local_bytes"]
     torch.testing.assert_close(torch.tensor(ranks[0]["norms"]), torch.tensor(ranks[0]["ref_norms"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_tp_compiled_inductor(parity_table) -> None:
+    """compile_blocks with inductor (C++ on CPU) on TP 2 and FSDP 2 x TP 2, against the eager reference.
+
+    Slow (make test-all): inductor builds C++ for each rank (~1 min per world on 2 cores). Held
+    to the same 1e-5 as eager TP: measured here at 3.8e-6 (TP 2 Llama) and 5.3e-7 (FSDP 2 x TP 2
+    Qwen3, with clipping) after 3 AdamW steps; the eager TP cases of these models give 3.6e-6 and
+    4.7e-6 (Qwen3 without clipping) (inductor's reordered fp32 arithmetic stays well inside it at this size).
+    """
+    from tp_cases import run_parity_cases
+
+    worlds = {
+        2: [TPCase(model="llama", optim="adamw", compile="inductor")],
+        4: [TPCase(model="qwen3", optim="adamw", shard=2, clip=0.05, compile="inductor")],
+    }
+    for world, cases in worlds.items():
+        ranks = run_world(run_parity_cases, world, cases, timeout=700)
+        for i, case in enumerate(cases):
+            parity_table.append((case.label + " (TP)", world, ranks[0][i]["worst_rel"], ranks[0][i]["worst_param"]))
+            for r in ranks:
+                res = r[i]
+                assert res["worst_rel"] < RTOL, (
+                    f"{res['label']}: {res['worst_param']} differs by {res['worst_rel']:.2e}"
+                )
+                assert res["graphs"] == (1, 0), f"(graphs, graph breaks) = {res['graphs']}"

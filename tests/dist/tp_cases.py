@@ -63,6 +63,7 @@ class TPCase:
     clip: float | None = None
     ac: str | None = None
     loss_parallel: bool = False
+    compile: str | None = None  # compile_blocks with this torch.compile backend ("aot_eager", "inductor")
     steps: int = 3
 
     @property
@@ -77,6 +78,8 @@ class TPCase:
             parts.append(f"AC {self.ac}")
         if self.loss_parallel:
             parts.append("loss parallel")
+        if self.compile:
+            parts.append(f"compiled ({self.compile})")
         return ", ".join(parts)
 
 
@@ -110,6 +113,13 @@ def run_parity(case: TPCase) -> dict:
     fk.apply_tensor_parallel(model, mesh, loss_parallel=case.loss_parallel)
     if case.ac:
         fk.apply_activation_checkpointing(model, case.ac)
+    if case.compile:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # graphs counted per case
+        counters.clear()
+        model.config.use_cache = False  # no KV cache in training: see compile_blocks
+        fk.compile_blocks(model, backend=case.compile)
     plan = fk.shard_model(model, mesh)
     opt, ref_opt = _optimizer(case.optim, model.parameters()), _optimizer(case.optim, ref.parameters())
     group, groups = dp_rank(mesh)
@@ -144,6 +154,11 @@ def run_parity(case: TPCase) -> dict:
             worst, worst_name = rel, name
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     tied = model.lm_head.weight is model.get_input_embeddings().weight
+    graphs = None
+    if case.compile:
+        from torch._dynamo.utils import counters
+
+        graphs = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
     return {
         "label": case.label,
         "worst_rel": worst,
@@ -155,6 +170,7 @@ def run_parity(case: TPCase) -> dict:
         "plan_text": str(plan),
         "tied": tied,
         "dtensor_meshes": sorted({p.device_mesh.mesh_dim_names for p in model.parameters()}),
+        "graphs": graphs,  # compiled cases: (graphs dynamo compiled, graph breaks)
     }
 
 
