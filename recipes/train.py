@@ -23,6 +23,7 @@ import math
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -186,7 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         ac = p.activation_checkpointing
         fk.apply_activation_checkpointing(model, mode=int(ac) if ac.isdigit() else ac)
     if p.compile:
-        fk.compile_blocks(model)
+        with warnings.catch_warnings():
+            # Its use_cache warning does not apply: every forward here passes use_cache=False (support/loss.py).
+            warnings.filterwarnings("ignore", message="compile_blocks: model.config.use_cache")
+            fk.compile_blocks(model)
 
     # 4. shard, then fill the shards
     plan = fk.shard_model(
