@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                 cpu_offload=p.cpu_offload,
                 prefetch=p.prefetch,
                 strategy=p.strategy,
+                lora=lora.r if lora.r > 0 else None,  # frozen base, adapters trained (NF4 base with qlora)
+                qlora=lora.r > 0 and lora.qlora,
                 device=info.device.type if info.device.type == "cuda" else "cpu",
                 name=cfg.model.name,
             )
