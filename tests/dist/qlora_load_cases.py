@@ -119,6 +119,22 @@ def run_errors(tmp: str) -> dict:
         tp_model = tiny_llama(hidden=64, intermediate=128)
     fk.quantize_nf4(tp_model, **GROUPS)
     out["tp"] = _error(lambda: fk.apply_tensor_parallel(tp_model, tp_mesh))
+    # A checkpoint without one of the NF4 weights: even with strict=False there is nothing to quantize it from.
+    full, partial = Path(tmp) / f"base-{dist.get_world_size()}", Path(tmp) / "partial"
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file, save_file
+
+        partial.mkdir()
+        (partial / "config.json").write_text((full / "config.json").read_text())
+        tensors = load_file(full / "model.safetensors")
+        del tensors["model.layers.0.self_attn.q_proj.weight"]
+        save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    dist.barrier()
+    with torch.device("meta"):
+        holed = tiny_llama(hidden=64, intermediate=128)
+    fk.quantize_nf4(holed, **GROUPS)
+    fk.shard_model(holed, mesh)
+    out["missing"] = _error(lambda: fk.load_pretrained(holed, partial, strict=False))
     return out
 
 

@@ -24,6 +24,8 @@ def test_meta_qlora_world2(tmp_path) -> None:
         assert "load_pretrained" in errors["materialize"], errors["materialize"]
         assert "do not split evenly over 2 ranks" in errors["uneven"], errors["uneven"]
         assert "NF4" in errors["tp"] and "tensor parallel" in errors["tp"], errors["tp"]
+        assert "NF4 weights missing from the checkpoint" in errors["missing"], errors["missing"]
+        assert "layers.0.self_attn.q_proj.weight" in errors["missing"], errors["missing"]
 
 
 @pytest.mark.slow
