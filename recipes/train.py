@@ -81,12 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         if p.shard < 1:
             sys.exit("config error: --train.plan_only needs an explicit --parallel.shard (the GPUs per replica)")
         model = build_causal_lm(cfg.model.name, max_seq_len=cfg.data.seq_len, meta=True)
-        if cfg.lora.r > 0:
-            if cfg.lora.qlora:
-                sys.exit("config error: --train.plan_only cannot plan QLoRA yet (NF4 needs real weights to quantize)")
+        if cfg.lora.r > 0:  # QLoRA too: quantize_nf4 on the meta device leaves NF4 placeholders
             model = apply_lora_table(
                 model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, targets=cfg.lora.targets,
-                qlora=False, dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+                qlora=cfg.lora.qlora, dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
             )  # fmt: skip
         print(
             fk.estimate_plan(
@@ -125,9 +123,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. the model, on the meta device unless asked otherwise
     lora = cfg.lora
-    # QLoRA quantizes real weights: the base is built (and loaded) in host memory on every rank
-    # first, then quantized; quantizing rows as load_pretrained streams them is not supported yet.
-    quantize_first = lora.r > 0 and lora.qlora
+    # QLoRA from a pretrained directory is built on the meta device like any other run:
+    # quantize_nf4 leaves NF4 placeholders, shard_model shards them and load_pretrained quantizes
+    # each rank's rows as it reads them (no rank holds the bf16 base). Only QLoRA from a fresh
+    # init quantizes real weights first: the random base is built in host memory on every rank.
+    quantize_first = lora.r > 0 and lora.qlora and not cfg.model.pretrained
     model = build_causal_lm(
         cfg.model.name,
         vocab_size=None if cfg.model.pretrained else vocab,
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                 cpu_offload=p.cpu_offload,
                 prefetch=p.prefetch,
                 strategy=p.strategy,
+                lora=lora.r if lora.r > 0 else None,  # frozen base, adapters trained (NF4 base with qlora)
+                qlora=lora.r > 0 and lora.qlora,
                 device=info.device.type if info.device.type == "cuda" else "cpu",
                 name=cfg.model.name,
             )
@@ -168,8 +170,6 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # a plan is advice: a model the planner cannot trace still trains
             print(f"memory plan unavailable: {type(e).__name__}: {e}", flush=True)
 
-    if quantize_first and cfg.model.pretrained:
-        fk.load_pretrained(model, cfg.model.name)
     if lora.r > 0:  # LoRA / QLoRA adapters: they change modules, so before everything else
         model = apply_lora_table(
             model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, qlora=lora.qlora,

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, pa
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, TENSOR_PARALLEL
 from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
+from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
 __all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes", "tensor_parallel_info"]
@@ -68,6 +69,14 @@ def _check_order(model: nn.Module) -> None:
                 )
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("the model already holds DTensor parameters; apply_tensor_parallel expects plain tensors")
+    nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
+    if nf4:
+        # torchao's NF4Tensor splits only along rows into whole quantization groups and re-quantizes
+        # on any other slice, so a column split would change the weights: refused up front.
+        raise ValueError(
+            f"apply_tensor_parallel cannot split NF4 weights ({fmt_list(nf4, 2)}): QLoRA runs with FSDP / HSDP "
+            "only (tensor parallelism and NF4 are not supported together); drop tp, or quantize_nf4 not at all"
+        )
 
 
 def _concrete(model: nn.Module, plan: Plan, *, strict: bool) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from fsdp2kit.dist import mesh_device
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import copy_buffers, fill_buffers
 from fsdp2kit.weights.hf_layout import is_pretrained
+from fsdp2kit.weights.nf4 import is_nf4
 
 _INIT_FUNCTIONS = (
     "uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
@@ -258,6 +259,12 @@ def materialize(
         init_fn: replaces the model's initialisation; called once per module with that module's
             direct parameters as full, unsharded tensors.
     """
+    nf4 = [n for n, p in model.named_parameters() if p.is_meta and is_nf4(p)]
+    if nf4:
+        raise ValueError(
+            f"materialize cannot initialise NF4 weights ({nf4[0]} and {len(nf4) - 1} more): a quantized base "
+            "comes from a checkpoint; call load_pretrained(model, hf_dir), which quantizes each rank's rows"
+        )
     device = target_device(model, device)
     with all_ranks_or_none(model, "materialize"):
         params, buffers = allocate(model, device)

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.blocks import BlockSpec, find_blocks
 
-__all__ = ["NF4_DEFAULTS", "is_nf4", "nf4_shard_problem", "quantize_nf4"]
+__all__ = ["NF4_DEFAULTS", "is_nf4", "meta_nf4", "nf4_shard_problem", "quantize_nf4"]
 
 # QLoRA's sizes (Dettmers et al. 2023, and torchao's defaults): one absmax scaler per 64 weights,
 # the scalers themselves quantized to int8 in groups of 256.
@@ -43,6 +43,34 @@ def nf4_shard_problem(t: torch.Tensor, shard: int) -> str | None:
     return None
 
 
+def meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    """An NF4Tensor on the meta device with exactly the inner tensors ``to_nf4`` would make.
+
+    A placeholder for a weight that `fsdp2kit.load_pretrained` quantizes later: FSDP2 shards it
+    like a real NF4Tensor (torchao's split, new_zeros and copy_ work on meta inner tensors), so
+    each rank's shard already has the layout the loader fills. Inner tensors, as ``to_nf4``:
+    packed data (uint8, two weights a byte), one int8 scaler per block, one factor per scaler
+    group, the scalers' mean and the 16-value NF4 table (both in the weight's dtype).
+    """
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    numel = shape.numel()
+    n_blocks = numel // block_size
+    meta = torch.device("meta")
+    args = SubclassTensorArgs(shape, torch.empty(shape, device=meta).stride(), 0, dtype, meta, False)
+    return NF4Tensor(
+        args,
+        block_size,
+        n_blocks,
+        scaler_block_size,
+        torch.empty(n_blocks, dtype=torch.int8, device=meta),  # quantized_scalers
+        torch.empty(n_blocks // scaler_block_size, dtype=dtype, device=meta),  # quantization_factor
+        torch.empty((), dtype=dtype, device=meta),  # scaler_mean
+        torch.empty(numel // 2, dtype=torch.uint8, device=meta),  # quantized_data
+        torch.empty(16, dtype=dtype, device=meta),  # the NF4 table
+    )
+
+
 def _has_lora(model: nn.Module) -> bool:
     return any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
 
@@ -62,6 +90,12 @@ def quantize_nf4(
     defaults. Call it before wrapping the model with PEFT and before `fsdp2kit.shard_model`:
     FSDP2 then shards the packed tensors themselves (torchao's NF4Tensor implements FSDP2's
     all-gather extension), so each rank holds 1/N of the 4-bit base and all-gathers 4-bit data.
+
+    On a model built on the meta device, each weight becomes a meta NF4 placeholder instead:
+    `shard_model` shards it, and `fsdp2kit.load_pretrained` quantizes each rank's rows of the
+    checkpoint as they are read, into that rank's shard, bit for bit the shard that quantizing
+    the whole weight and then sharding gives (the scalers' mean is agreed over the shard group).
+    No rank ever holds more than one weight's rows unquantized (docs/lora.md).
 
     Only the blocks are quantized: embeddings, the output head and norms stay as they are, as
     in QLoRA. A Linear's bias (if any) is left alone; the weight becomes frozen
@@ -104,16 +138,14 @@ def quantize_nf4(
             linears += 1
             name = f"{names[id(module)]}.weight"
             w = module.weight
-            if w.is_meta:
-                raise ValueError(
-                    f"quantize_nf4: {name} is on the meta device; quantize a model with real weights "
-                    "(build it on CPU, or load it with from_pretrained first)"
-                )
             if w.numel() % group:
                 skipped.append(f"{name} {tuple(w.shape)}")
                 continue
-            with torch.no_grad():
-                nf4 = to_nf4(w.detach().to(dtype or w.dtype).contiguous(), block_size, scaler_block_size)
+            if w.is_meta:  # filled by load_pretrained, which quantizes each rank's rows
+                nf4 = meta_nf4(w.shape, dtype or w.dtype, block_size, scaler_block_size)
+            else:
+                with torch.no_grad():
+                    nf4 = to_nf4(w.detach().to(dtype or w.dtype).contiguous(), block_size, scaler_block_size)
             module.weight = nn.Parameter(nf4, requires_grad=False)
             done.append(name)
     if not done:

@@ -19,6 +19,7 @@ from fsdp2kit.weights.buffers import fill_buffers
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.nf4 import is_nf4
+from fsdp2kit.weights.nf4_load import allocate_nf4, fill_nf4, nf4_load_problem
 from fsdp2kit.weights.safetensors import SafetensorsReader, checkpoint_files
 
 
@@ -62,6 +63,12 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     raise, and the missing / unexpected keys are returned; missing parameters keep the values
     `materialize` gives them (it is run first when the model is still on the meta device).
 
+    NF4 weights (QLoRA: `quantize_nf4` before `shard_model`, on a real or a meta model) are
+    quantized from the rows each rank reads, one weight at a time, into that rank's NF4 shard:
+    the result is bit for bit the shard of ``to_nf4(full weight)`` (the block scalers' mean,
+    the one value that depends on the whole weight, is agreed over the shard group), and no
+    rank ever holds more than one weight's rows unquantized. They must be in the checkpoint.
+
     Non-persistent buffers (not in checkpoints) are recomputed as in `materialize`.
     """
     start = time.perf_counter()
@@ -75,6 +82,11 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         problems = []
         if plan.mismatched:
             problems.append(f"shapes differ: {fmt_list(plan.mismatched, 6)}")
+        nf4_missing = [n for n in plan.missing if n in tensors and is_nf4(tensors[n])]
+        if nf4_missing:
+            problems.append(
+                f"NF4 weights missing from the checkpoint (quantized only from it): {fmt_list(nf4_missing)}"
+            )
         if strict and plan.missing:
             problems.append(f"missing from the checkpoint: {fmt_list(plan.missing)}")
         if strict and plan.unexpected:
@@ -82,6 +94,8 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         if problems:
             hint = " Is this the checkpoint of another model?" if len(plan.groups) < len(tensors) // 2 else ""
             raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)
+    with all_ranks_or_none(model, "load_pretrained"):
+        allocate_nf4(model, target_device(model, None))  # meta NF4 placeholders: filled below, not initialised
     if is_peft_model(model) and any(p.is_meta for p in model.parameters()):
         materialize(model, init_fn=peft_init_fn(model))  # the adapters' own init; the base is read below
     elif plan.missing and any(t.is_meta for t in tensors.values()):
@@ -114,12 +128,9 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
     left out, so a plain checkpoint of the base fills the base and the adapters keep their init.
     """
     tensors, aliases = model_tensors(model)
-    nf4 = [n for n, t in tensors.items() if is_nf4(t)]
-    if nf4:
-        raise ValueError(
-            f"load_pretrained cannot fill NF4 weights ({fmt_list(nf4, 3)}): load the checkpoint first "
-            "(from_pretrained, or load_pretrained before quantizing), then quantize_nf4, PEFT and shard_model"
-        )
+    bad = [f"{n} {why}" for n, t in tensors.items() if is_nf4(t) and (why := nf4_load_problem(t))]
+    if bad:
+        raise ValueError(f"load_pretrained cannot quantize these NF4 weights from their rows: {fmt_list(bad, 3)}")
     if not is_peft_model(model):
         return model, tensors, aliases
     view = peft_view(model, tensors)
@@ -131,6 +142,9 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
+    if is_nf4(target):
+        fill_nf4(target, part)  # quantized with the shard group's agreed scaler mean (collective)
+        return
     local = local_shard(target)
     if tuple(part.shape) != tuple(local.shape):
         raise RuntimeError(
@@ -142,6 +156,9 @@ def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
 def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reader: SafetensorsReader) -> None:
     if group.converter is None:
         target = tensors[group.targets[0]]
+        if is_nf4(target):
+            _copy_into(target, reader.read(group.source_keys[0], local_index(target)))
+            return
         local = local_shard(target)
         if local.numel() == 0:
             return

@@ -23,7 +23,13 @@ def apply_lora_table(
 
     Returns the peft model that replaces ``model`` in the rest of the recipe.
     """
-    model = model.to(dtype)  # free on the meta device; the base's storage dtype from here on
+    # The parameters only, in place (ties kept; free on the meta device): ``model.to(dtype)`` would
+    # also cast the fp32 buffers, e.g. RoPE's inv_freq, which from_pretrained(dtype=bf16) keeps
+    # in fp32; a bf16 inv_freq shifts every rotary angle and the logits with them.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
     if qlora:
         fk.quantize_nf4(model)
     return fk.apply_lora(model, r=r, alpha=alpha, dropout=dropout, targets=split_targets(targets))
