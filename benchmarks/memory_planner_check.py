@@ -42,6 +42,21 @@ GRID: list[dict] = [
     dict(world=2, replicate=1, ac=None, mp="bf16", batch=2, seq=64, size="deep", prefetch=1),
     dict(world=3, replicate=1, ac="full", mp=None, batch=2, seq=96, size="deep", optimizer="sgd"),
     dict(world=4, replicate=2, ac="selective", mp=None, batch=1, seq=16, size="deep"),
+    # Tensor parallelism (the model's own transformers plan, fsdp2kit.apply_tensor_parallel):
+    # alone, and under FSDP on a (shard, tp) mesh. world counts every rank.
+    dict(world=2, replicate=1, ac=None, mp=None, batch=2, seq=64, size="s", tp=2),
+    dict(world=2, replicate=1, ac="full", mp="bf16", batch=2, seq=96, size="m", tp=2),
+    dict(world=4, replicate=1, ac=None, mp=None, batch=2, seq=64, size="s", tp=2),
+    dict(world=4, replicate=1, ac="selective", mp="bf16", batch=2, seq=128, size="m", tp=2),
+    # LoRA (peft, rank 8, every block Linear; fp32 adapters) over an fp32 or a bf16 base, and
+    # QLoRA (the base's block Linears in NF4, torchao's default groups of 64 x 256).
+    dict(world=2, replicate=1, ac=None, mp=None, batch=2, seq=64, size="s", lora=8),
+    dict(world=2, replicate=1, ac="full", mp="bf16", batch=2, seq=128, size="m", lora=8),
+    dict(world=2, replicate=1, ac=None, mp="bf16", batch=2, seq=64, size="q", lora=8, qlora=True),
+    dict(world=2, replicate=1, ac="selective", mp="bf16", batch=2, seq=64, size="q", lora=16, qlora=True),
+    # MoE (Qwen3-MoE, transformers' grouped-matmul experts): fp32 and bf16.
+    dict(world=2, replicate=1, ac=None, mp=None, batch=2, seq=64, size="moe"),
+    dict(world=2, replicate=1, ac="full", mp="bf16", batch=2, seq=96, size="moe"),
 ]
 
 SIZES = {
@@ -69,6 +84,27 @@ SIZES = {
         num_key_value_heads=2,
         vocab_size=256,
     ),
+    # QLoRA: every block weight a whole number of NF4 groups (64 x 256 values) per rank at world 2
+    "q": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+    "moe": dict(
+        family="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
     "tied": dict(
         hidden_size=64,
         intermediate_size=176,
@@ -82,11 +118,15 @@ SIZES = {
 
 
 def build(size: str, meta: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = LlamaConfig(max_position_embeddings=512, **SIZES[size])
+    kw = dict(SIZES[size])
+    if kw.pop("family", "llama") == "qwen3_moe":
+        config, cls = Qwen3MoeConfig(max_position_embeddings=512, **kw), Qwen3MoeForCausalLM
+    else:
+        config, cls = LlamaConfig(max_position_embeddings=512, **kw), LlamaForCausalLM
     with torch.device("meta" if meta else "cpu"):
-        return LlamaForCausalLM(cfg)
+        return cls(config)
 
 
 def lm_loss(model, batch):
@@ -106,18 +146,27 @@ def measure_world(configs: list[dict]) -> list[dict]:
         torch.manual_seed(0)
         model = build(c["size"], meta=False)
         model.config.use_cache = False
+        tp = c.get("tp", 1)
+        if c.get("lora"):  # as the recipe's [lora] table: the base in the compute dtype, NF4 blocks for QLoRA
+            if c["mp"] == "bf16":
+                model = model.to(torch.bfloat16)
+            if c.get("qlora"):
+                fk.quantize_nf4(model)
+            model = fk.apply_lora(model, r=c["lora"])
+        mesh = fk.make_mesh(shard=c["world"] // c["replicate"] // tp, replicate=c["replicate"], tp=tp)
+        if tp > 1:
+            fk.apply_tensor_parallel(model, mesh)
         if c["ac"] is not None:
             fk.apply_activation_checkpointing(model, mode=c["ac"])
-        mesh = fk.make_mesh(shard=c["world"] // c["replicate"], replicate=c["replicate"])
         fk.shard_model(model, mesh, mixed_precision=c["mp"])
         if c.get("prefetch", 0):
             fk.set_prefetch(model, forward=c["prefetch"], backward=c["prefetch"])
         if c.get("optimizer", "adamw") == "sgd":
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         vocab = model.config.vocab_size
-        gen = torch.Generator().manual_seed(dist.get_rank())
+        gen = torch.Generator().manual_seed(dist.get_rank() // tp)  # one batch per TP group
 
         def make_batch(vocab=vocab, shape=(c["batch"], c["seq"] + 1), gen=gen):
             return torch.randint(0, vocab, shape, generator=gen)
@@ -138,7 +187,10 @@ def predict(c: dict):
 
     return fk.plan_memory(
         build(c["size"], meta=True),
-        shard=c["world"] // c["replicate"],
+        shard=c["world"] // c["replicate"] // c.get("tp", 1),
+        tp=c.get("tp", 1),
+        lora=c.get("lora"),
+        qlora=c.get("qlora", False),
         replicate=c["replicate"],
         batch=c["batch"],
         seq=c["seq"],
@@ -154,12 +206,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the first configuration of each world size only")
     ap.add_argument("--out", default="benchmarks/results/memory_planner")
+    ap.add_argument(
+        "--only",
+        choices=("tp", "lora", "moe"),
+        help="re-run only the configurations with this key, keeping the other rows of the existing --out .json",
+    )
     args = ap.parse_args()
     from fsdp2kit.testing import run_world
 
     grid = GRID
     if args.quick:
         grid = [next(c for c in GRID if c["world"] == w) for w in (2, 3, 4)]
+    if args.only:
+        grid = [c for c in GRID if c.get(args.only) or c["size"] == args.only]
     rows = []
     t0 = time.time()
     for world in sorted({c["world"] for c in grid}):
@@ -178,6 +237,15 @@ def main() -> None:
     meta = dict(
         load=os.getloadavg(), seconds=round(time.time() - t0, 1), torch=torch.__version__, python=sys.version.split()[0]
     )
+    old = Path(args.out + ".json")
+    if args.only and old.exists():  # the rows not re-run stay as they were measured (their run's meta too)
+        previous = json.loads(old.read_text())
+        fresh = {json.dumps(r["config"], sort_keys=True): r for r in rows}
+        kept = {json.dumps(r["config"], sort_keys=True): r for r in previous["rows"]}
+        kept.update(fresh)
+        order = [json.dumps(c, sort_keys=True) for c in GRID]
+        rows = [kept[k] for k in order if k in kept]
+        meta = dict(previous["meta"], **{f"{args.only}_rows": meta})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     Path(args.out + ".md").write_text(markdown(rows, meta))
@@ -213,8 +281,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         c, p, m = r["config"], r["predicted"], r["measured"]
         err = p["peak_bytes"] / m["peak"] - 1
         worst = max(worst, abs(err))
-        mesh = f"{c['replicate']}x{c['world'] // c['replicate']}" if c["replicate"] > 1 else f"{c['world']}"
-        extra = [k for k in ("prefetch", "optimizer") if k in c]
+        tp = c.get("tp", 1)
+        dp = c["world"] // tp
+        mesh = f"{c['replicate']}x{dp // c['replicate']}" if c["replicate"] > 1 else f"{dp}"
+        mesh += f" x tp {tp}" if tp > 1 else ""
+        extra = [k for k in ("prefetch", "optimizer", "lora", "qlora") if k in c]
         model = c["size"] + "".join(f", {k} {c[k]}" for k in extra)
         cats = [
             (p["parts"]["params"], m["params"]),

@@ -17,7 +17,7 @@ import torch
 
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
 
-__all__ = ["ShardPlan", "UnitPlan"]
+__all__ = ["NF4_SHARDED", "ShardPlan", "UnitPlan"]
 
 
 def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) -> torch.Size:
@@ -38,7 +38,7 @@ def _sharded_numel(shape: torch.Size, shard: int) -> int:
     return math.ceil(shape[0] / shard) * math.prod(shape[1:])
 
 
-_NF4_SHARDED = ("quantized_data", "quantized_scalers", "quantization_factor")
+NF4_SHARDED = ("quantized_data", "quantized_scalers", "quantization_factor")
 
 
 def _sharded_bytes(p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None) -> int:
@@ -49,7 +49,7 @@ def _sharded_bytes(p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Si
         for attr in p.__tensor_flatten__()[0]:
             t = getattr(p, attr)
             # the packed data and both scaler levels are split by rows; the mean and the 16-entry table are copied
-            parts = shard if attr in _NF4_SHARDED else 1
+            parts = shard if attr in NF4_SHARDED else 1
             total += math.ceil(t.numel() / parts) * t.element_size()
         return total
     return _sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size()

@@ -36,7 +36,10 @@ def add_plan(subparsers) -> None:
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
     p.add_argument("--replicate", type=int, default=1, help="replica groups (HSDP when > 1)")
     p.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel ranks (the model's own TP plan; memory plans estimate TP)"
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (the model's own TP plan; the memory plan traces one TP rank)",
     )
     p.add_argument(
         "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
@@ -47,8 +50,14 @@ def add_plan(subparsers) -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     p.add_argument("--ac", default=None, help="activation checkpointing: none, full, selective or N (every N-th)")
     p.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit (torchao) or sgd")
-    p.add_argument("--lora", type=int, default=None, metavar="R", help="train rank-R LoRA adapters (analytic)")
-    p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights (analytic)")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train rank-R LoRA adapters (peft, every Linear but the head)",
+    )
+    p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights in the blocks (QLoRA)")
     p.add_argument("--prefetch", type=int, default=1, help="explicit prefetch depth (fk.set_prefetch); 0: implicit")
     p.add_argument("--device", default="cuda", help="cuda (default: allocator margin, foreach AdamW) or cpu")
     p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.blocks import find_blocks
+from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
 from fsdp2kit.planner.report import MemoryPlan
 from fsdp2kit.planner.timeline import replay
@@ -102,7 +103,8 @@ def plan_memory(
 
     Args:
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
-        tp: tensor-parallel degree, modelled analytically (see `_apply_tp`).
+        tp: tensor-parallel degree: the model's own plan, as `fsdp2kit.apply_tensor_parallel`'s
+            ``"auto"``; the step is traced on one TP rank's slices (`fsdp2kit.planner.adapt`).
         activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block), as
             `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
             checkpoints the model its own way (another trainer's policy), called on the planner's copy.
@@ -110,8 +112,9 @@ def plan_memory(
         optimizer: ``"adamw"``, ``"adamw8bit"`` (torchao) or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
         prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
-        lora, qlora: train rank-``lora`` adapters on every block Linear, the base frozen (in NF4
-            with ``qlora``); modelled analytically (see `_apply_lora`).
+        lora, qlora: train rank-``lora`` peft adapters (fp32) on every Linear but the head, the
+            base frozen in the compute dtype (its block Linears in NF4 with ``qlora``), as the
+            recipe's ``[lora]`` table does; traced like full training.
         gpu_memory: bytes per device; the plan then says whether it fits and by how much.
     """
     settings = Settings(
@@ -141,6 +144,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
     s.check()
     mp = resolve_mixed_precision(s.mixed_precision)
+    model = _as_trained(model, s, mp.param_dtype, cache)
     plan = estimate_plan(
         model, shard=s.shard, replicate=s.replicate, strategy=s.strategy, mixed_precision=mp, cpu_offload=s.cpu_offload
     )
@@ -186,10 +190,6 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     }
     opt_parts = dict.fromkeys(step_parts, 0)
     opt_parts.update(params=params, grads=grads, optimizer=opt.state, temporaries=opt.temporaries)
-    if s.lora is not None:
-        step_parts, opt_parts = _apply_lora(model, s, shard_size, step_parts, opt_parts, mp.param_dtype)
-    if s.tp > 1:
-        step_parts, opt_parts = _apply_tp(step_parts, s.tp), _apply_tp(opt_parts, s.tp)
     host = 0
     if s.cpu_offload:
         # Sharded parameters, gradients and optimizer state live on the host; the step runs there.
@@ -208,10 +208,6 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     config: dict[str, Any] = {k: v for k, v in dataclasses.asdict(s).items()}
     config["strategy"] = plan.strategy
     notes = []
-    if s.tp > 1:
-        notes.append(f"tp={s.tp} is modelled analytically (blocks split {s.tp} ways), not traced or measured")
-    if s.lora is not None:
-        notes.append("LoRA/QLoRA is modelled analytically (frozen base, fp32 adapters), not traced or measured")
     if s.optimizer == "adamw8bit":
         notes.append("AdamW8bit's step temporaries are an estimate (4 fp32 copies of the largest parameter)")
     return MemoryPlan(
@@ -231,42 +227,17 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     )
 
 
-def _apply_tp(parts: dict[str, int], tp: int) -> dict[str, int]:
-    # Analytic, pending the TP branch: a block's weights, their gradients and optimizer state are
-    # split tp ways (and so are the all-gathers of them); of the activations, the attention and
-    # MLP internals are split but the residual stream and the norms' outputs are not (no sequence
-    # parallelism): we keep a quarter whole, a Llama-shaped approximation. Not yet measured.
-    out = dict(parts)
-    for k in ("params", "gathered", "comm_buffers", "unsharded_grads", "grads", "optimizer"):
-        out[k] = parts[k] // tp
-    out["activations"] = parts["activations"] // 4 + (3 * parts["activations"] // 4) // tp
-    return out
-
-
-def _apply_lora(model, s: Settings, shard: int, step_parts: dict, opt_parts: dict, compute_dtype):
-    # Analytic: the base weights are frozen (no gradients, no optimizer state) and stored in the
-    # compute dtype (NF4 with QLoRA: 4 bits + one bf16 scale per 64 values, ~0.53 bytes);
-    # every Linear inside the blocks gets fp32 adapters A (r x in) and B (out x r), whose
-    # gradients and AdamW state are the only ones. Activations are kept as for full training
-    # (LoRA saves each Linear's input for its A matrix, as full training saves it for the weight
-    # gradient). Not yet measured: the LoRA branch lands in parallel.
-    base_itemsize = (compute_dtype or torch.float32).itemsize
-    total = sum(p.numel() for p in model.parameters())
-    linear = adapters = 0
-    for block in find_blocks(model):
-        for m in block.modules():
-            if isinstance(m, nn.Linear):
-                linear += m.weight.numel()
-                adapters += s.lora * (m.in_features + m.out_features)
-    base = (total - linear) * base_itemsize + linear * (0.53 if s.qlora else base_itemsize)
-    params = int(base / shard) + adapters * 4 // shard
-    adapter_grads = adapters * 4 // shard
-    opt = optimizer_bytes([(adapters // shard, torch.float32)], s.optimizer)
-    step = dict(step_parts)
-    step.update(params=params, grads=min(step_parts["grads"], adapter_grads), optimizer=opt.state)
-    step["unsharded_grads"] = min(step_parts["unsharded_grads"], adapters * 4)
-    gathered_scale = (0.53 if s.qlora else base_itemsize) / (compute_dtype or torch.float32).itemsize
-    step["gathered"] = int(step_parts["gathered"] * gathered_scale)
-    optp = dict(opt_parts)
-    optp.update(params=params, grads=adapter_grads, optimizer=opt.state, temporaries=opt.temporaries)
-    return step, optp
+def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None, cache: dict) -> nn.Module:
+    """``model`` as the recipe trains it (`fsdp2kit.planner.adapt`): with LoRA/QLoRA adapters, then one
+    TP rank's slices; the model itself when neither is asked. Kept in ``cache`` for the search."""
+    if s.lora is None and s.tp == 1:
+        return model
+    key = ("as trained", id(model), s.lora, s.qlora, s.tp, compute_dtype)
+    if key not in cache:
+        work = model
+        if s.lora is not None:  # the recipe's [lora] table: the base stored in the compute dtype
+            work = lora_model(work, r=s.lora, qlora=s.qlora, base_dtype=compute_dtype or torch.float32)
+        if s.tp > 1:
+            work = tp_local_model(work, s.tp)
+        cache[key] = (model, work)  # the model too: its id must not be reused while the key lives
+    return cache[key][1]

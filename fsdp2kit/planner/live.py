@@ -15,10 +15,34 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["LiveBytes"]
+__all__ = ["LiveBytes", "tensor_storages"]
+
+
+def tensor_storages(t: torch.Tensor | None) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s bytes: a DTensor's local shard's, a wrapper subclass's inner tensors'.
+
+    A wrapper subclass (torchao's NF4Tensor) answers ``untyped_storage()`` with a storage sized
+    for its outer shape and dtype (a bf16 weight's bytes) that holds no memory; its real bytes
+    are its inner tensors' (4-bit codes, scalers), read through ``__tensor_flatten__``.
+    """
+    if t is None:
+        return []
+    if isinstance(t, DTensor):
+        return tensor_storages(t._local_tensor)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in tensor_storages(getattr(t, n))]
+    try:
+        return [t.untyped_storage()]
+    except (NotImplementedError, RuntimeError):  # a subclass with no storage and no inner tensors
+        return []
 
 
 class LiveBytes(TorchDispatchMode):
@@ -59,17 +83,13 @@ class LiveBytes(TorchDispatchMode):
     def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages (they must outlive the mode: ids are not reused while alive)."""
         for t in tensors:
-            self._ignored.add(id(t.untyped_storage()))
+            self._ignored.update(id(st) for st in tensor_storages(t))
 
     def _track(self, t: torch.Tensor) -> None:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        if type(t) is not torch.Tensor and not hasattr(t, "untyped_storage"):
-            return
-        try:
-            st = t.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # tensor subclasses without a storage of their own
-            return
+        for st in tensor_storages(t):
+            self._track_storage(st)
+
+    def _track_storage(self, st: torch.UntypedStorage) -> None:
         key = id(st)
         if key in self._storages or key in self._ignored:
             return
@@ -100,8 +120,9 @@ class LiveBytes(TorchDispatchMode):
         return self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Let DTensor turn itself into local-tensor ops first: those allocate, it does not.
-        if any(issubclass(t, DTensor) for t in types):
+        # Let DTensor (and NF4Tensor, any wrapper subclass) turn itself into ops on its inner
+        # tensors first: those allocate (a dequantized weight's temporaries too), it does not.
+        if any(issubclass(t, DTensor) or is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._track, out)

@@ -14,22 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from fsdp2kit.planner.live import LiveBytes
+from fsdp2kit.planner.live import LiveBytes, tensor_storages
 
 __all__ = ["MeasuredStep", "measure_step"]
 
 
-def _storage_key(t: torch.Tensor | None) -> int | None:
-    if t is None:
-        return None
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    try:
-        return id(t.untyped_storage())
-    except (NotImplementedError, RuntimeError):
-        return None
+def _keys(t: torch.Tensor | None) -> set[int]:
+    return {id(st) for st in tensor_storages(t)}
 
 
 def _fsdp_groups(model: nn.Module) -> list:
@@ -66,31 +58,31 @@ class _Classifier:
         self.params = [p for p in model.parameters()]
 
     def sets(self) -> dict[str, set[int]]:
-        params = {_storage_key(p) for p in self.params}
-        grads = {_storage_key(p.grad) for p in self.params if p.grad is not None}
+        params = {k for p in self.params for k in _keys(p)}
+        grads = {k for p in self.params if p.grad is not None for k in _keys(p.grad)}
         opt = set()
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    opt.add(_storage_key(v))
+                    opt |= _keys(v)
         gathered, buffers = set(), set()
         comm_seen = set()
         for g in self.groups:
             for fp in g.fsdp_params:
                 for t in getattr(fp, "all_gather_outputs", None) or []:
-                    gathered.add(_storage_key(t))
+                    gathered |= _keys(t)
             res = getattr(g, "_all_gather_result", None)  # a prefetched all-gather not yet copied out
             if res is not None and res.all_gather_output is not None:
-                buffers.add(_storage_key(res.all_gather_output))
+                buffers |= _keys(res.all_gather_output)
             ctx = g.comm_ctx  # shared by every group of the model
             if id(ctx) in comm_seen:
                 continue
             comm_seen.add(id(ctx))
             ag = getattr(ctx, "all_gather_state", None)
             if ag is not None:
-                buffers.add(_storage_key(ag.all_gather_result.all_gather_output))
+                buffers |= _keys(ag.all_gather_result.all_gather_output)
             for rs in getattr(ctx, "reduce_scatter_states", []) or []:
-                buffers.add(_storage_key(rs.reduce_scatter_input))
+                buffers |= _keys(rs.reduce_scatter_input)
         return {"params": params, "grads": grads, "optimizer": opt, "gathered": gathered, "comm_buffers": buffers}
 
     def classify(self, live: LiveBytes) -> dict[str, int]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fsdp2kit.plan import ShardPlan
+from fsdp2kit.plan import NF4_SHARDED, ShardPlan
 from fsdp2kit.planner.timeline import Unit
 
 __all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "unit_params", "units_for"]
@@ -23,6 +23,18 @@ OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 # for tensors of at least 4096 elements (smaller ones keep fp32 state): torchao/optim/adam.py.
 _AO_BLOCK = 256
 _AO_MIN_SIZE = 4096
+
+
+def _gathered_bytes(p: torch.Tensor, shard: int, compute_dtype: torch.dtype | None) -> int:
+    """Bytes FSDP2 all-gathers for ``p``: dim 0 padded to a multiple of the shard size, in the compute
+    dtype; an NF4Tensor gathers its packed codes and scalers as they are (torchao's
+    ``fsdp_pre_all_gather``), padded alike, and keeps its mean and table from the shard."""
+    if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
+        return sum(
+            math.ceil(t.numel() / shard) * shard * t.element_size() for t in (getattr(p, a) for a in NF4_SHARDED)
+        )
+    cdt = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
+    return _padded(p.shape, shard) * cdt.itemsize
 
 
 def _padded(shape: torch.Size, shard: int) -> int:
@@ -65,7 +77,7 @@ def units_for(
         for p in params:
             cdt = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
             padded = _padded(p.shape, shard)
-            gathered += padded * cdt.itemsize
+            gathered += _gathered_bytes(p, shard, compute_dtype)
             if p.requires_grad if trainable is None else id(p) in trainable:
                 rdt = reduce_dtype or cdt
                 grads += p.numel() * cdt.itemsize

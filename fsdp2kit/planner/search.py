@@ -66,12 +66,23 @@ def _candidates(s: Settings) -> list[tuple[str, float, Settings]]:
     return out
 
 
+def _plan_or_none(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan | None:
+    # A change this model cannot take (QLoRA's NF4 groups not dividing a weight's shard, say)
+    # raises the error the real run would: it is not a change to offer.
+    try:
+        return plan_settings(model, s, cache)
+    except ValueError:
+        return None
+
+
 def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: int = 6) -> list[dict]:
     """Single changes to ``s`` whose plan fits in ``gpu_memory``, cheapest first; pairs of them if none does."""
     cache: dict = {}
     tried: list[tuple[str, float, Settings, MemoryPlan]] = []
     for label, cost, settings in _candidates(s):
-        tried.append((label, cost, settings, plan_settings(model, settings, cache)))
+        plan = _plan_or_none(model, settings, cache)
+        if plan is not None:
+            tried.append((label, cost, settings, plan))
     fits = [t for t in tried if t[3].peak_bytes <= gpu_memory]
     if not fits:
         # No single change: try each change on top of each same-hardware change.
@@ -79,8 +90,8 @@ def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: i
             for label2, cost2, settings2 in _candidates(settings):
                 if cost2 >= cost or label2.split()[0] == label.split()[0]:
                     continue  # each pair once, and never the same knob twice
-                plan = plan_settings(model, settings2, cache)
-                if plan.peak_bytes <= gpu_memory:
+                plan = _plan_or_none(model, settings2, cache)
+                if plan is not None and plan.peak_bytes <= gpu_memory:
                     fits.append((f"{label} + {label2}", cost + cost2, settings2, plan))
     fits.sort(key=lambda t: (t[1], t[3].peak_bytes))
     return [

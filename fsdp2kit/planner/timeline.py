@@ -86,12 +86,18 @@ class FsdpTimeline:
             self._start_gather(u)
         flat = max(u.pending_gather, 0)
         u.pending_gather = 0
-        if forward:  # the previous unit's kept flat buffer goes before this copy-out
+        moment = []
+        if forward and self._ag_state:
+            # The previous unit's kept flat buffer goes before this copy-out, but after this
+            # unit's all-gather filled its own (FSDPParamGroup.wait_for_unshard): both are alive
+            # while FSDP2's own ops run (a LoRA block, whose small reduce-scatter input does not
+            # hide it, measures two block-sized flat buffers here).
+            moment.append(self.between_ops())
             self.buffers -= self._ag_state
             self._ag_state = 0
         self.gathered += u.gathered
         u.unsharded = True
-        moment = [self.extra()]
+        moment.append(self.extra())
         if keep_flat:
             self._ag_state = flat
         else:

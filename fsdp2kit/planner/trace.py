@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.planner.live import LiveBytes
 
-__all__ = ["Recording", "record_step"]
+__all__ = ["Recording", "meta_copy", "record_step"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two
 # hold a little more than the rest (the embedding output and the first block's output are still
@@ -65,15 +66,30 @@ def _signature(block: nn.Module) -> tuple:
     return (type(block).__name__, getattr(block, "attention_type", None), *params)
 
 
-def _meta_copy(model: nn.Module, dtype: torch.dtype | None, keep: list[nn.Module] | None) -> nn.Module:
-    """A deep copy of ``model`` on the meta device in ``dtype``, with only the blocks in ``keep`` if given."""
+def meta_copy(
+    model: nn.Module,
+    dtype: torch.dtype | None,
+    keep: list[nn.Module] | None = None,
+    shapes: dict[int, tuple[int, ...]] | None = None,
+) -> nn.Module:
+    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as
+    they are), with only the blocks in ``keep`` if given and the parameters named by id in
+    ``shapes`` given those shapes (a tensor-parallel rank's slices).
+
+    A wrapper-subclass parameter already on the meta device (a planned NF4 weight) is kept as is:
+    its bytes are its inner tensors' and its dtype is the one it computes in.
+    """
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in memo:
-            dt = dtype if dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) else t.dtype
-            new = torch.empty(t.shape, dtype=dt, device="meta")
-            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+        if id(t) in memo:
+            continue
+        if is_traceable_wrapper_subclass(t) and t.device.type == "meta":
+            memo[id(t)] = t
+            continue
+        dt = dtype if dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) else t.dtype
+        new = torch.empty((shapes or {}).get(id(t), t.shape), dtype=dt, device="meta")
+        memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     if keep is not None:
         first = find_blocks(model)[0]
         keep_ids = {id(b) for b in keep}
@@ -94,6 +110,7 @@ def _as_a_real_step():
       step runs a fused kernel (flash on CUDA and on CPU) that saves its output and the
       log-sum-exp, so the recorded step calls the CPU flash kernel, whose meta kernel has the
       same outputs.
+    - MoE experts in a dtype other than bf16: see below.
     """
     masking = sys.modules.get("transformers.masking_utils")
     saved = {}
@@ -113,10 +130,26 @@ def _as_a_real_step():
         return out
 
     F.scaled_dot_product_attention = fused_sdpa
+    # MoE experts: transformers 5 runs them as one grouped matmul (torch's grouped_mm, fp32 too
+    # on CPU and CUDA), but torch's meta kernel for it takes bf16 only. On meta tensors of any
+    # other dtype the recording uses transformers' own fallback op instead, whose meta (fake)
+    # kernel gives the same output and whose backward saves the same input and weight.
+    moe = sys.modules.get("transformers.integrations.moe")
+    can_grouped = getattr(moe, "_can_use_grouped_mm", None)
+    if can_grouped is not None:
+
+        def grouped_on_meta(input, weight, offs):
+            if weight.device.type == "meta" and weight.dtype != torch.bfloat16:
+                return False
+            return can_grouped(input, weight, offs)
+
+        moe._can_use_grouped_mm = grouped_on_meta
     try:
         yield
     finally:
         F.scaled_dot_product_attention = sdpa
+        if can_grouped is not None:
+            moe._can_use_grouped_mm = can_grouped
         for k, v in saved.items():
             setattr(masking, k, v)
 
@@ -157,7 +190,7 @@ def record_step(
     lead = _LEAD
     if truncate and not every_n and len(blocks) > lead + 3 and len({_signature(b) for b in blocks[lead:-1]}) == 1:
         keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
-    clone = _meta_copy(model, compute_dtype, keep)
+    clone = meta_copy(model, compute_dtype, keep)
     clone.train()
     config = getattr(clone, "config", None)
     if config is not None and hasattr(config, "use_cache"):
