@@ -264,8 +264,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     """The error table: the peak, then each category the planner reports, predicted vs measured."""
     head = (
         "# Memory planner vs measurement (CPU, live tensor bytes per rank)\n\n"
-        "`benchmarks/memory_planner_check.py`: real gloo ranks train a tiny Llama with fsdp2kit (the recipe's "
-        "loss, AdamW unless noted); one step after a warm-up is measured by "
+        "`benchmarks/memory_planner_check.py`: real gloo ranks train a tiny Llama (a Qwen3-MoE for `moe`) with "
+        "fsdp2kit (the recipe's loss, AdamW unless noted; TP with `apply_tensor_parallel`'s auto plan, LoRA/QLoRA "
+        "with peft adapters over a frozen base in the compute dtype, NF4 blocks for QLoRA); one step after a "
+        "warm-up is measured by "
         "`fsdp2kit.planner.measure.measure_step` (live storage bytes at every op, by category; the worst rank) "
         'and predicted by `fsdp2kit.plan_memory(..., device="cpu")` on the model built on the meta device. '
         f"MiB. torch {meta['torch']}, {meta['seconds']} s, load average {tuple(round(x, 1) for x in meta['load'])} "
@@ -303,6 +305,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{cells} |"
         )
     foot = (
+        "\nModels: s = 4 blocks x 64 wide, vocab 512; m = 3 x 96, vocab 1024; deep = 8 x 48 (the planner runs 5 "
+        "blocks and repeats one); tied = tied head; q = 2 x 256 (whole NF4 groups per rank); moe = Qwen3-MoE, "
+        "3 blocks x 64, 4 experts, top 2. World counts every rank; the mesh column is the data-parallel mesh "
+        "(x tp T with tensor parallelism).\n"
         f"\n{len(rows)} configurations, largest peak error {worst:.2%} (target: 10%). Category cells are "
         "predicted / measured (error). Measured categories are told apart by identity (parameter shards, "
         "`.grad`, optimizer state, FSDP2's unsharded parameters and flat all-gather / reduce-scatter buffers); "

@@ -41,7 +41,7 @@ from support.evaluate import evaluate
 from support.export import export_model
 from support.lora import apply_lora_table
 from support.loss import answer_loss_sum, backward_global_mean
-from support.metrics import Timer, peak_memory_bytes
+from support.metrics import LivePeak, Timer, peak_memory_bytes
 from support.options import Config
 from support.preemption import stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     timer, last_logged = Timer(info.device), start
     first_loss = last_loss = float("nan")
     skipped = 0
+    live_peak = LivePeak(info.device, at_step=start + 1)  # CPU: live tensor bytes, beside the prediction
     for step in range(start, t.steps):
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
         skip = int(step + 1 == t.skip_micro_at and info.rank == 1)  # testing aid: the desync the monitor must name
         micro = micro[skip:]
         monitor.step(step + 1)  # steps are counted from 1 in every message, as in the log
-        with monitor.guard():  # a collective that fails or times out names every rank's position
+        # a collective that fails or times out names every rank's position
+        with monitor.guard(), live_peak.watch(step, model, optimizer):
             # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py.
             # With TP, each of a TP group's ranks counts the same tokens: the count over all ranks and the
             # world size are both TP times too large, and the factors cancel.
@@ -316,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
                 record.update({f"{k}_per_rank": res[:, i].tolist() for i, k in enumerate(RESOURCE_KEYS)})
             if predicted is not None:
                 record["predicted_peak_gib"] = predicted / 2**30  # fsdp2kit.plan_memory, before training
+            if live_peak.peak is not None:  # CPU: rank 0's live tensor bytes in one step, the figure predicted
+                record["peak_live_gib"] = live_peak.peak / 2**30
+                record["peak_live_step_s"] = live_peak.seconds
             if peak:
                 record["mfu"] = flops_per_token * tokens_per_step / dt / (peak * info.world_size)
             first_loss = record["loss"] if math.isnan(first_loss) else first_loss

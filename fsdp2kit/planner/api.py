@@ -62,6 +62,11 @@ class Settings:
             raise ValueError(f"lora={self.lora!r}: expected the LoRA rank, a positive int")
         if self.qlora and self.lora is None:
             raise ValueError("qlora=True needs a LoRA rank (lora=R): QLoRA trains LoRA adapters over NF4 weights")
+        if self.lora is not None and self.tp > 1:
+            raise ValueError(
+                f"lora={self.lora} with tp={self.tp}: the planner does not model LoRA adapters under tensor "
+                "parallelism (plan them apart: tp=1 with LoRA, or tp without)"
+            )
 
 
 def plan_memory(

@@ -4,14 +4,20 @@ Peak memory is what the device reports: on CUDA the allocator's high-water mark
 (``torch.cuda.max_memory_allocated``); on CPU the process's resident-set high-water mark
 (``ru_maxrss``), which includes the interpreter and libraries (~0.5 GiB with torch and
 transformers imported), so compare CPU figures with each other, not with a GPU's.
+
+Neither CPU figure is what `fsdp2kit.plan_memory` predicts there (live tensor bytes), so on CPU
+`LivePeak` also measures one step's peak of live tensor bytes with the planner's own tracker:
+that one sits beside the prediction (``peak_live_gib`` vs ``predicted_peak_gib``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,7 @@ import torch
 
 __all__ = [
     "JsonlLogger",
+    "LivePeak",
     "Timer",
     "peak_memory_bytes",
     "reset_peak_memory",
@@ -35,6 +42,41 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+class LivePeak:
+    """On CPU, one step's peak of live tensor bytes (what ``plan_memory`` predicts there), and its cost.
+
+    RSS counts the interpreter, libraries and freed memory the allocator keeps; live tensor
+    bytes count the parameters, gradients, optimizer state and every tensor alive at each op
+    (`fsdp2kit.planner.live.LiveBytes`, which sums the live storages after every op, so the
+    step it watches runs slower: ``seconds`` is that step's wall time, for comparison with
+    the others). Only ``at_step`` is watched, the run's second step by default: the
+    optimizer state exists by then, as the planner assumes. On CUDA nothing is done (the
+    allocator's own peak is exact).
+    """
+
+    def __init__(self, device: torch.device, at_step: int):
+        self.enabled = device.type == "cpu"
+        self.at_step = at_step
+        self.peak: int | None = None
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def watch(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        if not self.enabled or step != self.at_step:
+            yield
+            return
+        from fsdp2kit.planner.live import LiveBytes
+
+        live = LiveBytes()
+        live.track([*model.parameters(), *model.buffers()])
+        live.track(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        t0 = time.perf_counter()
+        with live:
+            yield
+        self.seconds = time.perf_counter() - t0
+        self.peak = live.peak
 
 
 class Timer:

@@ -78,6 +78,7 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
         (dict(activation_checkpointing="most"), "mode='most'"),
         (dict(mixed_precision="fp8"), "mixed_precision='fp8'"),
         (dict(qlora=True), "qlora=True needs a LoRA rank"),
+        (dict(lora=4, tp=2), "lora=4 with tp=2"),
         (dict(device="tpu"), "device='tpu'"),
     ],
 )
@@ -209,3 +210,57 @@ def test_parse_bytes():
     assert parse_bytes("512 MiB") == 512 * 2**20
     with pytest.raises(ValueError, match="expected a size"):
         parse_bytes("lots")
+
+
+@pytest.mark.timeout(120)
+def test_moe_plans_in_fp32_and_bf16():
+    # torch's meta kernel for grouped_mm takes bf16 only; the recording uses transformers'
+    # fallback experts op for other dtypes (tests/dist/test_memory_measured.py measures one).
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    fp32 = fk.plan_memory(model, shard=2, batch=2, seq=32, device="cpu")
+    bf16 = fk.plan_memory(model, shard=2, batch=2, seq=32, mixed_precision="bf16", device="cpu")
+    # The same step; bf16 halves the gathered parameters and the floating activations (the
+    # batch, the routing's expert indices and token orders stay int64).
+    assert fp32.measured_like["max_gathered"] == 2 * bf16.measured_like["max_gathered"]
+    assert 0.5 < bf16.saved_activations / fp32.saved_activations < 0.7
+
+
+@pytest.mark.timeout(120)
+def test_lora_qlora_and_tp_plans_change_the_model_they_trace():
+    # Block weights of whole NF4 groups (64 x 256 values) per rank at shard 2.
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    full = fk.plan_memory(model, shard=2, batch=2, seq=32, mixed_precision="bf16", device="cpu")
+    lora = fk.plan_memory(model, shard=2, batch=2, seq=32, mixed_precision="bf16", lora=8, device="cpu")
+    qlora = fk.plan_memory(model, shard=2, batch=2, seq=32, mixed_precision="bf16", lora=8, qlora=True, device="cpu")
+    # Frozen base: only the adapters have gradients and optimizer state; NF4 blocks shrink the base.
+    assert lora.measured_like["grads"] < full.measured_like["grads"] / 10
+    assert qlora.parts["params"] < lora.parts["params"]
+    assert qlora.measured_like["max_gathered"] < lora.measured_like["max_gathered"]
+    tp = fk.plan_memory(model, shard=1, tp=2, batch=2, seq=32, device="cpu")
+    dp = fk.plan_memory(model, shard=1, batch=2, seq=32, device="cpu")
+    # The blocks' and embeddings' weights split in two (norms stay whole); the logits stay whole.
+    assert 0.49 < tp.parts["params"] / dp.parts["params"] < 0.52
+    assert tp.logits_and_loss == dp.logits_and_loss
