@@ -14,55 +14,20 @@ import functools
 import torch
 import torch.nn as nn
 
-from fsdp2kit.blocks import find_blocks
 from fsdp2kit.planner.trace import meta_copy
-from fsdp2kit.weights.nf4 import NF4_DEFAULTS
 
-__all__ = ["lora_model", "meta_nf4", "tp_local_model"]
-
-
-def meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    """A torchao NF4Tensor of ``shape`` on the meta device: its inner tensors sized as ``to_nf4`` makes them.
-
-    4-bit codes two a byte, one int8 scaler per ``block_size`` values, one factor (in ``dtype``)
-    per ``block_size * scaler_block_size``, the scalers' mean and the 16-entry NF4 table.
-    """
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
-
-    numel = shape.numel()
-    n_blocks = numel // block_size
-    meta = SubclassTensorArgs(shape, torch.empty(shape, device="meta").stride(), 0, dtype, torch.device("meta"), False)
-
-    def empty(n, dt):
-        return torch.empty(n, dtype=dt, device="meta")
-
-    return NF4Tensor(
-        meta,
-        block_size,
-        n_blocks,
-        scaler_block_size,
-        empty(n_blocks, torch.int8),  # quantized_scalers
-        empty(n_blocks // scaler_block_size, dtype),  # quantization_factor
-        empty((), dtype),  # scaler_mean
-        empty(numel // 2, torch.uint8),  # quantized_data
-        empty(16, dtype),  # the NF4 table
-    )
+__all__ = ["lora_model", "tp_local_model"]
 
 
 def lora_model(model: nn.Module, *, r: int, qlora: bool, base_dtype: torch.dtype) -> nn.Module:
     """A meta copy of ``model`` with its base in ``base_dtype`` (NF4 block Linears with ``qlora``) and
     rank-``r`` peft adapters on every Linear but the head (``apply_lora``'s ``"all-linear"``), fp32."""
     from fsdp2kit.weights.adapters import apply_lora
+    from fsdp2kit.weights.nf4 import quantize_nf4
 
     work = meta_copy(model, base_dtype)
-    if qlora:
-        # quantize_nf4's rule: a weight whose size is not a whole number of groups stays as it is.
-        group = NF4_DEFAULTS["block_size"] * NF4_DEFAULTS["scaler_block_size"]
-        for block in find_blocks(work):
-            for m in block.modules():
-                if isinstance(m, nn.Linear) and m.weight.numel() % group == 0:
-                    nf4 = meta_nf4(m.weight.shape, base_dtype, **NF4_DEFAULTS)
-                    m.weight = nn.Parameter(nf4, requires_grad=False)
+    if qlora:  # on the meta device: NF4 placeholders with to_nf4's inner tensors (fsdp2kit.weights.nf4.meta_nf4)
+        quantize_nf4(work)
     return apply_lora(work, r=r)
 
 
