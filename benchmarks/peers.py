@@ -1,9 +1,10 @@
 """fsdp2kit against the other FSDP2 stacks (transformers' native FSDP2, Accelerate's) on one checkpoint, in one run.
 
-    torchrun --nproc_per_node=2 benchmarks/peers.py            # `make bench-peers`: the committed CPU table
-    torchrun --nproc_per_node=2 benchmarks/peers.py --config demo --repeats 1 --steps 2   # smoke test
+    PYTHONPATH=. python benchmarks/peers.py       # `make bench-peers`: the committed CPU table (2 gloo ranks)
+    PYTHONPATH=. python benchmarks/peers.py --config demo --repeats 1 --steps 2 --out /tmp/p   # a quick try
 
-Rank 0 builds a Llama from a named config (default ``bench-512x8``, 33.7M parameters), seeds it
+It starts its own worlds of processes (`fsdp2kit.testing.run_world`), so no torchrun. This process
+builds a Llama from a named config (default ``bench-512x8``, 33.7M parameters), seeds it
 and saves it with ``save_pretrained`` into a temporary directory in fp32. Why fp32: it is what
 every library's default then trains in. transformers' ``from_pretrained`` defaults to
 ``dtype="auto"`` (the checkpoint's dtype), so a bf16 file would make it train pure bf16 (no fp32
