@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: install lint fmt test test-all demo bench bench-search soak gpu-check gpu-wheels clean
+.PHONY: install lint fmt test test-all demo bench bench-search bench-peers soak gpu-check gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,14 @@ bench: install $(VENV)/.installed-bench
 
 bench-search: install $(VENV)/.installed-bench
 	$(TORCHRUN) benchmarks/fsdp1_vs_fsdp2.py --search $(BENCH_ARGS)
+
+# fsdp2kit vs transformers' native FSDP2 vs Accelerate's FSDP2 on one checkpoint, at each library's defaults
+# (benchmarks/README.md, "Against other FSDP2 stacks"): loads in fresh worlds, training interleaved, 2 ranks;
+# JSON, markdown and PNG under benchmarks/results/peers.*. Under flock where there is one, so that two
+# timing runs on a shared machine never overlap.
+BENCH_LOCK := $(shell command -v flock >/dev/null 2>&1 && echo flock /tmp/fsdp2kit-bench.lock)
+bench-peers: install $(VENV)/.installed-bench
+	$(BENCH_LOCK) env PYTHONPATH=. $(PY) benchmarks/peers.py --nproc $(NPROC) $(BENCH_ARGS)
 
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"

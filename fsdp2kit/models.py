@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.meta_init import skip_meta_parameter_init
+
 __all__ = ["NAMED_CONFIGS", "build_causal_lm", "llama_config"]
 
 # name -> LlamaConfig arguments.
@@ -128,5 +130,8 @@ def build_causal_lm(
                 max_seq_len, NAMED_CONFIGS.get(name, {}).get("max_position_embeddings", 0)
             )
         config = llama_config(name, **overrides)
-    with torch.device("meta" if meta else device):
+    if not meta:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"), skip_meta_parameter_init():  # init on meta computes nothing and costs time
         return AutoModelForCausalLM.from_config(config)

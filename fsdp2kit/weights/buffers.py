@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.meta_init import flag_meta_parameter, meta_tensors_skip_torch_init
 from fsdp2kit.weights.hf_layout import clean_fqn, is_pretrained, original_class
 
 
@@ -28,13 +29,16 @@ def parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
 
     The constructor's own code computes the buffers; ``torch.empty`` for a parameter reserves
     address space without touching it, and the meta copy costs nothing, so this is cheap even
-    for a very large model.
+    for a very large model. Neither transformers' init nor torch's touches those meta parameters
+    (fsdp2kit._internal.meta_init: initialising them computes nothing, and cost a third of a
+    small model's `load_pretrained`).
     """
     register = nn.Module.register_parameter
 
     def to_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        flag_meta_parameter(param)  # the twin is thrown away: its flags need no removing
         register(self, name, param)
 
     previous = torch.get_default_dtype()
@@ -43,7 +47,7 @@ def parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
     try:
         if dtype is not None and dtype.is_floating_point:
             torch.set_default_dtype(dtype)
-        with torch.device("cpu"):
+        with torch.device("cpu"), meta_tensors_skip_torch_init():
             yield
     finally:
         nn.Module.register_parameter = register
