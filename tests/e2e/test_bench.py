@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # `make test-all`: ~30 s, and `make bench` itself exercises the same path
 @pytest.mark.timeout(300)
 def test_bench_tiny(tmp_path):
     best = tmp_path / "best.json"

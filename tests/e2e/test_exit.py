@@ -2,8 +2,8 @@
 
 gloo's worker threads free a finished collective after the caller has moved on; one caught by
 interpreter finalization aborts the process (see fsdp2kit.dist._settle_gloo_workers). Without
-the pause at exit this script aborted in about half of its launches here, so eight clean exits
-in a row are a real check.
+the pause at exit this script aborted in about half of its launches here, so five clean exits
+in a row are a real check (a 1 in 32 chance of passing without it).
 """
 
 from __future__ import annotations
@@ -35,6 +35,6 @@ def test_exit_right_after_a_collective_is_clean(tmp_path):
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    for attempt in range(8):
+    for attempt in range(5):
         proc = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"launch {attempt + 1} of 8 failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        assert proc.returncode == 0, f"launch {attempt + 1} of 5 failed:\n{(proc.stdout + proc.stderr)[-3000:]}"

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+@pytest.mark.slow  # `make test-all`: 16-38 s; `make bench-peers` reports the same agreement in its results
 @pytest.mark.timeout(120)
 def test_one_world_trains_both_libraries_alike(tmp_path):
     import peers
