@@ -109,7 +109,9 @@ def snapshot(model, opt=None) -> dict:
 
     snap = {"model": {k: full(v) for k, v in get_model_state_dict(model).items()}}
     if opt is not None:
-        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True))
+        osd = get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+        )
         snap["optim"] = {k: full(v) for k, v in osd.items()}
     return snap
 
@@ -254,7 +256,12 @@ def _resume(root: Path, async_save: bool) -> tuple[list[float], list[float], dic
     model, opt, sched = run(0)
     ck = Checkpointer(root, async_save=async_save, rng=not async_save)
     first = train(model, opt, 3, sched)
-    ck.save(3, model, optimizer=opt, extra={"scheduler": sched, "data": PerRank({"consumed": 3 * BATCH, "rank": rank}), **rng})
+    ck.save(
+        3,
+        model,
+        optimizer=opt,
+        extra={"scheduler": sched, "data": PerRank({"consumed": 3 * BATCH, "rank": rank}), **rng},
+    )
     uninterrupted = first + train(model, opt, 3, sched)  # in flight, if asynchronous
     ck.wait()
 
@@ -316,7 +323,9 @@ def world2(root: str) -> dict:
     for step in (1, 2, 3):
         reader = Checkpointer(root / "overlap")
         reader.load(check, optimizer=check_opt, step=step)
-        out["overlap_equal"][step] = _same(snapshot(check, check_opt), snaps[step]) and reader.loaded_extra == {"step": step}
+        out["overlap_equal"][step] = _same(snapshot(check, check_opt), snaps[step]) and reader.loaded_extra == {
+            "step": step
+        }
 
     # A failed asynchronous save raises at wait() on every rank; the previous step stays newest.
     fail_root = root / "fail"

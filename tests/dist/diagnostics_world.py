@@ -8,11 +8,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import TinyGPT
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp2kit as fk
 from fsdp2kit.diagnostics import DesyncError, NonFiniteError, RankMonitor, check_finite
-from models import TinyGPT
 
 SEQ, VOCAB = 16, 96
 

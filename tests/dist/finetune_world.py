@@ -83,7 +83,8 @@ def run_cases() -> dict:
     (sum(per_rank) / world).backward()
     naive_grads = dict(naive.named_parameters())
     naive_worst = max(
-        ((naive_grads[k].grad - p.grad).abs().max() / p.grad.abs().max()).item() for k, p in reference.named_parameters()
+        ((naive_grads[k].grad - p.grad).abs().max() / p.grad.abs().max()).item()
+        for k, p in reference.named_parameters()
     )
     rows = eval_rows()
     sharded = evaluate(model, rows, 2, rank=rank, world_size=world, device="cpu")

@@ -46,8 +46,13 @@ def _clean(name: str) -> str:
 def run_case(case: Fsdp1Case, mesh) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = build(case.model)
-    model = wrap_fsdp1(copy.deepcopy(ref), mesh, strategy=case.strategy, forward_prefetch=case.forward_prefetch,
-                       use_orig_params=case.use_orig_params)
+    model = wrap_fsdp1(
+        copy.deepcopy(ref),
+        mesh,
+        strategy=case.strategy,
+        forward_prefetch=case.forward_prefetch,
+        use_orig_params=case.use_orig_params,
+    )
     opt, ref_opt = _optimizer(case.optim, model.parameters()), _optimizer(case.optim, ref.parameters())
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses = [], []
@@ -74,8 +79,16 @@ def run_case(case: Fsdp1Case, mesh) -> dict:
             if rel > worst:
                 worst, worst_name = rel, name
     n_units = sum(1 for m in model.modules() if isinstance(m, FullyShardedDataParallel))
-    return {"label": case.label, "worst_rel": worst, "worst_param": worst_name, "losses": losses,
-            "ref_losses": ref_losses, "n_params": len(names), "n_ref_params": len(ref_params), "n_units": n_units}
+    return {
+        "label": case.label,
+        "worst_rel": worst,
+        "worst_param": worst_name,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "n_params": len(names),
+        "n_ref_params": len(ref_params),
+        "n_units": n_units,
+    }
 
 
 def run_cases(cases: list[Fsdp1Case]) -> list[dict]:

@@ -245,6 +245,23 @@ def _dequantized(model):
     return model
 
 
+def _trained_two_steps(case: Case, qlora: bool, seed: int):
+    """The LoRA (or QLoRA) test model, sharded as the case says and trained two AdamW steps."""
+    if qlora:
+        model = qlora_llama()
+    else:
+        torch.manual_seed(0)
+        model = peft_llama()
+    shard(case, model)
+    opt = _optimizer(model)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(2):
+        lm_loss(model, torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 def run_export(case: Case) -> dict:
     """Train a little, export adapters and a merged model, and read both back with peft / transformers."""
     from peft import PeftModel
@@ -259,18 +276,7 @@ def run_export(case: Case) -> dict:
         torch.manual_seed(0)
         return tiny_llama()
 
-    if qlora:
-        model = qlora_llama()
-    else:
-        torch.manual_seed(0)
-        model = peft_llama()
-    shard(case, model)
-    opt = _optimizer(model)
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(2):
-        lm_loss(model, torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)).backward()
-        opt.step()
-        opt.zero_grad()
+    model, _ = _trained_two_steps(case, qlora, seed=7)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     sharded = _logits(model, x)
     root = Path(case.tmp) / f"{case.kind}-w{dist.get_world_size()}-{case.replicate}"
@@ -407,18 +413,7 @@ def run_offline(case: Case) -> dict:
     if dist.get_rank() == 0:
         torch.manual_seed(0)
         (qlora_base(quantize=False) if qlora else tiny_llama()).save_pretrained(base_dir)
-    if qlora:
-        model = qlora_llama()
-    else:
-        torch.manual_seed(0)
-        model = peft_llama()
-    fk.shard_model(model, _mesh(case))
-    opt = _optimizer(model)
-    gen = torch.Generator().manual_seed(13)
-    for _ in range(2):
-        lm_loss(model, torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)).backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _trained_two_steps(case, qlora, seed=13)
     fk.Checkpointer(root / "ckpt").save(2, model, optimizer=opt)
     fk.export_hf(model, root / "online-adapter")
     fk.export_hf(model, root / "online-merged", merge=True)
@@ -431,5 +426,7 @@ def run_offline(case: Case) -> dict:
         for kind in ("adapter", "merged"):
             online, offline = _files(root / f"online-{kind}"), _files(root / f"offline-{kind}")
             out[f"{kind}_keys"] = (len(online), sorted(set(online) ^ set(offline)))
-            out[f"{kind}_unequal"] = sorted(k for k in online.keys() & offline.keys() if not torch.equal(online[k], offline[k]))
+            out[f"{kind}_unequal"] = sorted(
+                k for k in online.keys() & offline.keys() if not torch.equal(online[k], offline[k])
+            )
     return out

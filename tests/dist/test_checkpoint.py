@@ -101,7 +101,9 @@ def assert_same(got: dict, want: dict, what: str) -> None:
         for key, w in want.get(part, {}).items():
             g = got[part][key]
             if isinstance(w, torch.Tensor):
-                if not (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)):
+                if not (
+                    isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+                ):
                     bad.append(key)
             elif g != w:
                 bad.append(f"{key}: {g!r} != {w!r}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
+import diagnostics_world as world
 import pytest
 
-import diagnostics_world as world
 from fsdp2kit.testing import run_world
 
 

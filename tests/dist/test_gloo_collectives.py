@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from parity import Case, run_case
 
 from fsdp2kit.collectives import GlooAllGather, GlooReduceScatter, resolve_collectives
 from fsdp2kit.testing import run_world
-from parity import Case, run_case
 
 RTOL = 1e-5  # against the single-process reference, as in test_parity.py
 SAME_RTOL = 1e-6  # against FSDP2's own collectives (bitwise wherever a shard group has 2 ranks)

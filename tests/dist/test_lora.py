@@ -117,4 +117,6 @@ def test_lora(key: str, index: int, tmp_root: str) -> None:
         for kind in ("adapter", "merged"):
             count, differ = res[f"{kind}_keys"]
             assert count and not differ, f"offline {kind} export has other keys than the online one: {differ[:4]}"
-            assert not res[f"{kind}_unequal"], f"offline {kind} tensors differ from online: {res[f'{kind}_unequal'][:4]}"
+            assert not res[f"{kind}_unequal"], (
+                f"offline {kind} tensors differ from online: {res[f'{kind}_unequal'][:4]}"
+            )

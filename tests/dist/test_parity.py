@@ -17,7 +17,12 @@ MODELS = ("llama", "tinygpt")
 OPTIMS = ("sgd", "adamw")
 
 CASES: dict[int, list[Case]] = {
-    2: [Case(model=m, strategy=s, optim=o) for m in MODELS for o in OPTIMS for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
+    2: [
+        Case(model=m, strategy=s, optim=o)
+        for m in MODELS
+        for o in OPTIMS
+        for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    ]
     + [
         Case(model="llama-tied", optim="sgd"),
         Case(model="tinygpt-tied"),
@@ -28,12 +33,22 @@ CASES: dict[int, list[Case]] = {
         Case(model="llama", reshard_after_forward=False),
     ],
     # World size 3 shards every tensor unevenly (hidden 40, vocab 96 + padding rows of 160, 56...).
-    3: [Case(model=m, strategy=s, optim=o) for m in MODELS for o in OPTIMS for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
+    3: [
+        Case(model=m, strategy=s, optim=o)
+        for m in MODELS
+        for o in OPTIMS
+        for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    ]
     + [
         Case(model="llama-tied", accum=2, clip=0.3),
         Case(model="tinygpt-tied", optim="sgd"),
     ],
-    4: [Case(model=m, strategy=s, optim=o, shard=2, replicate=2) for m in MODELS for o in OPTIMS for s in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")]
+    4: [
+        Case(model=m, strategy=s, optim=o, shard=2, replicate=2)
+        for m in MODELS
+        for o in OPTIMS
+        for s in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+    ]
     + [
         Case(model="llama-tied", shard=2, replicate=2, optim="sgd", accum=2, clip=0.2),
         Case(model="tinygpt", reshard_after_forward=2),

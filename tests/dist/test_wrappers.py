@@ -34,15 +34,23 @@ COMPILE_RTOL = 1e-4
 F8_LOSS_RTOL = 3e-3
 F8_MIN_COSINE = 0.95
 
-PARITY = [
-    Case(model=m, optim=o, prefetch=p) for m, o in (("llama", "adamw"), ("tinygpt", "sgd")) for p in ((1, 1), (2, 2), (0, 0))
-] + [
-    Case(model=m, optim=o, ac=a) for m, o in (("llama", "adamw"), ("tinygpt", "adamw")) for a in ("full", 2, "selective")
-] + [
-    Case(model="llama", optim="sgd", ac="selective", prefetch=(1, 1)),
-    Case(model="tinygpt-tied", ac=2, prefetch=(2, 1)),
-    Case(model="llama", strategy="SHARD_GRAD_OP", ac="full", prefetch=(1, 2), accum=2, clip=0.5),
-]
+PARITY = (
+    [
+        Case(model=m, optim=o, prefetch=p)
+        for m, o in (("llama", "adamw"), ("tinygpt", "sgd"))
+        for p in ((1, 1), (2, 2), (0, 0))
+    ]
+    + [
+        Case(model=m, optim=o, ac=a)
+        for m, o in (("llama", "adamw"), ("tinygpt", "adamw"))
+        for a in ("full", 2, "selective")
+    ]
+    + [
+        Case(model="llama", optim="sgd", ac="selective", prefetch=(1, 1)),
+        Case(model="tinygpt-tied", ac=2, prefetch=(2, 1)),
+        Case(model="llama", strategy="SHARD_GRAD_OP", ac="full", prefetch=(1, 2), accum=2, clip=0.5),
+    ]
+)
 
 # Compared with each other, not with the fp32 reference: name -> case.
 BF16 = {

@@ -66,7 +66,11 @@ def fused_llama_class():
 
         register_checkpoint_conversion_mapping(
             "FusedGateUpLlama",
-            [WeightConverter("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)])],
+            [
+                WeightConverter(
+                    "mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)]
+                )
+            ],
             overwrite=True,
         )
         _fused.append(FusedGateUpLlama)
@@ -189,7 +193,7 @@ def _file_dtypes(directory: Path) -> set[str]:
     found = set()
     for path in directory.glob("*.safetensors"):
         with safe_open(path, framework="pt") as f:
-            found |= {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+            found |= {str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
     return found
 
 
@@ -234,7 +238,11 @@ def run_load(case: Case, refs: Path, out: Path) -> dict:
         fk.export_hf(model, target, dtype=dtype, max_shard_size=case.max_shard_size)
         dist.barrier()
         if rank == 0:
-            back = fused_llama_class().from_pretrained(target, attn_implementation="eager") if fused else pretrained(target)
+            back = (
+                fused_llama_class().from_pretrained(target, attn_implementation="eager")
+                if fused
+                else pretrained(target)
+            )
             compare = ref if dtype is None else pretrained(source, dtype=dtype)
             res["export_logits_equal"] = torch.equal(_logits(back, x), _logits(compare, x))
             res["export_keys_equal"] = _file_keys(target) == _file_keys(source)
@@ -268,7 +276,10 @@ def _stats_problems(model, cpu) -> list[str]:
             continue
         if full.numel() >= 400:  # enough samples for a 25% check on the standard deviation
             ratio = (full.std() / ref.std()).item()
-            if not 0.75 < ratio < 1.33 or abs(full.mean().item()) > 3 * ref.std().item() / math.sqrt(full.numel()) + 1e-3:
+            if (
+                not 0.75 < ratio < 1.33
+                or abs(full.mean().item()) > 3 * ref.std().item() / math.sqrt(full.numel()) + 1e-3
+            ):
                 problems.append(f"{name}: std ratio {ratio:.2f}, mean {full.mean().item():.2e}")
         emb = getattr(model.get_input_embeddings(), "padding_idx", None)
         if name.endswith("embed_tokens.weight") and emb is not None and full[emb].abs().max() != 0:
@@ -340,7 +351,9 @@ def run_plain(case: Case, out: Path) -> dict:
     exported = load_file(target / "model.safetensors") if dist.get_rank() == 0 else singles
     return {
         "label": case.label,
-        "differ_from_unsharded": [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), singles[n])],
+        "differ_from_unsharded": [
+            n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), singles[n])
+        ],
         "tied_ok": model.head.weight is model.tok.weight,
         "export_equal": all(torch.equal(exported[n], singles[n]) for n in singles) and "head.weight" not in exported,
     }

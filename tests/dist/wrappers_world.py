@@ -111,7 +111,7 @@ def float8_scales() -> dict:
     max_e4m3 = torch.finfo(torch.float8_e4m3fn).max
     worst, refreshed, kept = 0.0, [], []
     previous = None
-    for step in range(3):
+    for _ in range(3):
         tokens = torch.randint(0, 96, (2 * world, 13), generator=gen)[rank * 2 : (rank + 1) * 2]
         lm_loss(model, tokens).backward()  # its forward refreshed the scales if the weights changed
         scales = [layer.weight._local_tensor._precomputed_scale for layer in layers]
@@ -229,4 +229,3 @@ def run_all(cases: list[Case], memory_modes: list, with_checks: bool, key_wrappe
     for c in out["cases"]:
         c["params"] = {n: t.numpy() for n, t in c["params"].items()} if dist.get_rank() == 0 else {}
     return out
-
