@@ -55,6 +55,17 @@ def _sharded_bytes(p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Si
     return _sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size()
 
 
+def _gathered_bytes(
+    p: torch.Tensor, compute_dtype: torch.dtype | None, tp_shapes: Mapping[int, torch.Size] | None
+) -> int:
+    """Bytes of ``p`` all-gathered for compute: an NF4 weight travels and stays packed (each Linear
+    dequantizes it in its own forward), anything floating is cast to the compute dtype."""
+    if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
+        return _sharded_bytes(p, 1)
+    itemsize = compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size()
+    return math.prod(_tp_shape(p, tp_shapes)) * itemsize
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     name: str
@@ -88,11 +99,7 @@ class ShardPlan:
         tp_shapes: Mapping[int, torch.Size] | None = None,
     ) -> UnitPlan:
         per_rank = sum(_sharded_bytes(p, shard, tp_shapes) for p in params)
-        gathered = sum(
-            math.prod(_tp_shape(p, tp_shapes))
-            * (compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size())
-            for p in params
-        )
+        gathered = sum(_gathered_bytes(p, compute_dtype, tp_shapes) for p in params)
         trainable = [p for p in params if p.requires_grad]
         return UnitPlan(
             name=name,

@@ -55,6 +55,13 @@ def test_quantize_nf4_and_plan():
     nf4_bytes = n_base * (0.5 + 1 / 32 + 2 / 256) / 4
     small = 7 * 3 * (2 + 2 * 16)  # per weight, on every rank: the bf16 scaler mean and the 16-entry table
     assert plan.param_bytes_per_rank == pytest.approx(nf4_bytes + small + rest / 4, rel=0.02)
+    # FSDP2 all-gathers the packed 4-bit weights (each Linear dequantizes its own in its forward):
+    # a block's gathered bytes are its NF4 storage plus its norms and adapters as held, not bf16 weights.
+    block = peft_model.base_model.model.model.layers[0]
+    block_rest = sum(p.numel() * p.element_size() for p in block.parameters() if type(p).__name__ != "NF4Tensor")
+    block_nf4 = sum(p.numel() for n, p in block.named_parameters() if type(p).__name__ == "NF4Tensor")
+    gathered = plan.units[0].bytes_gathered
+    assert gathered == pytest.approx(block_nf4 * (0.5 + 1 / 32 + 2 / 256) + block_rest, rel=0.02), plan
     with pytest.raises(ValueError, match=r"NF4 weights cannot be sharded 3 ways.*64 rows do not split evenly"):
         fk.estimate_plan(peft_model, shard=3)
     with pytest.raises(ValueError, match=r"need a shard group of 2 or more ranks"):
