@@ -66,18 +66,13 @@ def test_train_resume_and_survive_a_killed_worker(tmp_path):
     assert (tmp_path / "full" / "ckpt" / "step_00000040").is_dir()
     assert "done: steps 0 -> 40" in out
 
-    # stopped at 20, then resumed by a second launch: the same losses afterwards, bitwise
-    train(tmp_path, "resumed", 20)
-    _, out = train(tmp_path, "resumed", 40)
-    assert "resumed from" in out and "step_00000020" in out
-    resumed = records(tmp_path / "resumed" / "log.jsonl")
-    assert [resumed[s]["loss"] for s in (30, 40)] == [full[s]["loss"] for s in (30, 40)]
-
-    # rank 1 is SIGKILLed at step 25; torchrun restarts the workers, which resume from step 20
+    # rank 1 is SIGKILLed at step 25; torchrun restarts the workers, which resume from step 20 and
+    # log the same losses afterwards, bitwise. (A resume by a second launch is checked by
+    # tests/e2e/test_long_runs.py, after a preemption signal.)
     _, out = train(tmp_path, "killed", 40, ["--train.fail_at_step", "25"], restarts=1)
-    assert "resumed from" in out
+    assert "resumed from" in out and "step_00000020" in out
     killed = records(tmp_path / "killed" / "log.jsonl")
-    assert killed[40]["loss"] == full[40]["loss"]
+    assert [killed[s]["loss"] for s in (30, 40)] == [full[s]["loss"] for s in (30, 40)]
 
 
 @pytest.mark.timeout(300)
