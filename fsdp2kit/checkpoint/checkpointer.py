@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
@@ -49,7 +49,8 @@ from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_without_pro
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer
-from fsdp2kit.checkpoint.publish import prepare_dir, publish
+from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
+from fsdp2kit.checkpoint.staging import StagingBuffers
 from fsdp2kit.checkpoint.state import (
     model_options,
     resolve_trainable_only,
@@ -145,7 +146,8 @@ class Checkpointer:
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._comm = Comm(own_group=self.async_save)
         self._pending: _Pending | None = None
-        self._stager: DefaultStager | None = None
+        self._stager: StagingBuffers | None = None
+        self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
         self._plan_key = new_plan_key()  # DCP's cached save plan for this Checkpointer (writer.py)
 
     def __repr__(self) -> str:
@@ -246,7 +248,7 @@ class Checkpointer:
                 no_dist=not comm.active,
             )
             if rank == 0:
-                publish(self.root, step, tmp, self.keep_last)
+                publish(self.root, step, tmp, self.keep_last, self._deleter)
         except FAILURES as e:
             error = describe(e)
             if rank == 0:
@@ -255,18 +257,21 @@ class Checkpointer:
 
     def wait(self) -> int | None:
         """Finish the asynchronous save in flight, if any; return its step (None if none).
+        Also waits for the deletion of pruned steps, which runs in the background.
 
         Raises `CheckpointError` on every rank if it failed on any; the step is then not
         published and the previous one stays the newest.
         """
         pending, self._pending = self._pending, None
         if pending is None:
+            self._deleter.join()
             return None
         error = None
         try:
             pending.done.result()
         except BaseException as e:
             error = describe(e)
+        self._deleter.join()
         self._comm.agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
         return pending.step
 
@@ -293,17 +298,9 @@ class Checkpointer:
         }
 
     def _stage(self, state: dict) -> dict:
-        """Copy the state to CPU memory that later saves reuse (pinned on CUDA)."""
+        """Copy the state to CPU memory that later saves reuse (pinned on CUDA); see staging.py."""
         if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=False,
-                )
-            )
+            self._stager = StagingBuffers(pin_memory=torch.cuda.is_available())
         return self._stager.stage(state)
 
     def _chain_publish(self, upload: Future, step: int, tmp: Path, rank: int) -> Future:
@@ -316,7 +313,7 @@ class Checkpointer:
             try:
                 f.result()
                 if rank == 0:
-                    publish(self.root, step, tmp, self.keep_last)
+                    publish(self.root, step, tmp, self.keep_last, self._deleter)
                 done.set_result(step)
             except BaseException as e:  # kept for wait(): never lost in a callback
                 if rank == 0:
@@ -391,7 +388,7 @@ class Checkpointer:
             quiet_without_process_group(comm.active)
             dcp.load(
                 state,
-                storage_reader=SafeReader(path),
+                storage_reader=SafeReader(path, metadata=metadata),
                 planner=SafeLoadPlanner(allow_partial_load=False),
                 process_group=comm.group,
                 no_dist=not comm.active,
