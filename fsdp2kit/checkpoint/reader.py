@@ -130,19 +130,58 @@ class _LayoutUnpickler(pickle.Unpickler):
         return (storage_class[1], str(key), int(numel))
 
 
-def _parse_record(fh: io.FileIO, offset: int, length: int) -> _Record:
-    """The layout of the tensor archived at ``[offset, offset + length)`` of ``fh``."""
+class _Window:
+    """Small reads of one record, served from one buffered chunk at a time (a record's headers are
+    a few hundred bytes apart, its tensor bytes are skipped without being read)."""
+
+    CHUNK = 4096
+
+    def __init__(self, fh: io.FileIO, offset: int, length: int):
+        self._fd, self._offset, self._length = fh.fileno(), offset, length
+        self._start, self._buf = 0, b""
+
+    def get(self, rel: int, n: int) -> bytes:
+        if rel < 0 or rel + n > self._length:
+            raise _Unsupported("an entry runs past the record")
+        if not (self._start <= rel and rel + n <= self._start + len(self._buf)):
+            self._start = rel
+            self._buf = os.pread(self._fd, min(max(n, self.CHUNK), self._length - rel), self._offset + rel)
+        return self._buf[rel - self._start : rel - self._start + n]
+
+
+def _entries(fh: io.FileIO, offset: int, length: int) -> tuple[dict[str, tuple[int, int, int]], _Window]:
+    """The archive's entries, ``name -> (data offset in the record, size, compression)``, from its
+    central directory (torch.save defers each entry's sizes to a data descriptor after its data,
+    so the local headers alone cannot be walked)."""
     try:
         archive = zipfile.ZipFile(_Slice(fh, offset, length))
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise _Unsupported(f"not a zip archive ({e})") from e
-    entries = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-    if "data.pkl" not in entries or entries.get("byteorder") is None:
-        raise _Unsupported("no data.pkl or byteorder entry")
-    if archive.read(entries["byteorder"]).decode() != sys.byteorder:
+    window = _Window(fh, offset, length)
+    entries = {}
+    for info in archive.infolist():
+        fields = _LOCAL_HEADER.unpack(window.get(info.header_offset, _LOCAL_HEADER.size))
+        if fields[0] != _LOCAL_MAGIC:
+            raise _Unsupported("bad local header")
+        data = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        entries[info.filename.split("/", 1)[-1]] = (data, info.compress_size, info.compress_type)
+    return entries, window
+
+
+def _parse_record(fh: io.FileIO, offset: int, length: int) -> _Record:
+    """The layout of the tensor archived at ``[offset, offset + length)`` of ``fh``."""
+    entries, window = _entries(fh, offset, length)
+
+    def content(name: str) -> bytes:
+        if name not in entries or entries[name][2] != zipfile.ZIP_STORED:
+            raise _Unsupported(f"no stored {name} entry")
+        start, size, _ = entries[name]
+        return window.get(start, size)
+
+    if content("byteorder").decode() != sys.byteorder:
         raise _Unsupported("another byte order")
     try:
-        layout = _LayoutUnpickler(io.BytesIO(archive.read(entries["data.pkl"]))).load()
+        layout = _LayoutUnpickler(io.BytesIO(content("data.pkl"))).load()
     except _Unsupported:
         raise
     except Exception as e:  # a pickle this parser does not follow: DCP's reader will
@@ -150,20 +189,16 @@ def _parse_record(fh: io.FileIO, offset: int, length: int) -> _Record:
     if not (isinstance(layout, tuple) and len(layout) == 5 and layout[0] == "tensor"):
         raise _Unsupported("data.pkl is not a single tensor")
     _, (dtype, key, numel), storage_offset, size, stride = layout
-    info = entries.get(f"data/{key}")
-    if info is None or info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * dtype.itemsize:
+    entry = entries.get(f"data/{key}")
+    if entry is None or entry[2] != zipfile.ZIP_STORED or entry[1] != numel * dtype.itemsize:
         raise _Unsupported("storage entry missing, compressed or of another size")
-    header = os.pread(fh.fileno(), _LOCAL_HEADER.size, offset + info.header_offset)
-    fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else None
-    if fields is None or fields[0] != _LOCAL_MAGIC:
-        raise _Unsupported("bad local header")
-    data_start = offset + info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if entry[0] + entry[1] > length:
+        raise _Unsupported("the storage runs past the record")
     if not _row_major(size, stride):
         raise _Unsupported("a strided (non row-major) tensor")
-    end = (storage_offset + _numel(size)) * dtype.itemsize
-    if end > info.file_size:
+    if (storage_offset + _numel(size)) * dtype.itemsize > entry[1]:
         raise _Unsupported("the tensor runs past its storage")
-    return _Record(data_start + storage_offset * dtype.itemsize, dtype, size, stride)
+    return _Record(offset + entry[0] + storage_offset * dtype.itemsize, dtype, size, stride)
 
 
 def _numel(size) -> int:
