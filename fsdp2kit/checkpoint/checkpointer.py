@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,7 @@ class Checkpointer:
         for key in extra or {}:
             if not isinstance(key, str) or not key or key.startswith("__"):
                 raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")
-        self.wait()
+        self._finish_pending()
         comm = self._comm
         comm.setup()
         rank = comm.rank
@@ -203,7 +204,7 @@ class Checkpointer:
                 info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
                 if trainable_only:  # what `dcp_to_hf(..., base=...)` needs to rebuild the model offline
                     info["peft"] = peft_description(model)
-                tmp = prepare_dir(self.root, step, model, info)
+                tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
         except Exception as e:  # reported to every rank below, so none enters DCP alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
         what = f"save of step {step} to {self.root} did not start"
@@ -262,16 +263,21 @@ class Checkpointer:
         Raises `CheckpointError` on every rank if it failed on any; the step is then not
         published and the previous one stays the newest.
         """
+        try:
+            return self._finish_pending()
+        finally:
+            self._deleter.join()
+
+    def _finish_pending(self) -> int | None:
+        """`wait` without waiting for deletions: what save and load need before they start."""
         pending, self._pending = self._pending, None
         if pending is None:
-            self._deleter.join()
             return None
         error = None
         try:
             pending.done.result()
         except BaseException as e:
             error = describe(e)
-        self._deleter.join()
         self._comm.agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
         return pending.step
 
@@ -347,13 +353,14 @@ class Checkpointer:
         Before anything is read, every rank checks the checkpoint's metadata against the model:
         missing or unexpected keys, shapes, dtypes, missing or truncated files, and raises
         `CheckpointError` naming them, on every rank. If reading fails after that (an I/O error),
-        the error is raised too, but the model may then hold a mix of old and new values.
+        the error is raised on every rank too, but the model may then hold a mix of old and new
+        values.
         """
         if step is not None:
             check_step(step)
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
-        self.wait()
+        self._finish_pending()
         comm = self._comm
         comm.setup()
 
@@ -384,25 +391,28 @@ class Checkpointer:
             problems = [describe(e)]
         comm.agree(problems, f"cannot load {path}")
 
-        try:
-            quiet_without_process_group(comm.active)
-            dcp.load(
-                state,
-                storage_reader=SafeReader(path, metadata=metadata),
-                planner=SafeLoadPlanner(allow_partial_load=False),
-                process_group=comm.group,
-                no_dist=not comm.active,
-            )
-        except FAILURES as e:  # DCP raises on every rank when any rank fails to read
-            raise CheckpointError(f"reading {path} failed: {describe(e)}") from e
-
         error = None
         try:
-            set_model_state_dict(model, state["model"], options=model_options(trainable_only))
-            if optimizer is not None:
-                restore_optimizer(model, optimizer, state["optimizer"])
-            self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
-        except Exception as e:
-            error = describe(e)
+            # Every rank reads its own part without DCP's two collectives: its default load
+            # planner's global step returns the ranks' plans unchanged, so they exchange nothing
+            # a rank needs. A failure on any rank is agreed on below, like a restore failure.
+            with warnings.catch_warnings():  # DCP's "assuming ... a single process": meant here
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+                dcp.load(
+                    state,
+                    storage_reader=SafeReader(path, metadata=metadata),
+                    planner=SafeLoadPlanner(allow_partial_load=False),
+                    no_dist=True,
+                )
+        except FAILURES as e:
+            error = f"reading failed: {describe(e)}"
+        if error is None:
+            try:
+                set_model_state_dict(model, state["model"], options=model_options(trainable_only))
+                if optimizer is not None:
+                    restore_optimizer(model, optimizer, state["optimizer"])
+                self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
+            except Exception as e:
+                error = describe(e)
         comm.agree(error, f"restoring {path} failed")
         return choice

@@ -28,12 +28,13 @@ from fsdp2kit.checkpoint.layout import (
 )
 
 
-def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any]) -> Path:
-    """Rank 0: clear leftovers of interrupted saves, make the temporary directory and write
-    the small files that ride along with the DCP files (``info`` plus the save time and step)."""
+def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], busy: set[Path] = frozenset()) -> Path:
+    """Rank 0: clear leftovers of interrupted saves (but the ``busy`` ones a `BackgroundDeleter`
+    is deleting), make the temporary directory and write the small files that ride along with
+    the DCP files (``info`` plus the save time and step)."""
     root.mkdir(parents=True, exist_ok=True)
     for leftover in incomplete_dirs(root):
-        if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and leftover not in busy:
             shutil.rmtree(leftover, ignore_errors=True)
     tmp = root / f"{TMP_PREFIX}step_{step:08d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -57,28 +58,32 @@ def delete_now(paths: Iterable[Path]) -> None:
 
 
 class BackgroundDeleter:
-    """Deletes directories already renamed out of the way (``.trash-*``) on a thread of its own.
+    """Deletes directories already renamed out of the way (``.trash-*``) on threads of its own.
 
-    Deleting a pruned step's files takes as long as writing a small one on this machine's disk
-    (0.3-0.7 s for 1.3 GB per rank), and nothing waits for it: the step is gone from every
-    listing once renamed. A process that exits mid-delete leaves a ``.trash-*`` directory, which
-    the next save removes with the other leftovers. `join` waits for the deletion in flight.
+    Deleting a pruned step's files can take as long as writing a small one on this machine's
+    disk, and nothing needs to wait for it: the step is gone from every listing once renamed.
+    Nothing joins a deletion but `join` (`Checkpointer.wait` and ``close``); a save in the
+    meantime leaves the directories in flight (`busy`) alone. A process that exits mid-delete
+    leaves a ``.trash-*`` directory, which the next save removes with the other leftovers.
     """
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
+        self._threads: list[tuple[threading.Thread, list[Path]]] = []
 
     def __call__(self, paths: Iterable[Path]) -> None:
-        self.join()
         paths = list(paths)
         if paths:
-            self._thread = threading.Thread(target=delete_now, args=(paths,), name="fsdp2kit-prune", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=delete_now, args=(paths,), name="fsdp2kit-prune", daemon=True)
+            thread.start()
+            self._threads = [(t, p) for t, p in self._threads if t.is_alive()] + [(thread, paths)]
+
+    def busy(self) -> set[Path]:
+        return {path for thread, paths in self._threads if thread.is_alive() for path in paths}
 
     def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for thread, _ in self._threads:
+            thread.join()
+        self._threads = []
 
 
 def publish(

@@ -157,3 +157,22 @@ def test_pruned_steps_deleted_in_background(mesh, tmp_path, async_save):
     model2 = torch.nn.Linear(4, 3)
     assert ck.load(model2) == 3 and torch.equal(model2.weight, model.weight)
     ck.close()
+
+
+def test_writer_without_crc_is_read_by_stock_tools(tmp_path):
+    """The Checkpointer's writer skips torch.save's CRC-32: DCP's own reader and torch.load (the
+    format utilities) still read every record, and the process-wide option is restored."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from fsdp2kit.checkpoint.writer import writer
+
+    state = {"w": torch.randn(5, 4), "step": torch.tensor(3), "b": torch.randn(7).to(torch.bfloat16)}
+    before = torch.serialization.get_crc32_options()
+    dcp.save(state, storage_writer=writer(tmp_path / "ck"), no_dist=True)
+    assert torch.serialization.get_crc32_options() == before
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=FileSystemReader(tmp_path / "ck"), no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    dcp_to_torch_save(tmp_path / "ck", tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert all(torch.equal(full[k], v) for k, v in state.items())
