@@ -299,6 +299,7 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
             "repeats": len(ranks[0]["times"]["dcp_save"]),
             "steps_per_stall_run": STEPS,
             "save_in_step": SAVE_AT,
+            "command_args": "",
         },
         "throughput_per_rank": per_rank,
         "stall": stall,
@@ -324,7 +325,8 @@ def write_markdown(result: dict, path: Path) -> None:
     lines += [
         "",
         f"Setup: {st['ranks']} ranks, {st['backend']}, TinyGPT {st['model']}, {st['optimizer']}, "
-        f"{st['repeats']} interleaved repeats (medians). `python benchmarks/checkpoint_bench.py` reproduces it.",
+        f"{st['repeats']} interleaved repeats (medians). `python benchmarks/checkpoint_bench.py"
+        f"{st.get('command_args', '')}` reproduces it.",
         "",
         "## Throughput per rank (MB/s of the rank's own bytes)",
         "",
@@ -453,6 +455,9 @@ def main(argv=None) -> None:
         )
         machine["shared"] = load > (os.cpu_count() or 1)
         result = summarize(ranks, machine, str(workdir))
+        result["setup"]["command_args"] = "".join(
+            f" {a}" for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--out")
+        )
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
