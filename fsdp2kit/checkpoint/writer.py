@@ -5,10 +5,11 @@
   already share the cores; more threads were not measured here. ``WRITER_THREADS`` is the one
   place to change it where a faster disk or more cores per rank could make threads pay;
 - no CRC-32 per record: DCP stores each tensor as a small ``torch.save`` zip archive, and
-  ``torch.save`` checksums every byte it writes (``torch.serialization.set_crc32_options``); no
-  reader checks it (``torch.load`` does not, nor does fsdp2kit's), so `Writer` turns it off
-  while it writes. The archives stay loadable by ``torch.load`` and DCP; only a zip tool would
-  warn about the missing checksums. The option is process-wide: a ``torch.save`` that another
+  ``torch.save`` checksums every byte it writes (``torch.serialization.set_crc32_options``).
+  ``torch.load`` reads archives without the checksums (the option's documentation), and
+  fsdp2kit's reader never checks them, so `Writer` turns them off while it writes. The
+  archives stay loadable by ``torch.load`` and DCP; only a zip tool would warn about the
+  missing checksums. The option is process-wide: a ``torch.save`` that another
   thread runs during the write also skips its checksum (its file still loads);
 - plan caching (DCP's ``enable_plan_caching``): a training run saves the same tensors again and
   again, so after the first save each rank sends an empty "unchanged" plan instead of one entry
