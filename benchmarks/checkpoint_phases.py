@@ -111,6 +111,8 @@ def run(workdir, size, reps):
         for name, fn in [
             ("SAVE", lambda: ck.save(r, model, optimizer=opt)),  # noqa: B023 - called in this iteration
             ("tsave", lambda: cb._torch_save(tensors, f)),
+            # torch.save to a new file, the previous one deleted only afterwards (as a step is)
+            ("tsave_fresh", lambda: cb._torch_save(tensors, work / f"fresh{rank}_{r}.pt")),  # noqa: B023
             ("LOAD", lambda: ck.load(model, optimizer=opt)),
             ("tload", lambda: torch.load(f, weights_only=True)),
         ]:
@@ -118,6 +120,8 @@ def run(workdir, size, reps):
             t = time.perf_counter()
             fn()
             T.setdefault(name, []).append(time.perf_counter() - t)
+            if name == "tsave_fresh":
+                (work / f"fresh{rank}_{r - 1}.pt").unlink(missing_ok=True)
     ck.close()
     return {k: statistics.median(v) * len(v) / reps for k, v in T.items()}  # per-op median x calls per op
 
