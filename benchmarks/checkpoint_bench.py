@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import machine as common_machine
+from common import reset_rss_peak, rss_peak
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -81,6 +82,27 @@ def _local_tensors(model, opt) -> dict[str, torch.Tensor]:
         for name, v in state.items():
             out[f"optim.{id(p)}.{name}"] = v.to_local() if isinstance(v, DTensor) else v
     return out
+
+
+def _count_reads(fn) -> dict[str, int]:
+    """How many records a load read straight into place, and how many through DCP's reader."""
+    from fsdp2kit.checkpoint.reader import DirectReader
+
+    counts = {"direct": 0, "fallback": 0}
+    original = DirectReader.read_data
+
+    def counting(self, plan, planner):
+        out = original(self, plan, planner)
+        counts["direct"] += self.direct_reads
+        counts["fallback"] += self.fallback_reads
+        return out
+
+    DirectReader.read_data = counting
+    try:
+        fn()
+    finally:
+        DirectReader.read_data = original
+    return counts
 
 
 def _timed(fn) -> float:
@@ -161,19 +183,27 @@ def bench_rank(workdir: str, repeats: int, size: str = "small", stall_runs: bool
     ck_records = sum(1 for info in storage.values() if info.relative_path.startswith(f"__{rank}_"))
     torch_bytes = torch_file.stat().st_size
     ck.close()
+    reads = _count_reads(lambda: Checkpointer(work / "dcp").load(model, optimizer=opt))
 
     # ---- stall: the step that saves, and the ones after, sync against async --------------------
     stall: dict[str, list[list[float]]] = {"sync": [], "async": []}
     waits: list[float] = []
     # One Checkpointer per mode for the whole run, as in training: the asynchronous one creates
     # its gloo group and its staging buffers on its first save, which is a warm-up, not measured.
-    checkpointers = {
-        mode: Checkpointer(work / f"stall_{mode}", keep_last=1, async_save=mode == "async")
-        for mode in ("sync", "async")
-    }
-    for sck in checkpointers.values():
-        sck.save(0, model, optimizer=opt)
+    # The warm-up runs also measure each rank's resident-memory peak over a loop that saves
+    # once: synchronously first, then asynchronously (whose staging buffers stay allocated).
+    checkpointers = {}
+    memory: dict[str, int] = {}
+    for mode in ("sync", "async"):
+        reset_rss_peak()
+        sck = checkpointers[mode] = Checkpointer(work / f"stall_{mode}", keep_last=1, async_save=mode == "async")
+        for i in range(STEPS):
+            _step(model, opt, gen)
+            if i == SAVE_AT:
+                sck.save(0, model, optimizer=opt)
         sck.wait()
+        memory[f"{mode}_loop_peak_bytes"] = rss_peak()
+    memory["saved_bytes"] = sum(t.nbytes for t in tensors.values())
     for rep in range(repeats if stall_runs else 0):
         for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
             sck = checkpointers[mode]
@@ -198,6 +228,8 @@ def bench_rank(workdir: str, repeats: int, size: str = "small", stall_runs: bool
         "times": times,
         "stall": stall,
         "async_wait_s": waits,
+        "memory": memory,
+        "reads": reads,
     }
 
 
@@ -214,6 +246,8 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
                 "MB": {"dcp": round(mb, 2), "torch_save": round(mb_t, 2)},
                 "median_s": {k: round(v, 4) for k, v in t.items()},
                 "items": r["items"],
+                "reads": r.get("reads"),
+                "memory_MB": {k.removesuffix("_bytes"): round(v / 1e6, 1) for k, v in r.get("memory", {}).items()},
                 "MBps": {
                     "raw_dcp_save": round(mb / t["raw_dcp_save"], 1),
                     "raw_dcp_save_tensors_only": round(mb / t["raw_dcp_save_tensors_only"], 1),
@@ -265,6 +299,7 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
             "repeats": len(ranks[0]["times"]["dcp_save"]),
             "steps_per_stall_run": STEPS,
             "save_in_step": SAVE_AT,
+            "command_args": "",
         },
         "throughput_per_rank": per_rank,
         "stall": stall,
@@ -290,7 +325,8 @@ def write_markdown(result: dict, path: Path) -> None:
     lines += [
         "",
         f"Setup: {st['ranks']} ranks, {st['backend']}, TinyGPT {st['model']}, {st['optimizer']}, "
-        f"{st['repeats']} interleaved repeats (medians). `python benchmarks/checkpoint_bench.py` reproduces it.",
+        f"{st['repeats']} interleaved repeats (medians). `python benchmarks/checkpoint_bench.py"
+        f"{st.get('command_args', '')}` reproduces it.",
         "",
         "## Throughput per rank (MB/s of the rank's own bytes)",
         "",
@@ -331,7 +367,29 @@ def write_markdown(result: dict, path: Path) -> None:
         "The plain `dcp.save` columns store the optimizer in fsdp2kit's format 1 (flattened per parameter, "
         "`flatten_optimizer_state_dict`); the Checkpointer writes format 2 (checkpoint/optim.py: hyper-parameters once "
         "per param group, scalar states packed), whose record count is the last column.",
+        "",
+        "Records a Checkpointer.load read straight into the model's and optimizer's tensors (checkpoint/reader.py) / "
+        "through DCP's own reader: "
+        + ", ".join(
+            f"rank {p['rank']}: {p['reads']['direct']} / {p['reads']['fallback']}"
+            for p in result["throughput_per_rank"]
+            if p.get("reads")
+        )
+        + ".",
+        "",
+        "## Memory (resident set per rank, MB)",
+        "",
+        "| rank | bytes saved per rank | peak over a loop with one sync save | with one async save (staging buffers kept) "
+        "| async / sync |",
+        "|---|---|---|---|---|",
     ]
+    for p in result["throughput_per_rank"]:
+        m = p.get("memory_MB") or {}
+        if m:
+            lines.append(
+                f"| {p['rank']} | {m['saved']} | {m['sync_loop_peak']} | {m['async_loop_peak']} | "
+                f"{round(m['async_loop_peak'] / m['sync_loop_peak'], 2)} |"
+            )
     if not s:
         lines.append("\nNo stall runs (`--no-stall`).\n")
         path.write_text("\n".join(lines))
@@ -397,6 +455,9 @@ def main(argv=None) -> None:
         )
         machine["shared"] = load > (os.cpu_count() or 1)
         result = summarize(ranks, machine, str(workdir))
+        result["setup"]["command_args"] = "".join(
+            f" {a}" for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--out")
+        )
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
@@ -49,7 +50,8 @@ from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_without_pro
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer
-from fsdp2kit.checkpoint.publish import prepare_dir, publish
+from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
+from fsdp2kit.checkpoint.staging import StagingBuffers
 from fsdp2kit.checkpoint.state import (
     model_options,
     resolve_trainable_only,
@@ -145,7 +147,8 @@ class Checkpointer:
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._comm = Comm(own_group=self.async_save)
         self._pending: _Pending | None = None
-        self._stager: DefaultStager | None = None
+        self._stager: StagingBuffers | None = None
+        self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
         self._plan_key = new_plan_key()  # DCP's cached save plan for this Checkpointer (writer.py)
 
     def __repr__(self) -> str:
@@ -186,7 +189,7 @@ class Checkpointer:
         for key in extra or {}:
             if not isinstance(key, str) or not key or key.startswith("__"):
                 raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")
-        self.wait()
+        self._finish_pending()
         comm = self._comm
         comm.setup()
         rank = comm.rank
@@ -201,7 +204,7 @@ class Checkpointer:
                 info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
                 if trainable_only:  # what `dcp_to_hf(..., base=...)` needs to rebuild the model offline
                     info["peft"] = peft_description(model)
-                tmp = prepare_dir(self.root, step, model, info)
+                tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
         except Exception as e:  # reported to every rank below, so none enters DCP alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
         what = f"save of step {step} to {self.root} did not start"
@@ -246,7 +249,7 @@ class Checkpointer:
                 no_dist=not comm.active,
             )
             if rank == 0:
-                publish(self.root, step, tmp, self.keep_last)
+                publish(self.root, step, tmp, self.keep_last, self._deleter)
         except FAILURES as e:
             error = describe(e)
             if rank == 0:
@@ -255,10 +258,18 @@ class Checkpointer:
 
     def wait(self) -> int | None:
         """Finish the asynchronous save in flight, if any; return its step (None if none).
+        Also waits for the deletion of pruned steps, which runs in the background.
 
         Raises `CheckpointError` on every rank if it failed on any; the step is then not
         published and the previous one stays the newest.
         """
+        try:
+            return self._finish_pending()
+        finally:
+            self._deleter.join()
+
+    def _finish_pending(self) -> int | None:
+        """`wait` without waiting for deletions: what save and load need before they start."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -293,17 +304,9 @@ class Checkpointer:
         }
 
     def _stage(self, state: dict) -> dict:
-        """Copy the state to CPU memory that later saves reuse (pinned on CUDA)."""
+        """Copy the state to CPU memory that later saves reuse (pinned on CUDA); see staging.py."""
         if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=False,
-                )
-            )
+            self._stager = StagingBuffers(pin_memory=torch.cuda.is_available())
         return self._stager.stage(state)
 
     def _chain_publish(self, upload: Future, step: int, tmp: Path, rank: int) -> Future:
@@ -316,7 +319,7 @@ class Checkpointer:
             try:
                 f.result()
                 if rank == 0:
-                    publish(self.root, step, tmp, self.keep_last)
+                    publish(self.root, step, tmp, self.keep_last, self._deleter)
                 done.set_result(step)
             except BaseException as e:  # kept for wait(): never lost in a callback
                 if rank == 0:
@@ -350,13 +353,14 @@ class Checkpointer:
         Before anything is read, every rank checks the checkpoint's metadata against the model:
         missing or unexpected keys, shapes, dtypes, missing or truncated files, and raises
         `CheckpointError` naming them, on every rank. If reading fails after that (an I/O error),
-        the error is raised too, but the model may then hold a mix of old and new values.
+        the error is raised on every rank too, but the model may then hold a mix of old and new
+        values.
         """
         if step is not None:
             check_step(step)
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
-        self.wait()
+        self._finish_pending()
         comm = self._comm
         comm.setup()
 
@@ -387,25 +391,28 @@ class Checkpointer:
             problems = [describe(e)]
         comm.agree(problems, f"cannot load {path}")
 
-        try:
-            quiet_without_process_group(comm.active)
-            dcp.load(
-                state,
-                storage_reader=SafeReader(path),
-                planner=SafeLoadPlanner(allow_partial_load=False),
-                process_group=comm.group,
-                no_dist=not comm.active,
-            )
-        except FAILURES as e:  # DCP raises on every rank when any rank fails to read
-            raise CheckpointError(f"reading {path} failed: {describe(e)}") from e
-
         error = None
         try:
-            set_model_state_dict(model, state["model"], options=model_options(trainable_only))
-            if optimizer is not None:
-                restore_optimizer(model, optimizer, state["optimizer"])
-            self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
-        except Exception as e:
-            error = describe(e)
+            # Every rank reads its own part without DCP's two collectives: its default load
+            # planner's global step returns the ranks' plans unchanged, so they exchange nothing
+            # a rank needs. A failure on any rank is agreed on below, like a restore failure.
+            with warnings.catch_warnings():  # DCP's "assuming ... a single process": meant here
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+                dcp.load(
+                    state,
+                    storage_reader=SafeReader(path, metadata=metadata),
+                    planner=SafeLoadPlanner(allow_partial_load=False),
+                    no_dist=True,
+                )
+        except FAILURES as e:
+            error = f"reading failed: {describe(e)}"
+        if error is None:
+            try:
+                set_model_state_dict(model, state["model"], options=model_options(trainable_only))
+                if optimizer is not None:
+                    restore_optimizer(model, optimizer, state["optimizer"])
+                self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
+            except Exception as e:
+                error = describe(e)
         comm.agree(error, f"restoring {path} failed")
         return choice

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,13 @@ from fsdp2kit.checkpoint.layout import (
 )
 
 
-def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any]) -> Path:
-    """Rank 0: clear leftovers of interrupted saves, make the temporary directory and write
-    the small files that ride along with the DCP files (``info`` plus the save time and step)."""
+def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], busy: set[Path] = frozenset()) -> Path:
+    """Rank 0: clear leftovers of interrupted saves (but the ``busy`` ones a `BackgroundDeleter`
+    is deleting), make the temporary directory and write the small files that ride along with
+    the DCP files (``info`` plus the save time and step)."""
     root.mkdir(parents=True, exist_ok=True)
     for leftover in incomplete_dirs(root):
-        if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and leftover not in busy:
             shutil.rmtree(leftover, ignore_errors=True)
     tmp = root / f"{TMP_PREFIX}step_{step:08d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -49,33 +52,70 @@ def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any]) -
     return tmp
 
 
-def publish(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
-    """Rank 0, after every rank has written: make the step visible with one rename, then prune."""
+def delete_now(paths: Iterable[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class BackgroundDeleter:
+    """Deletes directories already renamed out of the way (``.trash-*``) on threads of its own.
+
+    Deleting a pruned step's files can take as long as writing a small one on this machine's
+    disk, and nothing needs to wait for it: the step is gone from every listing once renamed.
+    Nothing joins a deletion but `join` (`Checkpointer.wait` and ``close``); a save in the
+    meantime leaves the directories in flight (`busy`) alone. A process that exits mid-delete
+    leaves a ``.trash-*`` directory, which the next save removes with the other leftovers.
+    """
+
+    def __init__(self) -> None:
+        self._threads: list[tuple[threading.Thread, list[Path]]] = []
+
+    def __call__(self, paths: Iterable[Path]) -> None:
+        paths = list(paths)
+        if paths:
+            thread = threading.Thread(target=delete_now, args=(paths,), name="fsdp2kit-prune", daemon=True)
+            thread.start()
+            self._threads = [(t, p) for t, p in self._threads if t.is_alive()] + [(thread, paths)]
+
+    def busy(self) -> set[Path]:
+        return {path for thread, paths in self._threads if thread.is_alive() for path in paths}
+
+    def join(self) -> None:
+        for thread, _ in self._threads:
+            thread.join()
+        self._threads = []
+
+
+def publish(
+    root: Path, step: int, tmp: Path, keep_last: int | None, discard: Callable[[list[Path]], None] = delete_now
+) -> None:
+    """Rank 0, after every rank has written: make the step visible with one rename, then prune.
+    Directories renamed out of the way go to ``discard`` (deleted at once by default)."""
     for name in (INFO_FILE, "config.json"):
         if (tmp / name).exists():
             fsync_file(tmp / name)
     fsync_dir(tmp)
     final = step_dir(root, step)
-    trash = None
+    trash = []
     if final.exists():
         # Replacing a step takes two renames; a crash between them loses this step number
         # (older steps stay), never leaves a mix of old and new files under it.
-        trash = root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, trash)
+        trash.append(root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, trash[0])
     os.rename(tmp, final)
     fsync_dir(root)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-    prune(root, keep_last, just_saved=step)
+    discard(trash + prune(root, keep_last, just_saved=step))
 
 
-def prune(root: Path, keep_last: int | None, just_saved: int) -> None:
-    """Delete all but the newest ``keep_last`` steps, never the one just saved. A failure
-    here is a warning: the save itself is complete and published."""
+def prune(root: Path, keep_last: int | None, just_saved: int) -> list[Path]:
+    """Rename all but the newest ``keep_last`` steps out of the way, never the one just saved;
+    returns the renamed directories, to delete. A failure here is a warning: the save itself is
+    complete and published."""
     if keep_last is None:
-        return
+        return []
     steps = list_steps(root)
     keep = set(steps[-keep_last:]) | {just_saved}
+    renamed = []
     for old in steps:
         if old in keep:
             continue
@@ -86,4 +126,5 @@ def prune(root: Path, keep_last: int | None, just_saved: int) -> None:
         except OSError as e:
             warnings.warn(f"keep_last={keep_last}: could not remove step {old}: {e}", stacklevel=2)
             continue
-        shutil.rmtree(trash, ignore_errors=True)
+        renamed.append(trash)
+    return renamed

@@ -360,6 +360,19 @@ def world2(root: str) -> dict:
     ck = Checkpointer(good)
     out["none_when_empty"] = Checkpointer(root / "nothing_here").load(model)
     out["err_missing_step"] = error_of(ck.load, model, step=2)
+    # A read that fails on one rank only (ranks read without DCP's collectives): every rank raises.
+    from fsdp2kit.checkpoint.reader import DirectReader
+
+    def failing_read(*args, **kwargs):
+        raise OSError("Input/output error (injected read)")
+
+    original_read = DirectReader.read_data
+    if rank == 1:
+        DirectReader.read_data = failing_read
+    try:
+        out["err_read"] = error_of(ck.load, model)
+    finally:
+        DirectReader.read_data = original_read
     rank0_then_barrier(lambda: (good / "step_00000003").mkdir())
     out["err_incomplete_step"] = error_of(ck.load, model, step=3)
     out["newest_ignores_incomplete"] = ck.load(model)

@@ -220,6 +220,8 @@ def test_failed_async_save_raises(w2):
     msg = _same_on_every_rank(w2, "err_sync_save")
     assert "save of step 5" in msg and "Input/output error (injected)" in msg
     assert r["fail_steps_after_sync"] == [1, 4]
+    msg = _same_on_every_rank(w2, "err_read")  # failed on rank 1 only, raised on both
+    assert "rank 1" in msg and "reading failed" in msg and "(injected read)" in msg
 
 
 # ---- bad inputs ------------------------------------------------------------------------------------
