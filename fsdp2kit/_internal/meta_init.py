@@ -11,7 +11,8 @@ models twice (benchmarks/results/peers.md). Two switches skip it, for meta tenso
 - ``torch.nn.init``'s functions return a meta tensor untouched.
 
 Buffers are not skipped: ``_init_weights`` still computes them (rotary ``inv_freq`` is set
-there), so their values are what an ordinary construction gives.
+there), so their values are what an ordinary construction gives. (transformers' own
+``no_init_weights`` skips ``init_weights`` as a whole, buffers included, so it does not serve.)
 """
 
 from __future__ import annotations
