@@ -16,6 +16,7 @@ import torch.distributed as dist
 from models import lm_loss, tiny_llama
 
 import fsdp2kit as fk
+from fsdp2kit._internal.dtensor import gather_full
 from fsdp2kit.weights.hf_layout import clean_fqn
 
 VOCAB, SEQ, BATCH = 96, 12, 2
@@ -85,7 +86,7 @@ def shard(case: Case, model, **kw):
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
+    return gather_full(p)  # waits for an NF4 weight's inner all-gathers too (see gather_full)
 
 
 def train_both(case: Case, model, ref, steps: int):
