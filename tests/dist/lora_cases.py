@@ -85,10 +85,6 @@ def shard(case: Case, model, **kw):
     return plan
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return gather_full(p)  # waits for an NF4 weight's inner all-gathers too (see gather_full)
-
-
 def train_both(case: Case, model, ref, steps: int):
     """Three AdamW steps on the sharded model and on the reference; returns both loss lists."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -128,7 +124,7 @@ def _compare(model, ref, before: dict[str, torch.Tensor]) -> dict:
     worst, worst_name, changed, dtypes = 0.0, "", [], {}
     for wrapped, p in model.named_parameters():
         name = clean_fqn(wrapped)  # activation checkpointing inserts a wrapper segment
-        full = _dequant(_full(p).detach())
+        full = _dequant(gather_full(p).detach())
         if p.requires_grad:
             r = ref_params[name].detach()
             rel = ((full - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
@@ -324,7 +320,7 @@ def run_load(case: Case) -> dict:
         fk.load_pretrained(model, hf_dir)
         base_bad, adapter_bad, b_zero = [], [], True
         for name, p in model.named_parameters():
-            full = _full(p).detach()
+            full = gather_full(p).detach()
             if "lora_" in name:
                 if meta:
                     b_zero &= bool((full == 0).all()) if "lora_B" in name else bool(full.abs().sum() > 0)
@@ -369,7 +365,7 @@ def run_ckpt(case: Case) -> dict:
     other_opt = _optimizer(other)
     step = fk.Checkpointer(root).load(other, optimizer=other_opt)
     same_adapters = all(
-        torch.equal(_full(a).detach(), _full(b).detach())
+        torch.equal(gather_full(a).detach(), gather_full(b).detach())
         for (_, a), (_, b) in zip(model.named_parameters(), other.named_parameters())
         if a.requires_grad
     )
@@ -380,7 +376,7 @@ def run_ckpt(case: Case) -> dict:
         o.step()
         losses.append(loss.item())
     after = max(
-        (_full(a).detach() - _full(b).detach()).abs().max().item()
+        (gather_full(a).detach() - gather_full(b).detach()).abs().max().item()
         for (_, a), (_, b) in zip(model.named_parameters(), other.named_parameters())
         if a.requires_grad
     )
