@@ -33,6 +33,10 @@ every round; lazily imported modules are imported before the clock starts. A loa
 a barrier to the slowest rank's end. Then every byte of the rank's shards is read once: a
 library may leave its shards memory-mapped from the checkpoint (transformers does), and then its
 load has read nothing yet; "load + read" is the time until the weights are really in memory.
+Because a lazy load moves its reading into the first use, every round also runs each library's
+load once more in another fresh world and then times its first training step (forward, backward,
+AdamW step: every shard byte is read and, for a mapped shard, copied on write there): "load +
+first step" is a cost both libraries pay before their second step, whatever they defer.
 Memory is the rise of the resident set's high-water mark (VmHWM, benchmarks/common.py) over the
 resident set before the load, per rank: at the end of the load, after the read, and (first round)
 during a training step after the warm-up steps. Training runs every measured library in one
@@ -191,6 +195,18 @@ def load_world(lib: str, path: str, opts: dict) -> dict:
     if _max_over_ranks(1.0 if error else 0.0) > 0:  # the same verdict on every rank
         return {"refused": error or "refused on another rank", "attempts": attempts}
     seconds, cpu_seconds = _max_over_ranks(seconds), _max_over_ranks(cpu_seconds)
+    if opts.get("then") == "step":  # load + the first training step: what both libraries pay before step 2
+        model.train()
+        batch = make_batches(1, opts["batch"], opts["seq"], opts["vocab"])[0]
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(model, optimizer, batch)
+        return {
+            "seconds": seconds,
+            "first_step_seconds": _max_over_ranks(time.perf_counter() - t0),
+            "first_step_peak": rss_peak() - base,
+            "attempts": attempts,
+        }
     t0 = time.perf_counter()
     _touch(model)
     touch_seconds = _max_over_ranks(time.perf_counter() - t0)
@@ -309,6 +325,7 @@ def run(args) -> dict:
 
         # 1. loads, each in a fresh world, interleaved; the first round also measures a step's peak
         loads: dict[str, list] = {lib: [] for lib in libs}
+        stepped: dict[str, list] = {lib: [] for lib in libs}
         for r in range(args.repeats):
             for lib in [x for x in libs[r % len(libs) :] + libs[: r % len(libs)] if x in libs]:
                 ranks = run_world(load_world, world, lib, path, {**opts, "memory_steps": args.warmup if r == 0 else 0})
@@ -319,6 +336,8 @@ def run(args) -> dict:
                     libs.remove(lib)
                     continue
                 loads[lib].append(ranks)
+                # the same load again in a fresh world, then the first training step, timed
+                stepped[lib].append(run_world(load_world, world, lib, path, {**opts, "then": "step"}))
             print(f"load round {r}: " + ", ".join(f"{k} {v[-1][0]['seconds']:.2f}s" for k, v in loads.items() if v))
         result["loadavg"]["after_loads"] = os.getloadavg()
 
@@ -342,6 +361,12 @@ def run(args) -> dict:
             "load_seconds_median": statistics.median(rd[0]["seconds"] for rd in rounds),
             "load_cpu_seconds_median": statistics.median(rd[0]["cpu_seconds"] for rd in rounds),
             "load_touch_seconds_median": statistics.median(rd[0]["seconds"] + rd[0]["touch_seconds"] for rd in rounds),
+            "load_step_seconds": [rd[0]["seconds"] + rd[0]["first_step_seconds"] for rd in stepped[lib]],
+            "load_step_seconds_median": statistics.median(
+                rd[0]["seconds"] + rd[0]["first_step_seconds"] for rd in stepped[lib]
+            ),
+            "first_step_seconds_median": statistics.median(rd[0]["first_step_seconds"] for rd in stepped[lib]),
+            "first_step_peak_mb_per_rank": per_rank("first_step_peak", stepped[lib]),
             "load_peak_mb_per_rank": per_rank("load_peak"),
             "touched_peak_mb_per_rank": per_rank("touched_peak"),
             "step_peak_mb_per_rank": [x["step_peak"] / MB for x in rounds[0]],
