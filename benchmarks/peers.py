@@ -37,6 +37,10 @@ Because a lazy load moves its reading into the first use, every round also runs 
 load once more in another fresh world and then times its first training step (forward, backward,
 AdamW step: every shard byte is read and, for a mapped shard, copied on write there): "load +
 first step" is a cost both libraries pay before their second step, whatever they defer.
+fsdp2kit skips building transformers' weight-conversion table when a small index file (written
+by the first process that built it, docs/loading.md) shows no conversion applies; the file is
+written before the loads if missing, so every round loads alike, and the table's build time in a
+fresh process is measured and reported beside the loads (what the first process ever pays more).
 Memory is the rise of the resident set's high-water mark (VmHWM, benchmarks/common.py) over the
 resident set before the load, per rank: at the end of the load, after the read, and (first round)
 during a training step after the warm-up steps. Training runs every measured library in one
@@ -195,6 +199,9 @@ def load_world(lib: str, path: str, opts: dict) -> dict:
     if _max_over_ranks(1.0 if error else 0.0) > 0:  # the same verdict on every rank
         return {"refused": error or "refused on another rank", "attempts": attempts}
     seconds, cpu_seconds = _max_over_ranks(seconds), _max_over_ranks(cpu_seconds)
+    from fsdp2kit.weights.conversion_index import loaded_table
+
+    table_built = loaded_table() is not None  # did this load build transformers' conversion table?
     if opts.get("then") == "step":  # load + the first training step: what both libraries pay before step 2
         model.train()
         batch = make_batches(1, opts["batch"], opts["seq"], opts["vocab"])[0]
@@ -205,6 +212,7 @@ def load_world(lib: str, path: str, opts: dict) -> dict:
             "seconds": seconds,
             "first_step_seconds": _max_over_ranks(time.perf_counter() - t0),
             "first_step_peak": rss_peak() - base,
+            "conversion_table_built": table_built,
             "attempts": attempts,
         }
     t0 = time.perf_counter()
@@ -216,6 +224,7 @@ def load_world(lib: str, path: str, opts: dict) -> dict:
         "touch_seconds": touch_seconds,
         "load_peak": load_peak,
         "touched_peak": rss_peak() - base,
+        "conversion_table_built": table_built,
         "state_bytes": 0,
         "attempts": attempts,
     }
@@ -295,6 +304,31 @@ def accelerate_launch_check() -> str:
     )
 
 
+def conversion_table() -> dict:
+    """fsdp2kit's conversion index (docs/loading.md): on disk before the loads? And the table's build time here.
+
+    Every load below runs in a fresh process. transformers builds its weight-conversion table in
+    each; fsdp2kit skips it when its index file says no conversion applies. The index is written
+    here if it is missing, so every round loads in the same state, and what the first process
+    ever would pay instead is measured: the table's build time in this (fresh) process.
+    """
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    from fsdp2kit.weights.conversion_index import known_index, loaded_table, remember_index
+
+    found = known_index(use_loaded=False) is not None
+    built_before = loaded_table() is not None
+    t0 = time.perf_counter()
+    get_checkpoint_conversion_mapping("llama")
+    seconds = time.perf_counter() - t0
+    remember_index()
+    return {
+        "index_on_disk_before": found,
+        "build_seconds": None if built_before else seconds,
+        "index_on_disk": known_index(use_loaded=False) is not None,
+    }
+
+
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -322,6 +356,7 @@ def run(args) -> dict:
         result["parameters"] = sum(p.numel() for p in model.parameters())
         model.to(getattr(torch, args.dtype)).save_pretrained(path)
         del model
+        result["conversion_table"] = conversion_table()
 
         # 1. loads, each in a fresh world, interleaved; the first round also measures a step's peak
         loads: dict[str, list] = {lib: [] for lib in libs}
@@ -368,6 +403,7 @@ def run(args) -> dict:
             "first_step_seconds_median": statistics.median(rd[0]["first_step_seconds"] for rd in stepped[lib]),
             "first_step_peak_mb_per_rank": per_rank("first_step_peak", stepped[lib]),
             "load_peak_mb_per_rank": per_rank("load_peak"),
+            "conversion_table_built": sorted({x["conversion_table_built"] for rd in rounds + stepped[lib] for x in rd}),
             "touched_peak_mb_per_rank": per_rank("touched_peak"),
             "step_peak_mb_per_rank": [x["step_peak"] / MB for x in rounds[0]],
             "state_mb_per_rank": [x["state_bytes"] / MB for x in rounds[0]],

@@ -16,6 +16,7 @@ from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit.weights.adapters import base_name, is_peft_model, peft_init_fn, peft_view
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.conversion_index import needs_no_conversion, remember_index
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.mapped import MappedFiles, mapped_shards
 from fsdp2kit.weights.materialize import materialize
@@ -94,7 +95,10 @@ def load_pretrained(
         reader = SafetensorsReader(files)
         shapes = {k: reader.shape(k) for k in files}
         target, tensors, aliases = _load_targets(model)
-        plan = plan_load(target, shapes, tensors, aliases)
+        as_stored = needs_no_conversion(target, shapes, tensors)  # skips building transformers' table
+        plan = plan_load(target, shapes, tensors, aliases, convert=not as_stored)
+        if not as_stored:
+            remember_index()  # the next process can skip it too
         problems = []
         if plan.mismatched:
             problems.append(f"shapes differ: {fmt_list(plan.mismatched, 6)}")
