@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp2kit._internal.dtensor import local_index, local_shard
+from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.weights.safetensors import SafetensorsReader
 
@@ -50,6 +50,20 @@ def _mappable(target: torch.Tensor, dtype: torch.dtype) -> bool:
     return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in target.placements)
 
 
+def _rows(t: DTensor) -> tuple[int, int]:
+    """This rank's rows ``[first, last)`` of a tensor placed Shard(0) / Replicate: each Shard(0) splits the last block.
+
+    The same split as `fsdp2kit._internal.dtensor.local_index` (torch.chunk's sizes), in integers.
+    """
+    coordinate = t.device_mesh.get_coordinate()
+    first, length = 0, t.shape[0]
+    for mesh_dim, p in enumerate(t.placements):
+        if isinstance(p, Shard):
+            size, offset = Shard.local_shard_size_and_offset(length, t.device_mesh.size(mesh_dim), coordinate[mesh_dim])
+            first, length = first + offset, size
+    return first, first + length
+
+
 def mapped_shards(
     groups, tensors: dict[str, torch.Tensor], reader: SafetensorsReader, maps: MappedFiles
 ) -> dict[str, DTensor]:
@@ -75,8 +89,7 @@ def mapped_shards(
             continue
         path, data_start, entry = reader.entry(key)
         begin, end = entry["data_offsets"]
-        first, last, _ = local_index(target)[0].indices(shape[0])
-        last = max(first, last)
+        first, last = _rows(target)
         row_bytes = (end - begin) // shape[0]
         start = data_start + begin + first * row_bytes
         if start % dtype.itemsize or tuple(local_shard(target).shape) != (last - first, *shape[1:]):
