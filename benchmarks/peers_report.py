@@ -101,14 +101,15 @@ def markdown(result: dict) -> str:
         lines.append(f"| {lib} | did not shard: below | | | | | | | | | | |")
     ct = result.get("conversion_table")
     if ct:
-        build = f"{ct['build_seconds']:.2f} s" if ct["build_seconds"] is not None else "not measured (already built)"
+        build = f"{ct['build_seconds']:.2f} s" if ct["build_seconds"] is not None else "(not measured: failed)"
         lines += [
             "",
             f"fsdp2kit's conversion index (docs/loading.md) was {'already' if ct['index_on_disk_before'] else 'not yet'} "
             f"on disk before this run{'' if ct['index_on_disk_before'] else ' (written before the loads)'}. "
             "Loads that built transformers' weight-conversion table (any rank, any round): "
             + ", ".join(f"{k} {_yes_no(v.get('conversion_table_built'))}" for k, v in libs.items())
-            + f". Building it took {build} in this run's parent process: what a fsdp2kit load that must build it "
+            + f". Building it takes {build} in a fresh process here (median of 3, before the loads): what a "
+            "fsdp2kit load that must build it "
             "(the first process on a machine, or a model that converts) pays more.",
         ]
     lines += [""]
