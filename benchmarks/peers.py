@@ -31,8 +31,8 @@ Method: every load runs in a fresh world of processes (nothing left from an earl
 the resident-set figures belong to that library alone), libraries interleaved, the order rotated
 every round; lazily imported modules are imported before the clock starts. A load is timed from
 a barrier to the slowest rank's end. Then every byte of the rank's shards is read once: a
-library may leave its shards memory-mapped from the checkpoint (transformers does), and then its
-load has read nothing yet; "load + read" is the time until the weights are really in memory.
+library may leave its shards memory-mapped from the checkpoint (transformers does, and so does
+fsdp2kit on CPU by default), and then its load has read nothing yet; "load + read" is the time until the weights are really in memory.
 Because a lazy load moves its reading into the first use, every round also runs each library's
 load once more in another fresh world and then times its first training step (forward, backward,
 AdamW step: every shard byte is read and, for a mapped shard, copied on write there): "load +
