@@ -47,7 +47,8 @@ def _mappable(target: torch.Tensor, dtype: torch.dtype) -> bool:
     if target.device_mesh.device_type != "cpu":
         return False
     # FSDP's own Shard(0) (and Replicate over HSDP's replicate dim): a block of whole rows.
-    return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in target.placements)
+    # Not _StridedShard (FSDP over a tensor-parallel dim): its rows are not one chunk.
+    return all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in target.placements)
 
 
 def _rows(t: DTensor) -> tuple[int, int]:
