@@ -16,7 +16,9 @@ from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit.weights.adapters import base_name, is_peft_model, peft_init_fn, peft_view
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.conversion_index import needs_no_conversion, remember_index
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
+from fsdp2kit.weights.mapped import MappedFiles, mapped_shards
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.weights.nf4_load import allocate_nf4, fill_nf4, nf4_load_problem
@@ -32,21 +34,35 @@ class LoadResult:
     files: int = 0
     tensors: int = 0
     bytes_read: int = 0  # bytes this rank read from the files (its shards only, where it could)
+    bytes_mapped: int = 0  # bytes of this rank's shards that are views of a private file mapping (mmap=True)
     seconds: float = 0.0
 
 
-def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+def load_pretrained(
+    model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True, mmap: bool = True
+) -> LoadResult:
     """Read a local Hugging Face safetensors checkpoint straight into each rank's shards.
 
     Call it after `shard_model`, on every rank (the model may still be on the meta device: its
     storage is allocated here). Each rank reads, for every tensor, only the part its shard
     holds, as the DTensor's placements say: rows ``[a, b)`` of FSDP's ``torch.chunk`` split on
     the "shard" mesh dimension, everything along "replicate" (every replica group reads its
-    own copy). Rows are one contiguous byte range of a safetensors file: they are read with
-    plain file reads, straight into the shard when the dtypes agree, and never memory-mapped,
-    so a rank's memory is its shards plus one tensor's rows in the file's dtype when they do not
-    (benchmarks/results/load_pretrained.md). No rank ever holds the full model; a checkpoint
-    whose layout differs from the model's adds one converted tensor at a time.
+    own copy). Rows are one contiguous byte range of a safetensors file. No rank ever holds the
+    full model; a checkpoint whose layout differs from the model's adds one converted tensor at
+    a time.
+
+    With ``mmap=True`` (the default), a CPU shard whose rows are stored in the parameter's own
+    dtype, unconverted and FSDP-sharded along dim 0 only, is not copied: it becomes a view of a
+    private, copy-on-write memory map of the file (as safetensors' ``safe_open`` and
+    transformers' ``from_pretrained`` give), which FSDP2 adopts as its sharded storage. Bytes
+    are then read from the page cache when first used (the first forward), and the optimizer's
+    first write gives the process its own copy of each page; the file is never written. Do not
+    modify the checkpoint file in place while such a model lives (replacing it by a rename, as
+    `export_hf` does, is safe). Everything else (CUDA, a dtype cast, a conversion, tensor
+    parallelism, NF4) and every shard with ``mmap=False`` is read with plain file reads
+    straight into the shard, so a rank's memory is its shards plus one tensor's rows in the
+    file's dtype when they differ (benchmarks/results/load_pretrained.md). Both give the same
+    bits (tests/dist/test_weights.py).
 
     Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
     one per key but held fused) are mapped with transformers' own renamings and weight
@@ -73,12 +89,16 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     """
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
+    maps, mapped = MappedFiles(), {}
     with all_ranks_or_none(model, "load_pretrained"):
         files = checkpoint_files(hf_dir)
         reader = SafetensorsReader(files)
         shapes = {k: reader.shape(k) for k in files}
         target, tensors, aliases = _load_targets(model)
-        plan = plan_load(target, shapes, tensors, aliases)
+        as_stored = needs_no_conversion(target, shapes, tensors)  # skips building transformers' table
+        plan = plan_load(target, shapes, tensors, aliases, convert=not as_stored)
+        if not as_stored:
+            remember_index()  # the next process can skip it too
         problems = []
         if plan.mismatched:
             problems.append(f"shapes differ: {fmt_list(plan.mismatched, 6)}")
@@ -103,14 +123,20 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     else:
         device = target_device(model, None)
         with all_ranks_or_none(model, "load_pretrained"):
-            _, buffers = allocate(model, device)
+            if mmap and device.type == "cpu":
+                mapped = mapped_shards(plan.groups, tensors, reader, maps)
+            _, buffers = allocate(model, device, {id(tensors[n]): d for n, d in mapped.items()})
             fill_buffers(model, buffers, missing_ok=False)
     _, tensors, _ = _load_targets(model)  # allocation may have replaced plain (unsharded) tensors
 
     result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected, files=len(set(files.values())))
+    result.bytes_mapped = maps.bytes
     with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
         try:
             for group in plan.groups:
+                if group.targets[0] in mapped:
+                    result.tensors += 1
+                    continue
                 _load_group(target, group, tensors, reader)
                 result.tensors += len(group.targets)
         finally:

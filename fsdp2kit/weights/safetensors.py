@@ -72,7 +72,8 @@ class SafetensorsReader:
                 self.headers[path] = (8 + n, json.loads(f.read(n)))
         return self.headers[path]
 
-    def _entry(self, key: str) -> tuple[Path, int, dict]:
+    def entry(self, key: str) -> tuple[Path, int, dict]:
+        """(file, byte offset of its data, the key's header entry: dtype, shape, data_offsets)."""
         path = self.files[key]
         start, header = self.header(path)
         if key not in header:
@@ -80,10 +81,10 @@ class SafetensorsReader:
         return path, start, header[key]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._entry(key)[2]["shape"])
+        return tuple(self.entry(key)[2]["shape"])
 
     def dtype(self, key: str) -> torch.dtype:
-        name = self._entry(key)[2]["dtype"]
+        name = self.entry(key)[2]["dtype"]
         if name not in SAFETENSORS_DTYPES:
             raise ValueError(f"{key}: safetensors dtype {name} is not supported")
         return SAFETENSORS_DTYPES[name]
@@ -92,7 +93,7 @@ class SafetensorsReader:
         self, key: str, index: tuple[slice, ...] | None = None, *, into: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The tensor ``key``, or ``key[index]``; with ``into``, copied into that tensor (returned)."""
-        path, data_start, entry = self._entry(key)
+        path, data_start, entry = self.entry(key)
         shape, dtype = self.shape(key), self.dtype(key)
         begin, end = entry["data_offsets"]
         rows = index[0].indices(shape[0]) if index and shape else (0, shape[0] if shape else 1, 1)

@@ -227,7 +227,7 @@ def run_load(case: Case, refs: Path, out: Path) -> dict:
         "logits_worst": _worst(logits, ref_logits),
         "params_equal": params_equal,
         "buffers_equal": buffers_equal,
-        "bytes_read": result.bytes_read,
+        "bytes_read": result.bytes_read + result.bytes_mapped,  # read, or mapped (mmap=True: no copy)
         "shard_bytes": shard_bytes,
         "missing": result.missing_keys,
         "unexpected": result.unexpected_keys,
