@@ -12,7 +12,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
 from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
 
-__all__ = ["model_options", "resolve_trainable_only", "restore_extra", "state_to_load", "state_to_save"]
+__all__ = [
+    "extra_to_save",
+    "model_options",
+    "resolve_trainable_only",
+    "restore_extra",
+    "state_to_load",
+    "state_to_save",
+]
 
 
 def resolve_trainable_only(model: nn.Module, trainable_only: bool | None) -> bool:
@@ -35,6 +42,13 @@ def state_to_save(
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=model_options(trainable_only))}
     if optimizer is not None:
         state["optimizer"] = optimizer_to_save(model, optimizer)  # see optim.py for the layout
+    state["extra"] = extra_to_save(extra, rank=rank, rng=rng)
+    return state
+
+
+def extra_to_save(extra: dict | None, *, rank: int, rng: bool) -> dict:
+    """``extra`` encoded as DCP leaves: shared values from rank 0, `PerRank` values and RNG states
+    from every rank. Values (a scheduler's ``state_dict()``) are taken now; tensors are not copied."""
     shared, mine = {}, {}
     for key, value in (extra or {}).items():
         if isinstance(value, (PerRank, RNGState)):
@@ -47,8 +61,7 @@ def state_to_save(
                 shared[key] = entry
     if rng:
         mine[RNG_KEY] = encode(RNGState(), "RNG state")
-    state["extra"] = {"shared": shared, "rank": {str(rank): mine}}
-    return state
+    return {"shared": shared, "rank": {str(rank): mine}}
 
 
 def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int, trainable_only: bool = False) -> dict:
