@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
 from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_without_process_group, raise_gathered
@@ -52,9 +51,9 @@ from fsdp2kit.checkpoint.optim import restore_optimizer
 from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
 from fsdp2kit.checkpoint.restage import Restager, finish
 from fsdp2kit.checkpoint.state import (
-    model_options,
     resolve_trainable_only,
     restore_extra,
+    restore_model,
     state_to_load,
     state_to_save,
 )
@@ -410,7 +409,7 @@ class Checkpointer:
             error = f"reading failed: {describe(e)}"
         if error is None:
             try:
-                set_model_state_dict(model, state["model"], options=model_options(trainable_only))
+                restore_model(model, state["model"], trainable_only)
                 if optimizer is not None:
                     restore_optimizer(model, optimizer, state["optimizer"])
                 self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
