@@ -101,8 +101,10 @@ class Checkpointer:
             then stalls only for the copy, not the write, at the price of one extra copy of the
             sharded state in CPU memory (kept between saves so it is not reallocated each time)
             and of disk traffic that competes with training. Saves never overlap: a save waits
-            for the one before. A failed asynchronous save raises at the next ``save``, ``load``,
-            ``wait`` or ``close``.
+            for the one before. A failed asynchronous save (a failure while preparing it, such as
+            a bad ``extra`` value on one rank, included) raises at the next ``save``, ``load``,
+            ``wait`` or ``close``, on every rank. After the first save, the copy is all the
+            training loop waits for (restage.py).
         rng: save every rank's RNG states (torch, CUDA, Python, NumPy; see `RNGState`) and
             restore them on load, so a resumed run continues exactly as an uninterrupted one.
             Ranks that did not exist at save time keep their generators.
