@@ -133,6 +133,20 @@ def bench_rank(workdir: str, repeats: int, size: str = "small", stall_runs: bool
     tensors = _local_tensors(model, opt)
     torch_file = work / f"torch_save_rank{rank}.pt"
     ck = Checkpointer(work / "dcp", keep_last=1)
+    # The same save with DCP's writer at another thread count (writer.py's WRITER_THREADS, read at
+    # each save): 2 threads write two files per rank in parallel.
+    import fsdp2kit.checkpoint.writer as writer_module
+
+    threads = writer_module.WRITER_THREADS
+    alt_threads = 2 if threads == 1 else 1
+    alt_ck = Checkpointer(work / "dcp_alt", keep_last=1)
+
+    def alt_save(step: int) -> None:
+        writer_module.WRITER_THREADS = alt_threads
+        try:
+            alt_ck.save(step, model, optimizer=opt)
+        finally:
+            writer_module.WRITER_THREADS = threads
 
     # Plain dcp.save of the same model and optimizer state, each rank on its own (no planning
     # collectives, no validation, no publish), with and without the optimizer's param_groups
@@ -157,12 +171,25 @@ def bench_rank(workdir: str, repeats: int, size: str = "small", stall_runs: bool
 
     # ---- throughput: interleaved, order alternating between repeats -----------------------
     times: dict[str, list[float]] = {
-        k: [] for k in ("dcp_save", "torch_save", "dcp_load", "torch_load", "raw_dcp_save", "raw_dcp_save_tensors_only")
+        k: []
+        for k in (
+            "dcp_save",
+            "torch_save",
+            "torch_save_new",
+            "dcp_save_alt_threads",
+            "dcp_load",
+            "torch_load",
+            "raw_dcp_save",
+            "raw_dcp_save_tensors_only",
+        )
     }
     for rep in range(repeats + 1):  # repeat 0 warms up (first-touch allocations, imports)
         ops = [
             ("dcp_save", lambda: ck.save(rep, model, optimizer=opt)),  # noqa: B023 - called within this iteration
+            ("dcp_save_alt_threads", lambda: alt_save(rep)),  # noqa: B023
             ("torch_save", lambda: _torch_save(tensors, torch_file)),
+            # a new file each repeat, as a checkpoint's step always is (the old one deleted untimed)
+            ("torch_save_new", lambda: _torch_save(tensors, work / f"torch_new_rank{rank}_{rep}.pt")),  # noqa: B023
             ("raw_dcp_save", lambda: raw_save(raw, "all")),
             ("raw_dcp_save_tensors_only", lambda: raw_save(raw_tensors, "tensors")),
         ]
@@ -177,17 +204,22 @@ def bench_rank(workdir: str, repeats: int, size: str = "small", stall_runs: bool
             t = _timed(fn)
             if rep > 0:
                 times[name].append(t)
+            if name == "torch_save_new":
+                (work / f"torch_new_rank{rank}_{rep - 1}.pt").unlink(missing_ok=True)
     dcp_bytes = sum(f.stat().st_size for f in step_dir(work / "dcp", repeats).glob(f"__{rank}_*.distcp"))
     # records this rank wrote in the Checkpointer's own step (DCP keeps one entry per record)
     storage = read_metadata(step_dir(work / "dcp", repeats)).storage_data
     ck_records = sum(1 for info in storage.values() if info.relative_path.startswith(f"__{rank}_"))
     torch_bytes = torch_file.stat().st_size
     ck.close()
+    alt_ck.close()
+    shutil.rmtree(work / "dcp_alt", ignore_errors=True)
     reads = _count_reads(lambda: Checkpointer(work / "dcp").load(model, optimizer=opt))
 
     # ---- stall: the step that saves, and the ones after, sync against async --------------------
     stall: dict[str, list[list[float]]] = {"sync": [], "async": []}
     waits: list[float] = []
+    save_calls: dict[str, list[float]] = {"sync": [], "async": []}  # the save() call alone
     # One Checkpointer per mode for the whole run, as in training: the asynchronous one creates
     # its gloo group and its staging buffers on its first save, which is a warm-up, not measured.
     # The warm-up runs also measure each rank's resident-memory peak over a loop that saves
@@ -213,7 +245,9 @@ def bench_rank(workdir: str, repeats: int, size: str = "small", stall_runs: bool
                 start = time.perf_counter()
                 _step(model, opt, gen)
                 if i == SAVE_AT:
+                    call = time.perf_counter()
                     sck.save(1000 * (rep + 1) + i, model, optimizer=opt)
+                    save_calls[mode].append(time.perf_counter() - call)
                 steps.append(time.perf_counter() - start)
             if mode == "async":
                 waits.append(_timed(sck.wait))
@@ -224,10 +258,12 @@ def bench_rank(workdir: str, repeats: int, size: str = "small", stall_runs: bool
     return {
         "rank": rank,
         "items": {**raw_items, "checkpointer_records": ck_records},
+        "writer_threads": {"default": threads, "alternative": alt_threads},
         "bytes": {"dcp": dcp_bytes, "torch_save": torch_bytes},
         "times": times,
         "stall": stall,
         "async_wait_s": waits,
+        "save_call_s": save_calls,
         "memory": memory,
         "reads": reads,
     }
@@ -247,12 +283,15 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
                 "median_s": {k: round(v, 4) for k, v in t.items()},
                 "items": r["items"],
                 "reads": r.get("reads"),
+                "writer_threads": r.get("writer_threads"),
                 "memory_MB": {k.removesuffix("_bytes"): round(v / 1e6, 1) for k, v in r.get("memory", {}).items()},
                 "MBps": {
                     "raw_dcp_save": round(mb / t["raw_dcp_save"], 1),
                     "raw_dcp_save_tensors_only": round(mb / t["raw_dcp_save_tensors_only"], 1),
                     "dcp_save": round(mb / t["dcp_save"], 1),
+                    "dcp_save_alt_threads": round(mb / t["dcp_save_alt_threads"], 1),
                     "torch_save": round(mb_t / t["torch_save"], 1),
+                    "torch_save_new": round(mb_t / t["torch_save_new"], 1) if "torch_save_new" in t else None,
                     "dcp_load": round(mb / t["dcp_load"], 1),
                     "torch_load": round(mb_t / t["torch_load"], 1),
                 },
@@ -261,6 +300,9 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
     for p in per_rank:
         p["ratio_vs_torch"] = {
             "save": round(p["MBps"]["dcp_save"] / p["MBps"]["torch_save"], 2),
+            "save_vs_new_file": round(p["MBps"]["dcp_save"] / p["MBps"]["torch_save_new"], 2)
+            if p["MBps"].get("torch_save_new")
+            else None,
             "load": round(p["MBps"]["dcp_load"] / p["MBps"]["torch_load"], 2),
         }
 
@@ -281,10 +323,23 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
             "next_step_s": round(med(run[SAVE_AT + 1] for run in runs), 4),
             "later_steps_s": round(med(s for run in runs for s in run[SAVE_AT + 2 :]), 4),
         }
-        stall[mode]["stall_s"] = round(stall[mode]["save_step_s"] - stall[mode]["plain_step_s"], 4)
+        # Paired within each run (the saving step minus that run's own plain steps), then the
+        # median over runs: steps drift between runs on a shared machine.
+        stall[mode]["stall_s"] = round(med(run[SAVE_AT] - statistics.mean(run[:SAVE_AT]) for run in runs), 4)
+        if "save_call_s" in ranks[0]:
+            calls = [max(c) for c in zip(*[r["save_call_s"][mode] for r in ranks])]
+            stall[mode]["save_call_s"] = round(med(calls), 4)
+        waits = [max(w) for w in zip(*[r["async_wait_s"] for r in ranks])] if mode == "async" else [0.0] * len(runs)
+        # Everything the save cost the loop: all its steps and the final wait, minus plain steps.
+        stall[mode]["loop_extra_s"] = round(
+            med(sum(run) + w - STEPS * statistics.mean(run[:SAVE_AT]) for run, w in zip(runs, waits)), 4
+        )
     if stall:
         stall["async"]["wait_at_end_s"] = round(med(max(w) for w in zip(*[r["async_wait_s"] for r in ranks])), 4)
         stall["async_stall_over_sync_stall"] = round(stall["async"]["stall_s"] / stall["sync"]["stall_s"], 3)
+        if "save_call_s" in stall["sync"]:
+            stall["async_save_call_over_sync"] = round(stall["async"]["save_call_s"] / stall["sync"]["save_call_s"], 3)
+        stall["async_loop_extra_over_sync"] = round(stall["async"]["loop_extra_s"] / stall["sync"]["loop_extra_s"], 3)
     return {
         "machine": machine,
         "workdir_filesystem": subprocess.run(
@@ -309,6 +364,7 @@ def summarize(ranks: list[dict], machine: dict, workdir: str) -> dict:
 
 def write_markdown(result: dict, path: Path) -> None:
     m, s = result["machine"], result["stall"]
+    p0 = result["throughput_per_rank"][0]
     lines = [
         "# Checkpoint benchmark",
         "",
@@ -330,21 +386,26 @@ def write_markdown(result: dict, path: Path) -> None:
         "",
         "## Throughput per rank (MB/s of the rank's own bytes)",
         "",
-        "| rank | MB (DCP / torch.save) | Checkpointer.save | torch.save+fsync | ratio | Checkpointer.load | torch.load | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rank | MB (DCP / torch.save) | Checkpointer.save | torch.save+fsync, same file | ratio "
+        "| torch.save+fsync, new file | ratio | Checkpointer.load | torch.load | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["throughput_per_rank"]:
         r = p["MBps"]
         lines.append(
             f"| {p['rank']} | {p['MB']['dcp']} / {p['MB']['torch_save']} | {r['dcp_save']} | {r['torch_save']} | "
-            f"{p['ratio_vs_torch']['save']} | {r['dcp_load']} | {r['torch_load']} | {p['ratio_vs_torch']['load']} |"
+            f"{p['ratio_vs_torch']['save']} | {r.get('torch_save_new', '-')} | "
+            f"{p['ratio_vs_torch'].get('save_vs_new_file', '-')} | {r['dcp_load']} | {r['torch_load']} | "
+            f"{p['ratio_vs_torch']['load']} |"
         )
     lines += [
         "",
         "Checkpointer.save includes building the state dict, DCP planning (two collectives), writing and fsyncing, "
         "and the atomic publish; Checkpointer.load includes reading the metadata, validating it, resharding and "
         "restoring the optimizer. The torch baselines only write or read one file of the same tensors. Loads most "
-        "likely hit the page cache for both.",
+        "likely hit the page cache for both. The two torch.save baselines: the same file overwritten each repeat "
+        "(its blocks already allocated), and a new file each repeat (the previous one deleted outside the timed "
+        "region), which is what a checkpoint always writes; both with torch.save's default CRC-32 on.",
         "",
         "Where the save time goes: plain `dcp.save` of the same state on each rank alone (no collectives, no "
         "checks, no publish), and the same without the optimizer's `param_groups` entries. DCP writes every entry "
@@ -377,6 +438,15 @@ def write_markdown(result: dict, path: Path) -> None:
         )
         + ".",
         "",
+        f"DCP's writer threads per rank: {p0['writer_threads']['default']} (`WRITER_THREADS`, the tables above); "
+        f"the same save with {p0['writer_threads']['alternative']}, interleaved in the same repeats: "
+        + ", ".join(
+            f"rank {p['rank']} {p['MBps']['dcp_save_alt_threads']} MB/s "
+            f"({round(p['MBps']['dcp_save_alt_threads'] / p['MBps']['dcp_save'], 2)}x)"
+            for p in result["throughput_per_rank"]
+        )
+        + ".",
+        "",
         "## Memory (resident set per rank, MB)",
         "",
         "| rank | bytes saved per rank | peak over a loop with one sync save | with one async save (staging buffers kept) "
@@ -398,20 +468,25 @@ def write_markdown(result: dict, path: Path) -> None:
         "",
         "## Training-loop stall (seconds per step, slowest rank, medians)",
         "",
-        "| save | plain step | step that saves | stall | next step | later steps | wait() at the end |",
-        "|---|---|---|---|---|---|---|",
+        "| save | plain step | step that saves | stall | save() call alone | next step | later steps "
+        "| wait() at the end | whole loop's extra time |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in ("sync", "async"):
         x = s[mode]
         lines.append(
-            f"| {mode} | {x['plain_step_s']} | {x['save_step_s']} | {x['stall_s']} | {x['next_step_s']} | "
-            f"{x['later_steps_s']} | {x.get('wait_at_end_s', '-')} |"
+            f"| {mode} | {x['plain_step_s']} | {x['save_step_s']} | {x['stall_s']} | {x.get('save_call_s', '-')} | "
+            f"{x['next_step_s']} | "
+            f"{x['later_steps_s']} | {x.get('wait_at_end_s', '-')} | {x.get('loop_extra_s', '-')} |"
         )
     lines += [
         "",
         f"The asynchronous save stalls the loop {s['async_stall_over_sync_stall']}x as long as the synchronous one "
-        "(stall = the saving step minus a plain step). The rest of its cost moves to the steps after it, where the "
-        "writer thread competes with training for the same cores.",
+        "(stall = the saving step minus the plain steps before it in the same run, median over runs; timing the save() call alone, slowest rank, gives "
+        f"{s.get('async_save_call_over_sync', '-')}x). The rest of its cost moves to the steps after it, where the "
+        "writer thread competes with training for the same cores: counting those too (the whole loop's extra time: "
+        f"all {STEPS} steps and the final wait(), minus {STEPS} of that run's plain steps), the asynchronous save costs the loop "
+        f"{s.get('async_loop_extra_over_sync', '-')}x what the synchronous one does.",
         "",
     ]
     path.write_text("\n".join(lines))

@@ -58,7 +58,7 @@ def instrument():
         "check_against",
         "check_files",
         "read_metadata",
-        "set_model_state_dict",
+        "restore_model",
         "restore_optimizer",
         "restore_extra",
     ]:
@@ -88,6 +88,17 @@ def instrument():
     import fsdp2kit.checkpoint.state as S
 
     wrap(S, "get_model_state_dict", "get_model_state_dict")
+    wrap(S, "set_model_state_dict", "set_model_state_dict")
+    import fsdp2kit.checkpoint.publish as P
+    import fsdp2kit.checkpoint.reader as RD
+
+    wrap(RD, "_parse_record", "DR.parse_record")
+    wrap(P, "fsync_dir", "fsync_dir")
+    wrap(P, "fsync_file", "fsync_file")
+    wrap(FileSystemWriter, "prepare_global_plan", "W.prepare_global_plan")
+    import torch.distributed.checkpoint.filesystem as FS
+
+    wrap(FS, "_write_item", "W._write_item")
 
 
 def run(workdir, size, reps):

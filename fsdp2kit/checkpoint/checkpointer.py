@@ -35,27 +35,25 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
 from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_without_process_group, raise_gathered
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
-from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, resolve_step, step_dir
+from fsdp2kit.checkpoint.layout import check_step, list_steps, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer
 from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
-from fsdp2kit.checkpoint.staging import StagingBuffers
+from fsdp2kit.checkpoint.restage import Restager, finish
 from fsdp2kit.checkpoint.state import (
-    model_options,
     resolve_trainable_only,
     restore_extra,
+    restore_model,
     state_to_load,
     state_to_save,
 )
@@ -64,21 +62,9 @@ from fsdp2kit.checkpoint.writer import ReusingSavePlanner, forget_plans, new_pla
 from fsdp2kit.weights.adapters import peft_description
 
 
-class _AlreadyStaged(AsyncStager):
-    """Hands dcp.async_save a state dict the Checkpointer has staged (copied) itself."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict):
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-
 class _Pending:
-    def __init__(self, step: int, tmp: Path, done: Future):
-        self.step, self.tmp, self.done = step, tmp, done
+    def __init__(self, step: int, done: Future):
+        self.step, self.done = step, done
 
 
 class Checkpointer:
@@ -115,8 +101,10 @@ class Checkpointer:
             then stalls only for the copy, not the write, at the price of one extra copy of the
             sharded state in CPU memory (kept between saves so it is not reallocated each time)
             and of disk traffic that competes with training. Saves never overlap: a save waits
-            for the one before. A failed asynchronous save raises at the next ``save``, ``load``,
-            ``wait`` or ``close``.
+            for the one before. A failed asynchronous save (a failure while preparing it, such as
+            a bad ``extra`` value on one rank, included) raises at the next ``save``, ``load``,
+            ``wait`` or ``close``, on every rank. After the first save, the copy is all the
+            training loop waits for (restage.py).
         rng: save every rank's RNG states (torch, CUDA, Python, NumPy; see `RNGState`) and
             restore them on load, so a resumed run continues exactly as an uninterrupted one.
             Ranks that did not exist at save time keep their generators.
@@ -147,7 +135,8 @@ class Checkpointer:
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._comm = Comm(own_group=self.async_save)
         self._pending: _Pending | None = None
-        self._stager: StagingBuffers | None = None
+        self._stager: Restager | None = None
+        self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
         self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
         self._plan_key = new_plan_key()  # DCP's cached save plan for this Checkpointer (writer.py)
 
@@ -193,13 +182,14 @@ class Checkpointer:
         comm = self._comm
         comm.setup()
         rank = comm.rank
+        if self.async_save:
+            self._save_async(step, model, optimizer, extra)
+            return
 
         error, tmp, state = None, None, None
         try:
             trainable_only = resolve_trainable_only(model, self.trainable_only)
             state = state_to_save(model, optimizer, extra, rank=rank, rng=self.rng, trainable_only=trainable_only)
-            if self.async_save:
-                state = self._stage(state)
             if rank == 0:
                 info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
                 if trainable_only:  # what `dcp_to_hf(..., base=...)` needs to rebuild the model offline
@@ -217,26 +207,6 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise_gathered([r[0] for r in replies], what)
         tmp = Path(replies[0][1])
-
-        if self.async_save:
-            quiet_without_process_group(comm.active)
-            try:
-                upload = dcp.async_save(
-                    state,
-                    storage_writer=writer(tmp),
-                    planner=ReusingSavePlanner(self._plan_key),
-                    process_group=comm.group,
-                    async_stager=_AlreadyStaged(),
-                    no_dist=not comm.active,
-                )
-            except FAILURES as e:  # before any collective: the other ranks' writers fail at wait()
-                if rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(
-                    f"asynchronous save of step {step} to {self.root} did not start: {describe(e)}"
-                ) from e
-            self._pending = _Pending(step, tmp, self._chain_publish(upload, step, tmp, rank))
-            return
 
         error = None
         try:
@@ -287,6 +257,9 @@ class Checkpointer:
             self.wait()
         finally:
             forget_plans(self._plan_key)
+            if self._writer_thread is not None:
+                self._writer_thread.shutdown(wait=True)
+                self._writer_thread = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -303,31 +276,61 @@ class Checkpointer:
             "rng": self.rng,
         }
 
-    def _stage(self, state: dict) -> dict:
-        """Copy the state to CPU memory that later saves reuse (pinned on CUDA); see staging.py."""
-        if self._stager is None:
-            self._stager = StagingBuffers(pin_memory=torch.cuda.is_available())
-        return self._stager.stage(state)
+    def _save_async(self, step: int, model: nn.Module, optimizer, extra: dict | None) -> None:
+        """Stage the state (after the first save: byte copies only, see restage.py) and hand
+        everything else to the writer thread: the directory, the ranks' agreement, DCP's
+        planning and writes, and the publish. A failure anywhere, a bad ``extra`` value on one
+        rank included, is raised on every rank by the next save, load, wait or close: the ranks
+        never disagree on whether a save is in flight."""
+        comm, rank = self._comm, self._comm.rank
+        error, state, info = None, None, None
+        try:
+            trainable_only = resolve_trainable_only(model, self.trainable_only)
+            if self._stager is None:
+                self._stager = Restager(pin_memory=torch.cuda.is_available())
+            state = self._stager.stage(model, optimizer, extra, rank=rank, rng=self.rng, trainable_only=trainable_only)
+            if rank == 0:
+                info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
+                if trainable_only:
+                    info["peft"] = peft_description(model)
+        except Exception as e:  # agreed on in the writer thread, so no rank enters DCP alone
+            error = f"rank {rank} could not prepare the state: {describe(e)}"
+        quiet_without_process_group(comm.active)
+        if self._writer_thread is None:
+            self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
+        done = self._writer_thread.submit(self._write_async, step, model, state, info, error)
+        self._pending = _Pending(step, done)
 
-    def _chain_publish(self, upload: Future, step: int, tmp: Path, rank: int) -> Future:
-        """A future that completes once the background write is done and rank 0 has published
-        it. Publishing from the writer thread makes the step durable as soon as it is written,
-        even if the training loop never calls wait()."""
-        done: Future = Future()
-
-        def finish(f: Future) -> None:
-            try:
-                f.result()
-                if rank == 0:
-                    publish(self.root, step, tmp, self.keep_last, self._deleter)
-                done.set_result(step)
-            except BaseException as e:  # kept for wait(): never lost in a callback
-                if rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                done.set_exception(e)
-
-        upload.add_done_callback(finish)
-        return done
+    def _write_async(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> int:
+        """The writer thread's part of an asynchronous save (collectives on the Checkpointer's own group)."""
+        comm, rank = self._comm, self._comm.rank
+        tmp = None
+        try:
+            if rank == 0 and error is None:
+                try:
+                    tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
+                except Exception as e:
+                    error = f"rank 0 could not prepare the directory: {describe(e)}"
+            what = f"save of step {step} to {self.root} did not start"
+            replies = comm.gather((error, str(tmp) if tmp else None, step), what, error)
+            steps = sorted({r[2] for r in replies})
+            if len(steps) > 1:
+                replies[0] = (f"ranks disagree on the step to save: {steps}", *replies[0][1:])
+            raise_gathered([r[0] for r in replies], what)
+            dcp.save(
+                finish(state),
+                storage_writer=writer(Path(replies[0][1])),
+                planner=ReusingSavePlanner(self._plan_key),
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
+            if rank == 0:
+                publish(self.root, step, tmp, self.keep_last, self._deleter)
+            return step
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -408,7 +411,7 @@ class Checkpointer:
             error = f"reading failed: {describe(e)}"
         if error is None:
             try:
-                set_model_state_dict(model, state["model"], options=model_options(trainable_only))
+                restore_model(model, state["model"], trainable_only)
                 if optimizer is not None:
                     restore_optimizer(model, optimizer, state["optimizer"])
                 self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)

@@ -37,7 +37,9 @@ from fsdp2kit.checkpoint.extras import decode, encode, extra_entries
 __all__ = [
     "FORMAT",
     "FORMAT1_OPTIONS",
+    "PACKED",
     "optimizer_format",
+    "optimizer_parts",
     "optimizer_template",
     "optimizer_to_save",
     "restore_optimizer",
@@ -54,8 +56,10 @@ def _sharded(value: Any) -> bool:
     return isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.dim() > 0)
 
 
-def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``{"state": {fqn: {name: tensor}}, "packed": <JSON + tensors entry>}`` for DCP to write."""
+def optimizer_parts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
+    """``(state, packed, scalar_sources)``: the sharded tensor states (``{fqn: {name: tensor}}``),
+    the packed part before encoding, and per dtype the live 0-d tensors its ``values`` stacked
+    (restage.py copies them again on later asynchronous saves)."""
     osd = get_optimizer_state_dict(model, optimizer)
     state: dict[str, dict[str, Any]] = {}
     scalars: dict[str, tuple[list[torch.Tensor], list[list[str]]]] = {}
@@ -77,6 +81,12 @@ def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
         "scalars": {dtype: {"keys": keys, "values": torch.stack(ts)} for dtype, (ts, keys) in scalars.items()},
         "values": values,
     }
+    return state, packed, {dtype: ts for dtype, (ts, _) in scalars.items()}
+
+
+def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``{"state": {fqn: {name: tensor}}, "packed": <JSON + tensors entry>}`` for DCP to write."""
+    state, packed, _ = optimizer_parts(model, optimizer)
     return {"state": state, PACKED: encode(packed, "optimizer state")}
 
 

@@ -2,8 +2,10 @@
 
 - one file per rank (DCP's default): a file per tensor would multiply opens and fsyncs;
 - one writer thread per rank (DCP's default, kept): on the project's 2-core machine the ranks
-  already share the cores; more threads were not measured here. ``WRITER_THREADS`` is the one
-  place to change it where a faster disk or more cores per rank could make threads pay;
+  already share the cores, and 2 threads (two files per rank) measured 0.8-0.98x at 32 MB per
+  rank and 0.95x-2.6x at 1.3 GB in the checkpoint benchmark (docs/checkpoint-format.md), too
+  inconsistent to switch. ``WRITER_THREADS`` is the one place to change it (read at each save)
+  where a faster disk or more cores per rank could make threads pay;
 - no CRC-32 per record: DCP stores each tensor as a small ``torch.save`` zip archive, and
   ``torch.save`` checksums every byte it writes (``torch.serialization.set_crc32_options``).
   ``torch.load`` reads archives without the checksums (the option's documentation), and

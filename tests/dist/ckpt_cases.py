@@ -315,6 +315,7 @@ def world2(root: str) -> dict:
         snaps[step] = snapshot(model, opt)
         train(model, opt, 1, gen_seed=step)
     out["overlap_wait"] = ack.wait()
+    out["overlap_fast_saves"] = ack._stager.fast_saves  # saves 2 and 3 only copied bytes (restage.py)
     out["overlap_wait_again"] = ack.wait()
     out["overlap_steps"] = list_steps(root / "overlap")
     check = sharded(seed=9)
@@ -346,6 +347,16 @@ def world2(root: str) -> dict:
     with _Inject(rank=0, message="Input/output error (injected)"):
         out["err_sync_save"] = error_of(sck.save, 5, model)
     out["fail_steps_after_sync"] = list_steps(fail_root)
+
+    # A bad extra value on one rank of an asynchronous Checkpointer (past its first save, so
+    # staged by byte copies): raised on every rank by the next wait, nothing published.
+    bad_async = Checkpointer(root / "bad_async", async_save=True)
+    bad_async.save(1, model, optimizer=opt)
+    bad_async.save(2, model, optimizer=opt, extra={"fn": (lambda: 0) if rank == 1 else 0})
+    out["err_async_extra"] = error_of(bad_async.wait)
+    bad_async.save(3, model, optimizer=opt)
+    bad_async.close()
+    out["bad_async_steps"] = list_steps(root / "bad_async")
 
     # Bad inputs at save time: reported by every rank, and nothing is published.
     bad = root / "bad_save"

@@ -207,6 +207,14 @@ def test_overlapping_async_saves(w2):
     assert r["overlap_wait"] == 3 and r["overlap_wait_again"] is None
     assert r["overlap_steps"] == [1, 2, 3]
     assert r["overlap_equal"] == {1: True, 2: True, 3: True}
+    assert r["overlap_fast_saves"] == 2
+
+
+def test_bad_extra_in_async_save_raises_on_every_rank(w2):
+    msg = _same_on_every_rank(w2, "err_async_extra")
+    assert "asynchronous save of step 2" in msg and "rank 1 could not prepare the state" in msg, msg
+    assert "extra['fn']" in msg, msg
+    assert w2[0]["bad_async_steps"] == [1, 3]
 
 
 def test_failed_async_save_raises(w2):

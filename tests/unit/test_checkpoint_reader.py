@@ -176,3 +176,26 @@ def test_writer_without_crc_is_read_by_stock_tools(tmp_path):
     dcp_to_torch_save(tmp_path / "ck", tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert all(torch.equal(full[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("tensor", [torch.arange(3), torch.randn(300, 70), torch.zeros(0), torch.ones(2, 2).bfloat16()])
+def test_central_directory_matches_zipfile(tmp_path, tensor):
+    """The record parser's own reading of a torch.save archive's directory (one read of its tail)
+    agrees with zipfile's, entry for entry; a record it cannot read that way returns None."""
+    import zipfile
+
+    from fsdp2kit.checkpoint.reader import _central_directory
+
+    path = tmp_path / "t.pt"
+    torch.save(tensor, path)
+    pad = b"x" * 100  # a record sits at some offset inside the rank's file
+    data = pad + path.read_bytes() + pad
+    path.write_bytes(data)
+    length = len(data) - 2 * len(pad)
+    with open(path, "rb", buffering=0) as fh:
+        ours = _central_directory(fh, len(pad), length)
+        with zipfile.ZipFile(path.open("rb")) as z:  # zipfile finds the archive despite the padding
+            theirs = [(i.filename, i.header_offset, i.compress_size, i.compress_type) for i in z.infolist()]
+        assert ours is not None and [o[0] for o in ours] == [t[0] for t in theirs]
+        assert [o[2:] for o in ours] == [t[2:] for t in theirs]
+        assert _central_directory(fh, len(pad), length - 1) is None  # no end record where expected
