@@ -68,8 +68,8 @@ BEST_CONFIGS = HERE / "best_configs.json"
 # and 768x6 at 512 are the sizes the issue's reference numbers were measured at.
 DEFAULT_SIZES = "bench-256x4:256,bench-512x8:256,bench-768x6:512"
 
-# Issue 6's targets, checked in the JSON (measured ratio >= target).
-TARGETS = {"fsdp2_over_fsdp1": 1.0, "best_fsdp2_over_best_fsdp1": 1.15, "fsdp2_over_ddp": 0.97}
+# Issue 15's targets (issue 6 had best/best >= 1.15), checked in the JSON (measured ratio >= target).
+TARGETS = {"fsdp2_over_fsdp1": 1.0, "best_fsdp2_over_best_fsdp1": 1.10, "fsdp2_over_ddp": 0.97}
 
 
 def _sync(device: torch.device) -> None:
