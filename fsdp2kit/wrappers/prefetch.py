@@ -12,13 +12,15 @@ an attribute of the model (`fsdp2kit._internal.markers.BLOCK_ORDER`).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.wrappers.forward import ORDER
 
-__all__ = ["set_prefetch"]
+__all__ = ["chain_forward_prefetch", "set_prefetch"]
 
 
 def _depth(name: str, value: int) -> int:
@@ -58,3 +60,16 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Mo
         # Nearest first: that is the order backward reaches them.
         block.set_modules_to_backward_prefetch(blocks[max(0, i - backward) : i][::-1])
     return model
+
+
+def chain_forward_prefetch(units: list[nn.Module]) -> None:
+    """Each FSDP unit of ``units`` (in forward order) prefetches the next one's all-gather in forward.
+
+    `shard_model` does this on gloo (root, the embedding units before the first block, then the
+    blocks): on CPU, FSDP2 has no streams to run the next all-gather beside the current compute,
+    so without an explicit prefetch every all-gather is waited for where it is issued. Backward
+    keeps FSDP2's implicit one-unit prefetch. `set_prefetch` afterwards replaces the blocks'
+    forward setting (``forward=0`` turns it off), not the root's and the embeddings'.
+    """
+    for unit, nxt in pairwise(units):
+        unit.set_modules_to_forward_prefetch([nxt])
