@@ -141,7 +141,7 @@ def write_bench(result: dict, out_dir: Path) -> Path:
             f"{len(size['variants'][_keys(size)[0]]['step_times_s'])} interleaved rounds"
         )
         print(_text_table(header(size), size_rows(size)))
-    print("\nthroughput ratios (ratio of medians; quartiles of the per-round ratios) against issue 6's targets:")
+    print("\nthroughput ratios (ratio of medians; quartiles of the per-round ratios) against issue 15's targets:")
     sizes = list(result["sizes"])
     vrows = _verdict_rows(result)
     widths = [max(len(str(r[i])) for r in [["ratio", "target", *sizes, ""], *vrows]) for i in range(len(sizes) + 3)]

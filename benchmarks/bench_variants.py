@@ -30,6 +30,9 @@ class Config:
     # FSDP2 only: shard_model defaults to undo after it, to measure each (see `revert_defaults`)
     revert: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "revert", tuple(self.revert))  # a JSON list read back stays hashable
+
     def describe(self) -> str:
         parts = [self.strategy]
         if self.forward_prefetch:

@@ -150,8 +150,13 @@ def shard_model(
             optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
         collectives: ``"auto"``: on a CPU mesh over gloo, every unit reduce-scatters and
             all-gathers with fsdp2kit's bandwidth-optimal collectives (gloo has no reduce-scatter
-            of its own; docs/gloo-collectives.md); elsewhere (NCCL) FSDP2's own. ``"torch"``:
-            FSDP2's own everywhere.
+            of its own; docs/gloo-collectives.md); there the all-gathers are asynchronous and
+            each unit prefetches the next in forward (a CPU has no streams to overlap them
+            otherwise: one more unsharded block in forward); elsewhere (NCCL) FSDP2's own.
+            ``"torch"``: FSDP2's own everywhere, no forward prefetch.
+
+    On any backend, an embedding unit that is one plain ``nn.Embedding`` is not all-gathered
+    again in backward (a lookup's gradient does not read the table); tied to a head, it is.
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
     optimizer built before raises on its first step).
