@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 MiB = 2**20
-ORDER = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best", "fsdp2_torch")
+REVERTED = ("fsdp2_no_async_all_gather", "fsdp2_no_forward_prefetch", "fsdp2_no_embedding_unshard")
+ORDER = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best", "fsdp2_torch", "fsdp2_prev", *REVERTED)
 RATIO_NAMES = {
     "fsdp2_over_fsdp1": "FSDP2 / FSDP1, defaults",
     "best_fsdp2_over_best_fsdp1": "best FSDP2 / best FSDP1",
@@ -18,7 +19,12 @@ RATIO_NAMES = {
     "best_fsdp2_over_ddp": "best FSDP2 / DDP",
     "fsdp2_over_fsdp2_torch_collectives": "FSDP2 / FSDP2 with FSDP2's own collectives",
     "fsdp2_torch_collectives_over_fsdp1": "FSDP2 with FSDP2's own collectives / FSDP1",
+    "fsdp2_over_fsdp2_prev": "FSDP2 / FSDP2 without issue 15's step defaults",
+    "fsdp2_prev_over_fsdp1": "FSDP2 without issue 15's step defaults / FSDP1",
+    "fsdp2_prev_over_ddp": "FSDP2 without issue 15's step defaults / DDP",
+    **{f"fsdp2_over_{k}": f"FSDP2 / FSDP2 without {k.removeprefix('fsdp2_no_')}" for k in REVERTED},
 }
+EXTRA_RATIOS = [k for k in RATIO_NAMES if k not in ("fsdp2_over_fsdp1", "best_fsdp2_over_best_fsdp1", "fsdp2_over_ddp")]
 
 
 def _stem(result: dict, kind: str) -> str:
@@ -106,7 +112,7 @@ def _verdict_rows(result: dict) -> list[list[str]]:
     for key, v in result["verdict"].items():
         cells = [_ratio_cells(result["sizes"][s], key) for s in result["sizes"]]
         rows.append([RATIO_NAMES[key], f">= {v['target']:.2f}", *cells, "met" if v["met"] else "**missed**"])
-    for key in ("best_fsdp2_over_ddp", "fsdp2_over_fsdp2_torch_collectives", "fsdp2_torch_collectives_over_fsdp1"):
+    for key in EXTRA_RATIOS:
         if all(key in s["ratios"] for s in result["sizes"].values()):
             rows.append([RATIO_NAMES[key], "-", *[_ratio_cells(result["sizes"][s], key) for s in result["sizes"]], ""])
     return rows
@@ -135,7 +141,7 @@ def write_bench(result: dict, out_dir: Path) -> Path:
             f"{len(size['variants'][_keys(size)[0]]['step_times_s'])} interleaved rounds"
         )
         print(_text_table(header(size), size_rows(size)))
-    print("\nthroughput ratios (ratio of medians; quartiles of the per-round ratios) against issue 6's targets:")
+    print("\nthroughput ratios (ratio of medians; quartiles of the per-round ratios) against issue 15's targets:")
     sizes = list(result["sizes"])
     vrows = _verdict_rows(result)
     widths = [max(len(str(r[i])) for r in [["ratio", "target", *sizes, ""], *vrows]) for i in range(len(sizes) + 3)]
@@ -201,6 +207,10 @@ def _chart(result: dict, path: Path) -> None:
         "fsdp2": "#fd8d3c",
         "fsdp2_best": "#a63603",
         "fsdp2_torch": "#fdd0a2",
+        "fsdp2_prev": "#d9d9d9",
+        "fsdp2_no_async_all_gather": "#c7e9c0",
+        "fsdp2_no_forward_prefetch": "#74c476",
+        "fsdp2_no_embedding_unshard": "#238b45",
     }
     for j, key in enumerate(keys):
         xs = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(sizes))]

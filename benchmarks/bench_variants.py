@@ -9,11 +9,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fsdp1 import wrap_fsdp1
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 import fsdp2kit as fk
 
-__all__ = ["GRID", "Config", "Variant", "build_variant", "make_batches", "train_step"]
+__all__ = ["GRID", "REVERTIBLE", "Config", "Variant", "build_variant", "make_batches", "revert_defaults", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class Config:
     forward_prefetch: bool = False  # FSDP1 forward_prefetch=True / fk.set_prefetch(forward=1)
     compile: bool = False  # every block compiled with fk.compile_blocks (FSDP1: use_orig_params=True)
     collectives: str = "auto"  # FSDP2 only: shard_model(collectives=...); "torch" = FSDP2's own
+    # FSDP2 only: shard_model defaults to undo after it, to measure each (see `revert_defaults`)
+    revert: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "revert", tuple(self.revert))  # a JSON list read back stays hashable
 
     def describe(self) -> str:
         parts = [self.strategy]
@@ -35,6 +41,8 @@ class Config:
             parts.append("compiled")
         if self.collectives != "auto":
             parts.append(f"{self.collectives} collectives")
+        if self.revert:
+            parts.append("without " + " + ".join(self.revert))
         return ", ".join(parts)
 
 
@@ -92,10 +100,40 @@ def build_variant(
         fk.shard_model(
             model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision, collectives=c.collectives
         )
+        revert_defaults(model, mesh, c.revert)
         if c.forward_prefetch:
             fk.set_prefetch(model, forward=1, backward=1)
     # foreach=None is torch's default: the multi-tensor path on CUDA, a per-parameter loop on CPU
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True if args.foreach else None)
+
+
+# shard_model's step defaults (issue 15) that a variant can undo, each back to what it did before.
+REVERTIBLE = ("async_all_gather", "forward_prefetch", "embedding_unshard")
+
+
+def revert_defaults(model: nn.Module, mesh, revert: tuple[str, ...]) -> None:
+    """Undo some of `shard_model`'s step defaults: the asynchronous gloo all-gather (back to a
+    blocking one), the forward prefetch chain on gloo (back to none), the embedding units'
+    skipped all-gather in backward (back to FSDP2's re-gather)."""
+    from fsdp2kit.collectives import GlooAllGather, uses_gloo
+
+    unknown = set(revert) - set(REVERTIBLE)
+    if unknown:
+        raise ValueError(f"revert: unknown {sorted(unknown)}; choose from {REVERTIBLE}")
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if "async_all_gather" in revert and uses_gloo(mesh):
+        blocking = GlooAllGather(always_async=False)
+        for unit in units:
+            group = unit._get_fsdp_state()._fsdp_param_group  # None: several groups, FSDP2's comms
+            if group is not None and isinstance(group._all_gather_comm, GlooAllGather):
+                unit.set_custom_all_gather(blocking)
+    if "forward_prefetch" in revert:
+        for unit in units:
+            unit.set_modules_to_forward_prefetch([])
+    if "embedding_unshard" in revert:
+        for unit in units:
+            if isinstance(unit, nn.Embedding):
+                unit.set_unshard_in_backward(True)
 
 
 def _checkpoint_wrap(model: nn.Module, blocks: list[nn.Module]) -> None:

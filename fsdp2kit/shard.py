@@ -8,6 +8,10 @@ Units, bottom-up (FSDP2 requires children before parents):
    a model, and in the root it would stay unsharded for the whole step;
 3. the root, which keeps what is left (final norm, an untied head): used last in forward and
    first in backward, so it does not reshard in between.
+
+An embedding unit of one ``nn.Embedding`` (no tied head) is not all-gathered again in backward:
+the gradient of a lookup needs the indices, not the table (``set_unshard_in_backward(False)``).
+On gloo, each unit prefetches the next one's all-gather in forward (docs/gloo-collectives.md).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from fsdp2kit.preflight import (
     mark_replaced,
 )
 from fsdp2kit.units import assign_units, dtype_subunits
+from fsdp2kit.wrappers.prefetch import chain_forward_prefetch
 
 __all__ = ["STRATEGIES", "Strategy", "estimate_plan", "resolve_strategy", "shard_model"]
 
@@ -145,8 +150,13 @@ def shard_model(
             optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
         collectives: ``"auto"``: on a CPU mesh over gloo, every unit reduce-scatters and
             all-gathers with fsdp2kit's bandwidth-optimal collectives (gloo has no reduce-scatter
-            of its own; docs/gloo-collectives.md); elsewhere (NCCL) FSDP2's own. ``"torch"``:
-            FSDP2's own everywhere.
+            of its own; docs/gloo-collectives.md); there the all-gathers are asynchronous and
+            each unit prefetches the next in forward (a CPU has no streams to overlap them
+            otherwise: one more unsharded block in forward); elsewhere (NCCL) FSDP2's own.
+            ``"torch"``: FSDP2's own everywhere, no forward prefetch.
+
+    On any backend, an embedding unit that is one plain ``nn.Embedding`` is not all-gathered
+    again in backward (a lookup's gradient does not read the table); tied to a head, it is.
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
     optimizer built before raises on its first step).
@@ -179,12 +189,29 @@ def shard_model(
             mp_policy=layout.mp_policy,
             offload_policy=offload,
         )
-    install_collectives(model, fsdp_mesh, collectives)
+    for table in layout.lookups:
+        # backward of a lookup scatters the output gradient by index: the table is not read
+        table.set_unshard_in_backward(False)
+    if install_collectives(model, fsdp_mesh, collectives):
+        # CPU has no streams: without it, every all-gather is waited for where it is issued
+        chain_forward_prefetch(_forward_units(model, layout))
 
     mark_frozen(dict(model.named_parameters()))
     install_optimizer_check()
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
     return layout.plan
+
+
+def _forward_units(model: nn.Module, layout: _Layout) -> list[nn.Module]:
+    """The units in the order forward first uses them, as far as registration order tells: the
+    root, the embedding units registered before the first block, then the blocks."""
+    if not layout.blocks:
+        return [model]
+    position = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    first_block = position[id(layout.blocks[0])]
+    before = [g[0] for g in layout.groups if position[id(g[0])] < first_block]
+    before.sort(key=lambda m: position[id(m)])
+    return [model, *before, *layout.blocks]
 
 
 def estimate_plan(
@@ -233,6 +260,8 @@ class _Layout:
     strategy: Strategy
     blocks: list[nn.Module]
     units: list[tuple[str, list[nn.Module], bool | int]]  # (label, modules, reshard_after_forward), children first
+    groups: list[list[nn.Module]]  # the embedding groups (each an embedding and the modules tied to it)
+    lookups: list[nn.Embedding]  # the groups that are one plain nn.Embedding (fully_shard changes the class)
     mp_policy: MixedPrecisionPolicy
     plan: ShardPlan
 
@@ -310,4 +339,5 @@ def _layout(
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
         plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard, tp_shapes))
-    return _Layout(resolved, found, units, mp_policy, plan)
+    lookups = [g[0] for g in groups if len(g) == 1 and type(g[0]) is nn.Embedding]
+    return _Layout(resolved, found, units, groups, lookups, mp_policy, plan)

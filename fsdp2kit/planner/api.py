@@ -168,7 +168,16 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             activation_checkpointing=s.activation_checkpointing,
         )
     units = [u for _, u in units_for(model, plan, compute_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)]
-    step = replay(cache[key], units, unit_names, block_names, world=shard_size, prefetch=s.prefetch)
+    chain = None
+    if s.device == "cpu" and shard_size > 1:  # gloo: shard_model's forward prefetch chain (docs/gloo-collectives.md)
+        position = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        first = position[block_names[0]]
+        modules = dict(model.named_modules())
+        embeddings = [
+            n[0] for n in unit_names if isinstance(modules.get(n[0]), nn.Embedding) and n[0] not in block_names
+        ]
+        chain = ["", *sorted((n for n in embeddings if position.get(n, first) < first), key=position.get), *block_names]
+    step = replay(cache[key], units, unit_names, block_names, world=shard_size, prefetch=s.prefetch, chain=chain)
 
     params = plan.param_bytes_per_rank
     shards = []

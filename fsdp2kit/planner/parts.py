@@ -61,6 +61,16 @@ def unit_params(model: nn.Module, plan: ShardPlan) -> list[tuple[list[str], list
     return out
 
 
+def _is_lookup(model: nn.Module, names: list[str]) -> bool:
+    """Whether a unit is one plain ``nn.Embedding``, which `shard_model` does not gather in backward."""
+    if len(names) != 1 or not names[0]:
+        return False
+    try:
+        return type(model.get_submodule(names[0])) is nn.Embedding
+    except AttributeError:
+        return False
+
+
 def units_for(
     model: nn.Module,
     plan: ShardPlan,
@@ -95,6 +105,7 @@ def units_for(
                     reduce_output=rs_out,
                     sharded_grads=sharded,
                     reshard_after_forward=up.reshard_after_forward is not False,
+                    gather_in_backward=not _is_lookup(model, names),
                 ),
             )
         )

@@ -5,7 +5,8 @@ One spawn per world size (2, 3 with uneven shards, 2x2 HSDP) runs every check:
   same inputs (SUM, AVG, bf16, uint8, async, the fall-backs);
 - sharded training with them (``collectives="auto"``, the default) against the same training with
   FSDP2's own (``"torch"``) and against the single-process reference of tests/dist/parity.py;
-- that shard_model puts them on every unit, and only when asked.
+- that shard_model puts them on every unit, and only when asked;
+- shard_model's step defaults: the forward prefetch chain on gloo, no embedding re-gather in backward.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _compare_collectives(world: int) -> list[tuple[str, int, bool, float]]:
     """(check, group size, bitwise equal, max abs difference) of fsdp2kit's collectives against gloo's."""
     rank = dist.get_rank()
     out = []
-    rs, ag = GlooReduceScatter(), GlooAllGather()
+    rs, ag, blocking = GlooReduceScatter(), GlooAllGather(), GlooAllGather(always_async=False)
     for group in _groups(world):
         n, me = group.size(), group.rank()
         where = f"group of {n}"
@@ -68,19 +69,20 @@ def _compare_collectives(world: int) -> list[tuple[str, int, bool, float]]:
             shard = (torch.arange(13) + 100 * me).to(dtype)
             want = torch.empty(n * 13, dtype=dtype)
             dist.all_gather_single(want, shard, group=group)
-            for async_op in (False, True):
+            for gather, async_op in ((ag, False), (ag, True), (blocking, False), (blocking, True)):
                 got = torch.zeros(n * 13, dtype=dtype)
                 inp = got[me * 13 : (me + 1) * 13]  # FSDP2's layout: the input lives inside the output
                 inp.copy_(shard)
-                work = ag(got, inp, group, async_op=async_op)
-                if async_op:
+                work = gather(got, inp, group, async_op=async_op)
+                if async_op or gather.always_async:  # the default: a Work even when not asked
                     assert isinstance(work, dist.Work)
                     work.wait()
                 else:
                     assert work is None
-                out.append((f"all-gather {dtype} async={async_op} {where}", n, torch.equal(got, want), 0.0))
+                label = f"all-gather {dtype} async={async_op} always_async={gather.always_async} {where}"
+                out.append((label, n, torch.equal(got, want), 0.0))
             got = torch.zeros(n * 13, dtype=dtype)  # an input outside the output is copied in
-            ag(got, shard, group)
+            ag(got, shard, group).wait()
             out.append((f"all-gather separate input {dtype} {where}", n, torch.equal(got, want), 0.0))
     return out
 
@@ -94,6 +96,21 @@ def _comm_types(model) -> set[tuple[str, str]]:
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 kinds.add((type(group._reduce_scatter_comm).__name__, type(group._all_gather_comm).__name__))
     return kinds
+
+
+def _step_settings(model) -> dict[str, tuple[bool, list[str]]]:
+    """Per FSDP unit (by module name): whether it is all-gathered in backward, and which units it
+    prefetches in forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): n or "(root)" for n, m in model.named_modules()}
+    out = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            targets = [names[id(s._modules[0])] for s in state._states_to_forward_prefetch]
+            out[names[id(module)]] = (state._fsdp_param_group.unshard_in_backward, targets)
+    return out
 
 
 def _world(world: int) -> dict:
@@ -115,12 +132,21 @@ def _world(world: int) -> dict:
     import fsdp2kit as fk
 
     mesh = fk.make_mesh(shard=2, replicate=2) if world == 4 else fk.make_mesh()
-    installed = {}
+    installed, settings = {}, {}
     for collectives in ("auto", "torch"):
         model = build("tinygpt")
         fk.shard_model(model, mesh, collectives=collectives)
         installed[collectives] = sorted(_comm_types(model))
-    return {"comms": _compare_collectives(world), "training": results, "installed": installed}
+        settings[collectives] = _step_settings(model)
+    model = build("tinygpt-tied")
+    fk.shard_model(model, mesh)
+    settings["tied"] = _step_settings(model)
+    return {
+        "comms": _compare_collectives(world),
+        "training": results,
+        "installed": installed,
+        "settings": settings,
+    }
 
 
 _results: dict[int, list[dict]] = {}
@@ -176,6 +202,26 @@ def test_shard_model_installs_them_on_gloo(world: int) -> None:
     installed = _ranks(world)[0]["installed"]
     assert installed["auto"] == [("GlooReduceScatter", "GlooAllGather")]  # every unit
     assert installed["torch"] == [("DefaultReduceScatter", "DefaultAllGather")]
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("world", WORLDS)
+def test_shard_model_step_defaults(world: int) -> None:
+    """An untied embedding is not re-gathered in backward (any backend); on gloo every unit
+    prefetches the next in forward: root, embedding, then the blocks in order."""
+    settings = _ranks(world)[0]["settings"]
+    blocks = [f"trunk.{i}" for i in range(3)]
+    assert settings["auto"] == {
+        "(root)": (True, ["tok"]),
+        "tok": (False, ["trunk.0"]),
+        "trunk.0": (True, ["trunk.1"]),
+        "trunk.1": (True, ["trunk.2"]),
+        "trunk.2": (True, []),
+    }
+    assert settings["torch"] == {"(root)": (True, []), "tok": (False, []), **{b: (True, []) for b in blocks}}
+    # tied to the head, the table is read by the head's backward: it is gathered as before
+    assert settings["tied"]["tok"] == (True, ["trunk.0"])
+    assert settings["tied"]["(root)"] == (True, ["tok"])
 
 
 def test_unknown_collectives_name() -> None:
