@@ -197,16 +197,12 @@ class Checkpointer:
                 tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
         except Exception as e:  # reported to every rank below, so none enters DCP alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
-        what = f"save of step {step} to {self.root} did not start"
-        replies = comm.gather((error, str(tmp) if tmp else None, step), what, error)
-        steps = sorted({r[2] for r in replies})
-        if len(steps) > 1:
-            replies[0] = (f"ranks disagree on the step to save: {steps}", *replies[0][1:])
-        if any(r[0] for r in replies):
+        errors, tmp_dir = self._agree_to_start(step, error, tmp)
+        if any(errors):
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise_gathered([r[0] for r in replies], what)
-        tmp = Path(replies[0][1])
+            raise_gathered(errors, f"save of step {step} to {self.root} did not start")
+        tmp = Path(tmp_dir)
 
         error = None
         try:
@@ -276,6 +272,17 @@ class Checkpointer:
             "rng": self.rng,
         }
 
+    def _agree_to_start(self, step: int, error: str | None, tmp: Path | None) -> tuple[list, str | None]:
+        """Every rank's error before a save starts (ranks that disagree on the step: rank 0's
+        error), and the temporary directory rank 0 made, gathered in one collective."""
+        what = f"save of step {step} to {self.root} did not start"
+        replies = self._comm.gather((error, str(tmp) if tmp else None, step), what, error)
+        errors = [r[0] for r in replies]
+        steps = sorted({r[2] for r in replies})
+        if len(steps) > 1:
+            errors[0] = f"ranks disagree on the step to save: {steps}"
+        return errors, replies[0][1]
+
     def _save_async(self, step: int, model: nn.Module, optimizer, extra: dict | None) -> None:
         """Stage the state (after the first save: byte copies only, see restage.py) and hand
         everything else to the writer thread: the directory, the ranks' agreement, DCP's
@@ -311,15 +318,11 @@ class Checkpointer:
                     tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
                 except Exception as e:
                     error = f"rank 0 could not prepare the directory: {describe(e)}"
-            what = f"save of step {step} to {self.root} did not start"
-            replies = comm.gather((error, str(tmp) if tmp else None, step), what, error)
-            steps = sorted({r[2] for r in replies})
-            if len(steps) > 1:
-                replies[0] = (f"ranks disagree on the step to save: {steps}", *replies[0][1:])
-            raise_gathered([r[0] for r in replies], what)
+            errors, tmp_dir = self._agree_to_start(step, error, tmp)
+            raise_gathered(errors, f"save of step {step} to {self.root} did not start")
             dcp.save(
                 finish(state),
-                storage_writer=writer(Path(replies[0][1])),
+                storage_writer=writer(Path(tmp_dir)),
                 planner=ReusingSavePlanner(self._plan_key),
                 process_group=comm.group,
                 no_dist=not comm.active,

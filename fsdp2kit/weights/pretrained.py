@@ -62,7 +62,7 @@ def load_pretrained(
     parallelism, NF4) and every shard with ``mmap=False`` is read with plain file reads
     straight into the shard, so a rank's memory is its shards plus one tensor's rows in the
     file's dtype when they differ (benchmarks/results/load_pretrained.md). Both give the same
-    bits (tests/dist/test_weights.py).
+    bits (tests/dist/test_mapped_load.py).
 
     Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
     one per key but held fused) are mapped with transformers' own renamings and weight
