@@ -39,7 +39,7 @@ from fsdp2kit.preflight import (
     mark_frozen,
     mark_replaced,
 )
-from fsdp2kit.units import assign_units, dtype_subunits
+from fsdp2kit.units import assign_units, dtype_subunits, forward_chain
 from fsdp2kit.wrappers.prefetch import chain_forward_prefetch
 
 __all__ = ["STRATEGIES", "Strategy", "estimate_plan", "resolve_strategy", "shard_model"]
@@ -203,15 +203,10 @@ def shard_model(
 
 
 def _forward_units(model: nn.Module, layout: _Layout) -> list[nn.Module]:
-    """The units in the order forward first uses them, as far as registration order tells: the
-    root, the embedding units registered before the first block, then the blocks."""
-    if not layout.blocks:
-        return [model]
-    position = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
-    first_block = position[id(layout.blocks[0])]
-    before = [g[0] for g in layout.groups if position[id(g[0])] < first_block]
-    before.sort(key=lambda m: position[id(m)])
-    return [model, *before, *layout.blocks]
+    """The units in the order forward first uses them (`fsdp2kit.units.forward_chain`)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    order = forward_chain(model, [names[id(g[0])] for g in layout.groups], [names[id(b)] for b in layout.blocks])
+    return [model.get_submodule(n) for n in order]
 
 
 def estimate_plan(
