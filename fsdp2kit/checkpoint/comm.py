@@ -1,14 +1,17 @@
-"""The checkpointer's own collectives: object gathers, agreement on errors, the group DCP runs on."""
+"""The checkpointer's collectives: agreement on errors, the group DCP runs on, DCP's single-process warning."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp2kit._internal.agree import agree
 from fsdp2kit.checkpoint.layout import CheckpointError
 
 # DCP reports a failure on any rank as a CheckpointException, which derives from BaseException.
@@ -16,7 +19,7 @@ FAILURES = (Exception, CheckpointException)
 
 
 class Comm:
-    """The checkpointer's object collectives, and the group DCP coordinates on.
+    """The group the checkpointer agrees on, and DCP coordinates on.
 
     Synchronous saves and loads use the default group: everything runs on the calling thread,
     between training steps. Asynchronous saves get a gloo group of their own: DCP's collectives
@@ -51,24 +54,11 @@ class Comm:
                 self.group = dist.new_group(backend="gloo", timeout=_default_timeout())
             self._ready = True
 
-    def gather(self, obj: Any, what: str, local_error: Any = None) -> list[Any]:
-        """Every rank's ``obj``; a rank that died or timed out becomes a CheckpointError here."""
-        if not self.active:
-            return [obj]
+    def agree(self, problems: str | list[str] | None, what: str, value: Any = None) -> list[Any]:
+        """Every rank's ``value``; the same CheckpointError on every rank if any rank has a problem
+        (`fsdp2kit._internal.agree.agree` on this group)."""
         self.setup()
-        out: list[Any] = [None] * self.world
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except Exception as e:
-            mine = f"; this rank's own error: {local_error}" if local_error else ""
-            raise CheckpointError(
-                f"{what}: lost contact with the other ranks (a rank died or timed out): {describe(e)}{mine}"
-            ) from e
-        return out
-
-    def agree(self, problems: str | list[str] | None, what: str) -> None:
-        """Raise the same CheckpointError on every rank if any rank has a problem."""
-        raise_gathered(self.gather(problems, what, problems), what)
+        return agree(problems, what, value=value, groups=(self.group,), error_type=CheckpointError)
 
 
 def _default_timeout():
@@ -83,30 +73,16 @@ def describe(e: BaseException) -> str:
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
 
-def raise_gathered(replies: list[str | list[str] | None], what: str) -> None:
-    """Raise one CheckpointError on every rank if any rank reported a problem."""
-    by_message: dict[str, list[int]] = {}
-    for rank, reply in enumerate(replies):
-        for message in [reply] if isinstance(reply, str) else reply or []:
-            by_message.setdefault(message, []).append(rank)
-    if not by_message:
+@contextlib.contextmanager
+def quiet_dcp(without_process_group: bool) -> Iterator[None]:
+    """DCP warns, on every save and load it runs without a process group (``no_dist``), that it
+    assumes a single process: exactly what is meant here, so that one message is ignored in this
+    scope. ``warnings.catch_warnings`` swaps the process-wide filter list (Python < 3.14), which
+    another thread entering and leaving a scope of its own meanwhile could restore out of order;
+    so the scope is entered only where DCP would warn."""
+    if not without_process_group:
+        yield
         return
-    world = len(replies)
-    parts = []
-    for message, ranks in by_message.items():
-        who = (
-            "every rank"
-            if len(ranks) == world and world > 1
-            else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        )
-        parts.append(f"[{who}] {message}")
-    raise CheckpointError(f"{what}:\n  " + "\n  ".join(parts))
-
-
-def quiet_without_process_group(active: bool) -> None:
-    """Without a process group DCP works in-process but warns on every save and load that it
-    assumes so, from its writer thread too, where no catch_warnings reaches. That is exactly
-    what is meant here, so this one message is filtered (an identical filter replaces, not
-    accumulates), and only once it can occur."""
-    if not active:
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -39,7 +39,6 @@ __all__ = [
     "FORMAT1_OPTIONS",
     "PACKED",
     "optimizer_format",
-    "optimizer_parts",
     "optimizer_template",
     "optimizer_to_save",
     "restore_optimizer",
@@ -56,10 +55,8 @@ def _sharded(value: Any) -> bool:
     return isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.dim() > 0)
 
 
-def optimizer_parts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
-    """``(state, packed, scalar_sources)``: the sharded tensor states (``{fqn: {name: tensor}}``),
-    the packed part before encoding, and per dtype the live 0-d tensors its ``values`` stacked
-    (restage.py copies them again on later asynchronous saves)."""
+def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``{"state": {fqn: {name: tensor}}, "packed": <JSON + tensors entry>}`` for DCP to write."""
     osd = get_optimizer_state_dict(model, optimizer)
     state: dict[str, dict[str, Any]] = {}
     scalars: dict[str, tuple[list[torch.Tensor], list[list[str]]]] = {}
@@ -81,12 +78,6 @@ def optimizer_parts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
         "scalars": {dtype: {"keys": keys, "values": torch.stack(ts)} for dtype, (ts, keys) in scalars.items()},
         "values": values,
     }
-    return state, packed, {dtype: ts for dtype, (ts, _) in scalars.items()}
-
-
-def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``{"state": {fqn: {name: tensor}}, "packed": <JSON + tensors entry>}`` for DCP to write."""
-    state, packed, _ = optimizer_parts(model, optimizer)
     return {"state": state, PACKED: encode(packed, "optimizer state")}
 
 

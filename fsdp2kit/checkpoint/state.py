@@ -5,17 +5,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
 from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
 
 __all__ = [
-    "extra_to_save",
     "model_options",
     "resolve_trainable_only",
     "restore_extra",
@@ -82,39 +79,8 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int,
 
 
 def restore_model(model: nn.Module, loaded: dict, trainable_only: bool) -> None:
-    """Put what DCP read into the model: nothing to do when DCP read every value straight into the
-    model's own parameters and buffers (state_to_load hands it views of them, as for FSDP2's
-    sharded parameters) and no module has a say in loading; ``set_model_state_dict`` otherwise.
-    Copying every tensor onto itself cost a sixth of a small model's load."""
-    if not _loaded_in_place(model, loaded):
-        set_model_state_dict(model, loaded, options=model_options(trainable_only))
-
-
-def _memory(t) -> tuple:
-    local = local_shard(t)
-    return (local.data_ptr(), tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
-
-
-def _fsdp2_hook(hook) -> bool:
-    """FSDP2's own load hooks: before, "make sure the parameters are sharded" (they are: the state
-    dict was taken from them); after, "re-pad a local shard that is new storage" (it is not, when
-    loaded in place). Both are no-ops for an in-place load; any other hook is not known to be."""
-    fn = getattr(hook, "hook", hook)  # load pre-hooks are stored wrapped
-    return getattr(fn, "__module__", "").startswith("torch.distributed.fsdp._fully_shard.")
-
-
-def _loaded_in_place(model: nn.Module, loaded: dict) -> bool:
-    for module in model.modules():
-        hooks = [*module._load_state_dict_pre_hooks.values(), *module._load_state_dict_post_hooks.values()]
-        if (
-            not all(_fsdp2_hook(h) for h in hooks)
-            or type(module)._load_from_state_dict is not nn.Module._load_from_state_dict
-        ):
-            return False  # a module that transforms what it loads (BatchNorm, quantized weights)
-    if not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-        return False  # a module's extra state: set_extra_state must see it
-    live = {_memory(t) for t in (*model.parameters(), *model.buffers()) if local_shard(t).numel()}
-    return all(_memory(v) in live for v in loaded.values() if local_shard(v).numel())
+    """Put what DCP read into the model (module hooks, extra state and all)."""
+    set_model_state_dict(model, loaded, options=model_options(trainable_only))
 
 
 def restore_extra(loaded: dict, extra: dict | None, *, rank: int, rng: bool) -> dict[str, Any]:

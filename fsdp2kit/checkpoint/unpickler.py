@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from fsdp2kit.checkpoint.layout import METADATA_FILE, CheckpointError
-from fsdp2kit.checkpoint.reader import DirectReader
 
 # What DCP's .metadata pickle refers to. Anything else in that file is refused, not run.
 _METADATA_GLOBALS = (
@@ -72,8 +72,8 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     return metadata
 
 
-class SafeReader(DirectReader):
-    """`DirectReader` (tensors read straight into place) whose metadata goes through the allow-list.
+class SafeReader(FileSystemReader):
+    """DCP's `FileSystemReader`, whose metadata goes through the allow-list.
 
     ``metadata``: what `read_metadata` already returned for this directory (the Checkpointer
     reads it to check the model before loading), so DCP does not read and unpickle it again.

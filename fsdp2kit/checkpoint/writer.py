@@ -6,13 +6,6 @@
   rank and 0.95x-2.6x at 1.3 GB in the checkpoint benchmark (docs/checkpoint-format.md), too
   inconsistent to switch. ``WRITER_THREADS`` is the one place to change it (read at each save)
   where a faster disk or more cores per rank could make threads pay;
-- no CRC-32 per record: DCP stores each tensor as a small ``torch.save`` zip archive, and
-  ``torch.save`` checksums every byte it writes (``torch.serialization.set_crc32_options``).
-  ``torch.load`` reads archives without the checksums (the option's documentation), and
-  fsdp2kit's reader never checks them, so `Writer` turns them off while it writes. The
-  archives stay loadable by ``torch.load`` and DCP; only a zip tool would warn about the
-  missing checksums. The option is process-wide: a ``torch.save`` that another
-  thread runs during the write also skips its checksum (its file still loads);
 - plan caching (DCP's ``enable_plan_caching``): a training run saves the same tensors again and
   again, so after the first save each rank sends an empty "unchanged" plan instead of one entry
   per record, and the coordinator reuses the global plan and metadata it made before. DCP keys
@@ -23,46 +16,22 @@
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
-__all__ = ["WRITER_THREADS", "ReusingSavePlanner", "Writer", "forget_plans", "new_plan_key", "writer"]
+__all__ = ["WRITER_THREADS", "ReusingSavePlanner", "forget_plans", "new_plan_key", "writer"]
 
 WRITER_THREADS = 1
 
 
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved = True
-
-
-class Writer(FileSystemWriter):
-    """DCP's file writer, writing its records without CRC-32 checksums (see the module docstring)."""
-
-    def write_data(self, plan, planner):
-        global _crc_users, _crc_saved
-        with _crc_lock:
-            if _crc_users == 0:
-                _crc_saved = torch.serialization.get_crc32_options()
-                torch.serialization.set_crc32_options(False)
-            _crc_users += 1
-        try:
-            return super().write_data(plan, planner)  # writes before returning its (done) future
-        finally:
-            with _crc_lock:
-                _crc_users -= 1
-                if _crc_users == 0:
-                    torch.serialization.set_crc32_options(_crc_saved)
-
-
 def writer(path: str | os.PathLike) -> FileSystemWriter:
     """DCP's file writer for one step's temporary directory: fsynced files, never overwriting."""
-    return Writer(path, sync_files=True, overwrite=False, single_file_per_rank=True, thread_count=WRITER_THREADS)
+    return FileSystemWriter(
+        path, sync_files=True, overwrite=False, single_file_per_rank=True, thread_count=WRITER_THREADS
+    )
 
 
 def new_plan_key() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 import os
 import pickle
 import random
@@ -20,14 +21,22 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from models import TinyGPT, build, lm_loss
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
 import fsdp2kit.checkpoint.checkpointer as checkpointer_module
-from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState, list_steps, step_dir
+from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState, list_steps, read_metadata, step_dir
+from fsdp2kit.checkpoint.unpickler import SafeReader
 
 VOCAB, SEQ, BATCH = 96, 12, 2
 
@@ -315,7 +324,6 @@ def world2(root: str) -> dict:
         snaps[step] = snapshot(model, opt)
         train(model, opt, 1, gen_seed=step)
     out["overlap_wait"] = ack.wait()
-    out["overlap_fast_saves"] = ack._stager.fast_saves  # saves 2 and 3 only copied bytes (restage.py)
     out["overlap_wait_again"] = ack.wait()
     out["overlap_steps"] = list_steps(root / "overlap")
     check = sharded(seed=9)
@@ -348,8 +356,8 @@ def world2(root: str) -> dict:
         out["err_sync_save"] = error_of(sck.save, 5, model)
     out["fail_steps_after_sync"] = list_steps(fail_root)
 
-    # A bad extra value on one rank of an asynchronous Checkpointer (past its first save, so
-    # staged by byte copies): raised on every rank by the next wait, nothing published.
+    # A bad extra value on one rank of an asynchronous Checkpointer (past its first save, its
+    # staging buffers made): raised on every rank by the next wait, nothing published.
     bad_async = Checkpointer(root / "bad_async", async_save=True)
     bad_async.save(1, model, optimizer=opt)
     bad_async.save(2, model, optimizer=opt, extra={"fn": (lambda: 0) if rank == 1 else 0})
@@ -371,19 +379,18 @@ def world2(root: str) -> dict:
     ck = Checkpointer(good)
     out["none_when_empty"] = Checkpointer(root / "nothing_here").load(model)
     out["err_missing_step"] = error_of(ck.load, model, step=2)
-    # A read that fails on one rank only (ranks read without DCP's collectives): every rank raises.
-    from fsdp2kit.checkpoint.reader import DirectReader
 
+    # A read that fails on one rank only (ranks read without DCP's collectives): every rank raises.
     def failing_read(*args, **kwargs):
         raise OSError("Input/output error (injected read)")
 
-    original_read = DirectReader.read_data
     if rank == 1:
-        DirectReader.read_data = failing_read
+        SafeReader.read_data = failing_read
     try:
         out["err_read"] = error_of(ck.load, model)
     finally:
-        DirectReader.read_data = original_read
+        if rank == 1:
+            del SafeReader.read_data  # FileSystemReader's own again
     rank0_then_barrier(lambda: (good / "step_00000003").mkdir())
     out["err_incomplete_step"] = error_of(ck.load, model, step=3)
     out["newest_ignores_incomplete"] = ck.load(model)
@@ -420,7 +427,85 @@ def world2(root: str) -> dict:
 
     out["err_truncated"] = corrupt("truncated", truncate)
     out["err_missing_file"] = corrupt("missing_file", lambda d: (d / "__0_0.distcp").unlink())
+    out.update(_integrity(root / "integrity", model, opt))
     return out
+
+
+def _largest_record(step: Path, file: str) -> tuple[int, int]:
+    """(offset, length) of the largest record in one of the step's data files: mostly tensor bytes."""
+    infos = read_metadata(step).storage_data.values()
+    return max(((i.offset, i.length) for i in infos if i.relative_path == file), key=lambda r: r[1])
+
+
+def _flip_byte(step: Path) -> None:
+    """One byte in the middle of rank 1's largest record: inside the tensor's bytes, which the
+    zip structure around them does not cover (the verify=False case checks that it lands there)."""
+    offset, length = _largest_record(step, "__1_0.distcp")
+    with open(step / "__1_0.distcp", "r+b") as fh:
+        fh.seek(offset + length // 2)
+        byte = fh.read(1)[0]
+        fh.seek(offset + length // 2)
+        fh.write(bytes([byte ^ 0x40]))
+
+
+def _zero_tail(step: Path) -> None:
+    """A torn write: the file keeps its length, its last 4 KB are zeros (the last record's end)."""
+    file = step / "__0_0.distcp"
+    data = bytearray(file.read_bytes())
+    data[-4096:] = bytes(4096)
+    file.write_bytes(bytes(data))
+
+
+def _live(model, opt) -> list[torch.Tensor]:
+    """This rank's own shards of every parameter, buffer and optimizer state, cloned."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return [(t.to_local() if isinstance(t, DTensor) else t).detach().clone() for t in tensors]
+
+
+def _integrity(root: Path, model, opt) -> dict:
+    """Corrupt steps raise on every rank, naming the file, before the model or optimizer changes;
+    verify=False skips the check; stock DCP reads a new step; the format-1 fixture still loads."""
+    out: dict = {}
+    good = root / "good"
+    Checkpointer(good).save(1, model, optimizer=opt)
+    saved = snapshot(model, opt)
+    out["info_checksums"] = json.loads((step_dir(good, 1) / "fsdp2kit.json").read_text()).get("checksums")
+
+    fresh = sharded(seed=7)
+    fresh_opt = adamw(fresh)
+    train(fresh, fresh_opt, 1, gen_seed=7)  # optimizer state exists, and differs from the saved one
+    before = _live(fresh, fresh_opt)
+    for name, how in (("flipped", _flip_byte), ("zero_tail", _zero_tail), ("cut", lambda d: _cut(d / "__1_0.distcp"))):
+        dst = root / name
+        rank0_then_barrier(lambda: (copy_root(good, dst), how(step_dir(dst, 1))))  # noqa: B023
+        out[f"err_{name}"] = error_of(Checkpointer(dst).load, fresh, optimizer=fresh_opt)
+        out[f"unchanged_{name}"] = all(torch.equal(a, b) for a, b in zip(_live(fresh, fresh_opt), before))
+
+    # verify=False: the flipped step loads, silently wrong where the byte flipped
+    out["unverified_step"] = Checkpointer(root / "flipped", verify=False).load(fresh, optimizer=fresh_opt)
+    out["unverified_equal"] = _same(snapshot(fresh, fresh_opt), saved)
+
+    # stock DCP (its own FileSystemReader and planner, with its collectives) reads the new step
+    plain = sharded(seed=8)
+    state = {"model": get_model_state_dict(plain)}
+    dcp.load(state, storage_reader=FileSystemReader(step_dir(good, 1)))
+    set_model_state_dict(plain, state["model"])
+    out["stock_equal"] = _same(snapshot(plain), {"model": saved["model"]})
+
+    # the format-1 fixture (written before checksums were recorded) loads, unchecked, at 2 ranks
+    from fixtures.make_ckpt_format1 import tiny_model
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "ckpt_format1"
+    old = sharded(tiny_model())
+    old_opt = torch.optim.AdamW(old.parameters(), lr=5.0)
+    out["format1_step"] = Checkpointer(fixture, keep_last=None, rng=False).load(old, optimizer=old_opt)
+    out["format1_equal"] = _same(snapshot(old, old_opt), torch.load(fixture / "expected.pt", weights_only=True))
+    return out
+
+
+def _cut(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:-100])  # the last record loses its end
 
 
 def _same(a: dict, b: dict) -> bool:
