@@ -2,7 +2,8 @@
 
 Wraps (monkeypatches, in the benchmark's ranks only) the Checkpointer's steps (state-dict build,
 checks, publish, the object gathers), DCP's planner and file writer/reader, and times them over
-interleaved repeats beside torch.save+fsync and torch.load of the same tensors. Prints one line
+interleaved repeats beside torch.save+fsync (to a new file, as checkpoint_bench.py) and torch.load of
+the same tensors. Prints one line
 per phase: seconds per save or load (median per call x calls), rank 0 and rank 1.
 
     python benchmarks/checkpoint_phases.py small 4
@@ -48,7 +49,6 @@ def instrument():
     from torch.distributed.checkpoint import default_planner as dp
 
     import fsdp2kit.checkpoint.checkpointer as C
-    import fsdp2kit.checkpoint.comm as comm
 
     for n in [
         "state_to_save",
@@ -57,21 +57,19 @@ def instrument():
         "publish",
         "check_against",
         "check_files",
+        "verify_files",
         "read_metadata",
         "restore_model",
         "restore_optimizer",
         "restore_extra",
     ]:
         wrap(C, n, n)
-    wrap(comm.Comm, "gather", "comm.gather")
+    wrap(C.Comm, "agree", "comm.agree")
     wrap(C.dcp, "save", "dcp.save")
     wrap(C.dcp, "load", "dcp.load")
     wrap(FileSystemWriter, "write_data", "W.write_data")
     wrap(FileSystemWriter, "finish", "W.finish")
     wrap(FileSystemReader, "read_data", "R.read_data")
-    from fsdp2kit.checkpoint.reader import DirectReader
-
-    wrap(DirectReader, "read_data", "DR.read_data")
     import torch.distributed.checkpoint.state_dict_loader as sl
 
     wrap(sl, "_load_state_dict", "dcp._load_state_dict")
@@ -90,9 +88,7 @@ def instrument():
     wrap(S, "get_model_state_dict", "get_model_state_dict")
     wrap(S, "set_model_state_dict", "set_model_state_dict")
     import fsdp2kit.checkpoint.publish as P
-    import fsdp2kit.checkpoint.reader as RD
 
-    wrap(RD, "_parse_record", "DR.parse_record")
     wrap(P, "fsync_dir", "fsync_dir")
     wrap(P, "fsync_file", "fsync_file")
     wrap(FileSystemWriter, "prepare_global_plan", "W.prepare_global_plan")
@@ -115,24 +111,22 @@ def run(workdir, size, reps):
     tensors = cb._local_tensors(model, opt)
     work = Path(workdir)
     ck = Checkpointer(work / "dcp", keep_last=1)
-    f = work / f"t{rank}.pt"
     for r in range(reps + 1):
         if r == 1:
             T.clear()
         for name, fn in [
             ("SAVE", lambda: ck.save(r, model, optimizer=opt)),  # noqa: B023 - called in this iteration
-            ("tsave", lambda: cb._torch_save(tensors, f)),
             # torch.save to a new file, the previous one deleted only afterwards (as a step is)
-            ("tsave_fresh", lambda: cb._torch_save(tensors, work / f"fresh{rank}_{r}.pt")),  # noqa: B023
+            ("tsave", lambda: cb._torch_save(tensors, work / f"t{rank}_{r}.pt")),  # noqa: B023
             ("LOAD", lambda: ck.load(model, optimizer=opt)),
-            ("tload", lambda: torch.load(f, weights_only=True)),
+            ("tload", lambda: torch.load(work / f"t{rank}_{r}.pt", weights_only=True)),  # noqa: B023
         ]:
             dist.barrier()
             t = time.perf_counter()
             fn()
             T.setdefault(name, []).append(time.perf_counter() - t)
-            if name == "tsave_fresh":
-                (work / f"fresh{rank}_{r - 1}.pt").unlink(missing_ok=True)
+            if name == "tsave":
+                (work / f"t{rank}_{r - 1}.pt").unlink(missing_ok=True)
     ck.close()
     return {k: statistics.median(v) * len(v) / reps for k, v in T.items()}  # per-op median x calls per op
 

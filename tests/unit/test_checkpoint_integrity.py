@@ -55,7 +55,7 @@ def test_flipped_tensor_byte_is_found_where_torch_load_reads_it_silently(tmp_pat
     dcp.load(back, storage_reader=FileSystemReader(tmp_path), no_dist=True)  # torch.load checks nothing
     assert not torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
     problems = verify_files(read_metadata(tmp_path), tmp_path)
-    assert len(problems) == 1 and "__0_0.distcp is corrupt" in problems[0] and "Bad CRC-32" in problems[0]
+    assert len(problems) == 1 and "__0_0.distcp is corrupt" in problems[0] and "data/0: CRC-32 0x" in problems[0]
     assert f"bytes {w.offset}-{w.offset + w.length}" in problems[0]
 
 
