@@ -92,7 +92,11 @@ def run_plan(args) -> int:
     if memory and (args.batch is None or args.seq is None):
         raise ValueError("a memory plan needs both --batch and --seq")
     if not memory:
-        given = [f"--{n.replace('_', '-')}" for n in _STEP_FLAGS if getattr(args, n) not in (None, False)]
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n in _STEP_FLAGS
+            if getattr(args, n) is not None and getattr(args, n) is not False
+        ]
         if given:
             raise ValueError(f"{', '.join(given)}: only a training step's memory plan uses it; give --batch and --seq")
         from fsdp2kit.shard import estimate_plan
