@@ -107,3 +107,18 @@ def test_a_sequence_past_the_models_positions_is_said(tmp_path, capsys):
     # A named config keeps its published limit (demo: 512), so planning past it says so too.
     assert main(["plan", "demo", "--shard", "1", "--batch", "1", "--seq", "1024"]) == 0
     assert "seq 1024 exceeds the model's max_position_embeddings 512" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_a_real_qlora_model_plans_as_its_meta_twin():
+    # QLoRA from a fresh init: the recipe quantizes real weights, then plans that model; its NF4
+    # weights are traced as the meta placeholders a pretrained run's are (planner/trace.py meta_copy).
+    torch.manual_seed(0)
+    real = apply_lora_table(
+        tiny_llama(hidden=256, intermediate=512), r=8, alpha=16, dropout=0.0, targets="all-linear", qlora=True,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    meta = trained_model(8, "all-linear", True, "bf16")
+    step = dict(shard=2, batch=2, seq=32, mixed_precision="bf16", device="cpu")
+    a, b = fk.plan_memory(real, **step), fk.plan_memory(meta, **step)
+    assert (a.peak_bytes, a.parts, state(a)) == (b.peak_bytes, b.parts, state(b))
