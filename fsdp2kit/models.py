@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fsdp2kit._internal.meta_init import skip_meta_parameter_init
 
-__all__ = ["NAMED_CONFIGS", "build_causal_lm", "llama_config"]
+__all__ = ["NAMED_CONFIGS", "build_causal_lm", "causal_lm_config", "llama_config", "max_positions"]
 
 # name -> LlamaConfig arguments.
 NAMED_CONFIGS: dict[str, dict] = {
@@ -100,23 +100,26 @@ def llama_config(name: str, **overrides):
     return LlamaConfig(**{**NAMED_CONFIGS[name], **overrides})
 
 
-def build_causal_lm(
+def causal_lm_config(
     name: str,
     *,
     vocab_size: int | None = None,
     max_seq_len: int | None = None,
-    meta: bool = True,
-    device: torch.device | str = "cpu",
-) -> nn.Module:
-    """A randomly initialised causal LM from a named config or a local HF directory's config.json.
+    max_position_embeddings: int | None = None,
+):
+    """The transformers config `build_causal_lm` builds from: a named config or a local HF directory's.
 
-    With ``meta=True`` no memory is allocated: shard it, then `fsdp2kit.materialize` or
-    `fsdp2kit.load_pretrained`. Otherwise it is built on ``device`` with the current torch seed.
     ``vocab_size``/``max_seq_len`` adapt a named config to the data (ignored for a directory,
-    whose weights fix them).
+    whose weights fix them). ``max_position_embeddings`` sets the model's position limit
+    explicitly, a directory's too: the user's statement that sequences past the config's limit
+    are meant (positions past the trained ones are extrapolated; see `max_positions`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    if max_position_embeddings is not None and (
+        isinstance(max_position_embeddings, bool) or max_position_embeddings < 1
+    ):
+        raise ValueError(f"max_position_embeddings={max_position_embeddings!r}: expected a positive int")
     if Path(name).is_dir():
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory {name} has no config.json")
@@ -130,6 +133,41 @@ def build_causal_lm(
                 max_seq_len, NAMED_CONFIGS.get(name, {}).get("max_position_embeddings", 0)
             )
         config = llama_config(name, **overrides)
+    if max_position_embeddings is not None:
+        config.max_position_embeddings = max_position_embeddings
+    return config
+
+
+def max_positions(model_or_config) -> int | None:
+    """The longest sequence a model's config says it handles (``max_position_embeddings``), or None.
+
+    Rotary models run longer sequences without an error, at positions they never saw in
+    training; the planner notes it and the recipe refuses it unless the limit is raised.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def build_causal_lm(
+    name: str,
+    *,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    max_position_embeddings: int | None = None,
+    meta: bool = True,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """A randomly initialised causal LM from `causal_lm_config` (a named config or a local HF directory's).
+
+    With ``meta=True`` no memory is allocated: shard it, then `fsdp2kit.materialize` or
+    `fsdp2kit.load_pretrained`. Otherwise it is built on ``device`` with the current torch seed.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = causal_lm_config(
+        name, vocab_size=vocab_size, max_seq_len=max_seq_len, max_position_embeddings=max_position_embeddings
+    )
     if not meta:
         with torch.device(device):
             return AutoModelForCausalLM.from_config(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
+    # Checked before loading: on a directory without a tokenizer, AutoTokenizer fails with an error
+    # that names something else (a missing sentencepiece backend; or it builds an empty tokenizer
+    # whose prompt of 0 tokens fails in generate: issue 27). The files fsdp2kit.weights.export checks.
+    if not Path(args.model_dir).is_dir():
+        sys.exit(f"error: {args.model_dir} is not a directory")
+    if not any(
+        (Path(args.model_dir) / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+    ):
+        sys.exit(
+            f"error: {args.model_dir} has no tokenizer: export it with one (fsdp2kit export-hf ... --tokenizer DIR, "
+            "or fsdp2kit.export_hf(..., tokenizer=...)) or copy a tokenizer's files there"
+        )
 
     import fsdp2kit  # noqa: F401, I001  (first: keeps known-harmless import-time warnings out of the output)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -43,6 +43,7 @@ from support.lora import apply_lora_table
 from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import LivePeak, Timer, peak_memory_bytes
 from support.options import Config
+from support.positions import seq_len_problem
 from support.preemption import stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
 from support.tracking import RunLog, parse_trackers
@@ -74,13 +75,20 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse_config(Config, argv, description=__doc__, prog="recipes/train.py")
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    try:
+        problem = seq_len_problem(cfg)
+    except (FileNotFoundError, ValueError) as e:  # no such model directory or named config
+        problem = str(e)
+    if problem:
+        sys.exit(f"config error: {problem}")
 
     p = cfg.parallel
     if cfg.train.plan_only:
         # The model on the meta device (no memory), planned for the configured mesh: "does it fit?"
         if p.shard < 1:
             sys.exit("config error: --train.plan_only needs an explicit --parallel.shard (the GPUs per replica)")
-        model = build_causal_lm(cfg.model.name, max_seq_len=cfg.data.seq_len, meta=True)
+        positions = cfg.model.max_position_embeddings or None
+        model = build_causal_lm(cfg.model.name, max_position_embeddings=positions, meta=True)
         if cfg.lora.r > 0:  # QLoRA too: quantize_nf4 on the meta device leaves NF4 placeholders
             model = apply_lora_table(
                 model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, targets=cfg.lora.targets,
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_causal_lm(
         cfg.model.name,
         vocab_size=None if cfg.model.pretrained else vocab,
-        max_seq_len=cfg.data.seq_len,
+        max_position_embeddings=cfg.model.max_position_embeddings or None,
         meta=(cfg.model.meta_init or cfg.model.pretrained) and not quantize_first,
         device="cpu" if quantize_first else info.device,
     )
@@ -143,7 +151,16 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
         sys.exit(1)
 
-    # Will it fit? The planner's prediction for this rank, logged beside the measured peak below.
+    if lora.r > 0:  # LoRA / QLoRA adapters: they change modules, so before everything else
+        model = apply_lora_table(
+            model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, qlora=lora.qlora,
+            dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+        )  # fmt: skip
+    if quantize_first:
+        model.to(info.device)
+
+    # Will it fit? The planner's prediction for this rank, logged beside the measured peak below: the
+    # model as it trains (LoRA targets and dtypes), so its figures are the ShardPlan's printed below.
     predicted = None
     if info.is_main:
         ac = p.activation_checkpointing
@@ -160,8 +177,6 @@ def main(argv: list[str] | None = None) -> None:
                 cpu_offload=p.cpu_offload,
                 prefetch=p.prefetch,
                 strategy=p.strategy,
-                lora=lora.r if lora.r > 0 else None,  # frozen base, adapters trained (NF4 base with qlora)
-                qlora=lora.r > 0 and lora.qlora,
                 device=info.device.type if info.device.type == "cuda" else "cpu",
                 name=cfg.model.name,
             )
@@ -169,14 +184,6 @@ def main(argv: list[str] | None = None) -> None:
             predicted = memory_plan.peak_bytes - memory_plan.parts["margin"]  # what max_memory_allocated sees
         except Exception as e:  # a plan is advice: a model the planner cannot trace still trains
             print(f"memory plan unavailable: {type(e).__name__}: {e}", flush=True)
-
-    if lora.r > 0:  # LoRA / QLoRA adapters: they change modules, so before everything else
-        model = apply_lora_table(
-            model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, qlora=lora.qlora,
-            dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
-        )  # fmt: skip
-    if quantize_first:
-        model.to(info.device)
 
     # 3. wrappers that change modules must come before sharding
     if p.float8:

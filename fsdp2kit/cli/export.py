@@ -13,7 +13,8 @@ def add_export_hf(subparsers) -> None:
         "directory) to consolidated safetensors plus config in OUT_DIR, in one process, with the model's "
         "usual Hugging Face layout. Nothing is unpickled beyond DCP's tensor descriptions. A LoRA/QLoRA "
         "checkpoint (adapters only) needs --base, and is written as PEFT's adapter directory or, with --merge, "
-        "as the merged model.",
+        "as the merged model. The tokenizer is written beside the weights: --tokenizer, else the one in --base, "
+        "--config or the step directory.",
     )
     p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
     p.add_argument("out_dir", help="where to write model*.safetensors and config.json")
@@ -31,6 +32,12 @@ def add_export_hf(subparsers) -> None:
         action="store_true",
         help="with --base: write the base with the adapters folded in (default: PEFT's adapter directory)",
     )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the tokenizer directory to write beside the weights (default: the one in --base, --config or the step)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     p.set_defaults(func=run_export_hf)
 
@@ -39,7 +46,7 @@ def run_export_hf(args) -> int:
     import torch
 
     from fsdp2kit.checkpoint import resolve_step_dir
-    from fsdp2kit.weights.export import dcp_to_hf
+    from fsdp2kit.weights.export import dcp_to_hf, has_tokenizer
 
     source = resolve_step_dir(args.ckpt_dir, args.step)
     config = None
@@ -57,6 +64,10 @@ def run_export_hf(args) -> int:
         overwrite=args.overwrite,
         base=args.base,
         merge=args.merge,
+        tokenizer=args.tokenizer,
     )
-    print(f"wrote {out}")
+    if has_tokenizer(out):
+        print(f"wrote {out} (with its tokenizer)")
+    else:
+        print(f"wrote {out} without a tokenizer (none in --base, --config or the step): pass --tokenizer DIR")
     return 0

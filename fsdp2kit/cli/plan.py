@@ -23,14 +23,29 @@ def parse_ac(text: str | None) -> str | int | None:
     return int(text) if text.isdigit() else text.lower()
 
 
+def parse_targets(text: str | None) -> str | tuple[str, ...]:
+    """``--lora-targets``: ``all-linear`` or comma-separated module names (as the recipe's ``[lora] targets``)."""
+    if text is None:
+        return "all-linear"
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise ValueError("--lora-targets is empty: name the Linear modules to adapt, or all-linear")
+    return "all-linear" if names == ("all-linear",) else names
+
+
+# Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
+_STEP_FLAGS = ("ac", "optimizer", "prefetch", "device", "gpu_memory", "json")
+
+
 def add_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
         help="what each rank would hold for a model on a mesh, and whether a step fits, without a GPU",
         description="Build MODEL (a named config such as llama3-8b, or a local Hugging Face directory) on the "
-        "meta device. Without --batch/--seq: print the ShardPlan shard_model would produce on a (replicate x "
-        "shard) mesh. With them: predict the per-rank peak memory of a training step (fsdp2kit.plan_memory), "
-        "and with --gpu-memory whether it fits and, if not, the cheapest changes that do.",
+        "meta device, with LoRA adapters if asked. Without --batch/--seq: print the ShardPlan shard_model would "
+        "produce on a (replicate x shard x tp) mesh. With them: predict the per-rank peak memory of a training "
+        "step (fsdp2kit.plan_memory), and with --gpu-memory whether it fits and, if not, the cheapest changes "
+        "that do. A flag that means nothing in its combination is refused, never ignored.",
     )
     p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
@@ -46,20 +61,21 @@ def add_plan(subparsers) -> None:
     )
     p.add_argument("--mixed-precision", default=None, help="fp32, bf16 or fp16")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--lora", type=int, default=None, metavar="R", help="train rank-R LoRA adapters (peft)")
+    p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights in the blocks (QLoRA)")
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="with --lora: comma-separated Linear module names to adapt, as the recipe's [lora] targets "
+        "(default: all-linear, every Linear but the head)",
+    )
     p.add_argument("--batch", type=int, default=None, help="micro-batch per data-parallel rank (sequences)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     p.add_argument("--ac", default=None, help="activation checkpointing: none, full, selective or N (every N-th)")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit (torchao) or sgd")
-    p.add_argument(
-        "--lora",
-        type=int,
-        default=None,
-        metavar="R",
-        help="train rank-R LoRA adapters (peft, every Linear but the head)",
-    )
-    p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights in the blocks (QLoRA)")
-    p.add_argument("--prefetch", type=int, default=1, help="explicit prefetch depth (fk.set_prefetch); 0: implicit")
-    p.add_argument("--device", default="cuda", help="cuda (default: allocator margin, foreach AdamW) or cpu")
+    p.add_argument("--optimizer", default=None, help="adamw (default), adamw8bit (torchao) or sgd")
+    p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
+    p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
     p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")
     p.add_argument("--json", action="store_true", help="the memory plan as JSON (peak per rank in peak_bytes)")
     p.set_defaults(func=run_plan)
@@ -67,16 +83,29 @@ def add_plan(subparsers) -> None:
 
 def run_plan(args) -> int:
     from fsdp2kit.models import build_causal_lm
+    from fsdp2kit.planner.adapt import lora_model
+    from fsdp2kit.planner.api import check_lora
+    from fsdp2kit.precision import resolve_mixed_precision
 
+    targets = parse_targets(args.lora_targets)
     memory = args.batch is not None or args.seq is not None
     if memory and (args.batch is None or args.seq is None):
         raise ValueError("a memory plan needs both --batch and --seq")
     if not memory:
-        if args.json or args.gpu_memory:
-            raise ValueError("--json and --gpu-memory plan a training step: give --batch and --seq too")
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n in _STEP_FLAGS
+            if getattr(args, n) is not None and getattr(args, n) is not False
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only a training step's memory plan uses it; give --batch and --seq")
         from fsdp2kit.shard import estimate_plan
 
+        check_lora(args.lora, args.qlora, targets, args.tp)
+        compute_dtype = resolve_mixed_precision(args.mixed_precision).param_dtype
         model = build_causal_lm(args.model, meta=True)
+        if args.lora is not None:  # the model the run trains: the planner's and the memory plan's LoRA model
+            model = lora_model(model, r=args.lora, qlora=args.qlora, targets=targets, compute_dtype=compute_dtype)
         print(
             estimate_plan(
                 model,
@@ -102,16 +131,18 @@ def run_plan(args) -> int:
         tp=args.tp,
         activation_checkpointing=parse_ac(args.ac),
         mixed_precision=args.mixed_precision,
-        optimizer=args.optimizer,
+        optimizer=args.optimizer or "adamw",
         cpu_offload=args.cpu_offload,
-        prefetch=args.prefetch,
+        prefetch=1 if args.prefetch is None else args.prefetch,
         strategy=args.strategy,
-        device=args.device,
+        device=args.device or "cuda",
         lora=args.lora,
         qlora=args.qlora,
+        lora_targets=targets,
     )
     settings.check()  # bad options fail before the model is built
-    model = build_causal_lm(args.model, meta=True, max_seq_len=args.seq)
+    # The model's own position limit (a named config's published one): a longer --seq is noted, not hidden.
+    model = build_causal_lm(args.model, meta=True)
     plan = plan_settings(model, settings, cache={})
     plan.config["model"] = args.model
     plan.gpu_memory = gpu_memory

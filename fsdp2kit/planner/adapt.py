@@ -19,16 +19,25 @@ from fsdp2kit.planner.trace import meta_copy
 __all__ = ["lora_model", "tp_local_model"]
 
 
-def lora_model(model: nn.Module, *, r: int, qlora: bool, base_dtype: torch.dtype) -> nn.Module:
-    """A meta copy of ``model`` with its base in ``base_dtype`` (NF4 block Linears with ``qlora``) and
-    rank-``r`` peft adapters on every Linear but the head (``apply_lora``'s ``"all-linear"``), fp32."""
+def lora_model(
+    model: nn.Module,
+    *,
+    r: int,
+    qlora: bool,
+    targets: str | tuple[str, ...] = "all-linear",
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """A meta copy of ``model`` as the recipe's ``[lora]`` table makes it: the base in bf16 under bf16
+    compute and in fp32 otherwise (recipes/support/lora.py), its block Linears in NF4 with ``qlora``,
+    and rank-``r`` fp32 peft adapters on ``targets`` (`fsdp2kit.apply_lora`'s: ``"all-linear"`` is
+    every Linear but the head)."""
     from fsdp2kit.weights.adapters import apply_lora
     from fsdp2kit.weights.nf4 import quantize_nf4
 
-    work = meta_copy(model, base_dtype)
+    work = meta_copy(model, torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32)
     if qlora:  # on the meta device: NF4 placeholders with to_nf4's inner tensors (fsdp2kit.weights.nf4.meta_nf4)
         quantize_nf4(work)
-    return apply_lora(work, r=r)
+    return apply_lora(work, r=r, targets=list(targets) if isinstance(targets, tuple) else targets)
 
 
 def _gather_output(tp: int, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.blocks import find_blocks
+from fsdp2kit.models import max_positions
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
 from fsdp2kit.planner.report import MemoryPlan
@@ -19,9 +21,10 @@ from fsdp2kit.planner.trace import record_step
 from fsdp2kit.precision import resolve_mixed_precision
 from fsdp2kit.shard import estimate_plan
 from fsdp2kit.units import forward_chain
+from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
 
-__all__ = ["Settings", "plan_memory", "plan_settings"]
+__all__ = ["Settings", "check_lora", "plan_memory", "plan_settings"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Settings:
     optimizer_impl: str | None = None
     lora: int | None = None
     qlora: bool = False
+    lora_targets: str | tuple[str, ...] = "all-linear"  # or module names, as fsdp2kit.apply_lora takes them
     grad_accum: int = 1  # micro-batches a step (memory does not depend on it; the search reports it)
 
     def check(self) -> None:
@@ -59,15 +63,25 @@ class Settings:
         if self.activation_checkpointing is not None and not callable(self.activation_checkpointing):
             resolve_ac_mode(self.activation_checkpointing)
         resolve_mixed_precision(self.mixed_precision)
-        if self.lora is not None and (isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1):
-            raise ValueError(f"lora={self.lora!r}: expected the LoRA rank, a positive int")
-        if self.qlora and self.lora is None:
-            raise ValueError("qlora=True needs a LoRA rank (lora=R): QLoRA trains LoRA adapters over NF4 weights")
-        if self.lora is not None and self.tp > 1:
-            raise ValueError(
-                f"lora={self.lora} with tp={self.tp}: the planner does not model LoRA adapters under tensor "
-                "parallelism (plan them apart: tp=1 with LoRA, or tp without)"
-            )
+        check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
+
+
+def check_lora(lora: int | None, qlora: bool, targets: str | tuple[str, ...], tp: int) -> None:
+    """The LoRA settings the planner can build (`fsdp2kit.planner.adapt.lora_model`), or ``ValueError``."""
+    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int) or lora < 1):
+        raise ValueError(f"lora={lora!r}: expected the LoRA rank, a positive int")
+    if qlora and lora is None:
+        raise ValueError("qlora=True needs a LoRA rank (lora=R): QLoRA trains LoRA adapters over NF4 weights")
+    if targets != "all-linear":
+        if not isinstance(targets, tuple) or not targets or not all(isinstance(n, str) and n for n in targets):
+            raise ValueError(f"lora_targets={targets!r}: expected 'all-linear' or a tuple of module names")
+        if lora is None:
+            raise ValueError(f"lora_targets={list(targets)} needs a LoRA rank (lora=R): they say where adapters go")
+    if lora is not None and tp > 1:
+        raise ValueError(
+            f"lora={lora} with tp={tp}: the planner does not model LoRA adapters under tensor "
+            "parallelism (plan them apart: tp=1 with LoRA, or tp without)"
+        )
 
 
 def plan_memory(
@@ -88,6 +102,7 @@ def plan_memory(
     optimizer_impl: str | None = None,
     lora: int | None = None,
     qlora: bool = False,
+    lora_targets: str | Sequence[str] = "all-linear",
     gpu_memory: int | None = None,
     name: str = "",
 ) -> MemoryPlan:
@@ -118,11 +133,18 @@ def plan_memory(
         optimizer: ``"adamw"``, ``"adamw8bit"`` (torchao) or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
         prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
-        lora, qlora: train rank-``lora`` peft adapters (fp32) on every Linear but the head, the
-            base frozen in the compute dtype (its block Linears in NF4 with ``qlora``), as the
-            recipe's ``[lora]`` table does; traced like full training.
+        lora, qlora, lora_targets: train rank-``lora`` peft adapters (fp32) on ``lora_targets``
+            (``"all-linear"``: every Linear but the head; or module names, as `fsdp2kit.apply_lora`
+            takes them), the base frozen in bf16 under bf16 compute and in fp32 otherwise (its block
+            Linears in NF4 with ``qlora``), as the recipe's ``[lora]`` table does; traced like full
+            training. A model that is already a peft model is planned as it is (leave these unset):
+            what the recipe does, so its memory plan and `shard_model`'s ShardPlan count one model.
         gpu_memory: bytes per device; the plan then says whether it fits and by how much.
+
+    A ``seq`` longer than the model's ``max_position_embeddings`` is planned, with a note saying so.
     """
+    targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
+    lora_targets = "all-linear" if targets == ("all-linear",) else targets
     settings = Settings(
         shard=shard,
         batch=batch,
@@ -139,6 +161,7 @@ def plan_memory(
         optimizer_impl=optimizer_impl,
         lora=lora,
         qlora=qlora,
+        lora_targets=lora_targets,
     )
     plan = plan_settings(model, settings, cache={})
     plan.gpu_memory = gpu_memory
@@ -220,7 +243,14 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     state = step_parts["params"] + step_parts["optimizer"]
     config: dict[str, Any] = {k: v for k, v in dataclasses.asdict(s).items()}
     config["strategy"] = plan.strategy
+    config["peft"] = is_peft_model(model)  # a model with its own adapters (the recipe's [lora] table)
     notes = []
+    limit = max_positions(model)
+    if limit is not None and s.seq > limit:
+        notes.append(
+            f"seq {s.seq} exceeds the model's max_position_embeddings {limit} (a pretrained model never saw later "
+            "positions); the recipe refuses it unless [model] max_position_embeddings raises the limit"
+        )
     if s.optimizer == "adamw8bit":
         notes.append("AdamW8bit's step temporaries are an estimate (4 fp32 copies of the largest parameter)")
     return MemoryPlan(
@@ -236,6 +266,9 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         backward_peak=state + step.backward_peak,
         optimizer_peak=opt_peak,
         host_bytes=host,
+        param_bytes=params,
+        grad_bytes=grads,
+        optimizer_bytes=opt.state,
         measured_like={"max_gathered": step.max_gathered, "max_comm_buffers": step.max_buffers, "grads": grads},
     )
 
@@ -243,13 +276,22 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None, cache: dict) -> nn.Module:
     """``model`` as the recipe trains it (`fsdp2kit.planner.adapt`): with LoRA/QLoRA adapters, then one
     TP rank's slices; the model itself when neither is asked. Kept in ``cache`` for the search."""
+    if is_peft_model(model):
+        if s.lora is not None:
+            raise ValueError(
+                f"lora={s.lora}: the model is a peft model already; its own adapters are planned (leave lora unset)"
+            )
+        if s.tp > 1:
+            raise ValueError(
+                f"a peft model with tp={s.tp}: the planner does not model LoRA adapters under tensor parallelism"
+            )
     if s.lora is None and s.tp == 1:
         return model
-    key = ("as trained", id(model), s.lora, s.qlora, s.tp, compute_dtype)
+    key = ("as trained", id(model), s.lora, s.qlora, s.lora_targets, s.tp, compute_dtype)
     if key not in cache:
         work = model
-        if s.lora is not None:  # the recipe's [lora] table: the base stored in the compute dtype
-            work = lora_model(work, r=s.lora, qlora=s.qlora, base_dtype=compute_dtype or torch.float32)
+        if s.lora is not None:
+            work = lora_model(work, r=s.lora, qlora=s.qlora, targets=s.lora_targets, compute_dtype=compute_dtype)
         if s.tp > 1:
             work = tp_local_model(work, s.tp)
         cache[key] = (model, work)  # the model too: its id must not be reused while the key lives

@@ -47,6 +47,10 @@ class MemoryPlan:
     backward_peak: int = 0
     optimizer_peak: int = 0
     host_bytes: int = 0  # CPU memory per rank with cpu_offload
+    # Held all step, per rank (on the host with cpu_offload): for AdamW the ShardPlan's figures.
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
     gpu_memory: int | None = None
     notes: list[str] = field(default_factory=list)
     changes: list[dict[str, Any]] = field(default_factory=list)  # cheapest changes that fit (see search.py)
@@ -74,6 +78,9 @@ class MemoryPlan:
             "backward_peak_bytes": self.backward_peak,
             "optimizer_peak_bytes": self.optimizer_peak,
             "host_bytes": self.host_bytes,
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
             "gpu_memory_bytes": self.gpu_memory,
             "fits": self.fits,
             "headroom_bytes": self.headroom,
@@ -91,6 +98,12 @@ class MemoryPlan:
             f"AC {_ac_name(c['activation_checkpointing'])}, precision {c['mixed_precision'] or 'fp32'}, "
             f"optimizer {c['optimizer']}" + (", CPU offload" if c.get("cpu_offload") else "")
         )
+        if c.get("lora"):
+            targets = c.get("lora_targets", "all-linear")
+            head += f", {'QLoRA' if c.get('qlora') else 'LoRA'} r={c['lora']} on "
+            head += targets if isinstance(targets, str) else ",".join(targets)
+        elif c.get("peft"):
+            head += ", the peft model's adapters trained"
         rows = [(k, fmt_bytes(v), PART_NAMES[k]) for k, v in self.parts.items()]
         rows.append(("peak", fmt_bytes(self.peak_bytes), f"per rank, in {self.phase}"))
         w0 = max(len(r[0]) for r in rows)
@@ -105,6 +118,10 @@ class MemoryPlan:
             f"optimizer step {fmt_bytes(self.optimizer_peak)}; activations saved at the end of forward "
             f"{fmt_bytes(self.saved_activations)} ({fmt_bytes(self.activations_per_block)} in the largest block), "
             f"logits and loss {fmt_bytes(self.logits_and_loss)}"
+        )
+        lines.append(
+            f"per rank, all step: parameters {fmt_bytes(self.param_bytes)}, gradients {fmt_bytes(self.grad_bytes)}, "
+            f"optimizer state {fmt_bytes(self.optimizer_bytes)}"
         )
         if self.host_bytes:
             lines.append(f"host memory per rank (CPU offload): {fmt_bytes(self.host_bytes)}")

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.planner.live import LiveBytes
+from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
 __all__ = ["Recording", "meta_copy", "record_step"]
 
@@ -77,7 +78,8 @@ def meta_copy(
     ``shapes`` given those shapes (a tensor-parallel rank's slices).
 
     A wrapper-subclass parameter already on the meta device (a planned NF4 weight) is kept as is:
-    its bytes are its inner tensors' and its dtype is the one it computes in.
+    its bytes are its inner tensors' and its dtype is the one it computes in; a real NF4 weight
+    becomes such a placeholder.
     """
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
@@ -86,6 +88,10 @@ def meta_copy(
             continue
         if is_traceable_wrapper_subclass(t) and t.device.type == "meta":
             memo[id(t)] = t
+            continue
+        if is_nf4(t):  # a real NF4 weight (QLoRA from a fresh init): its meta placeholder, same inner tensors
+            nf4 = meta_nf4(t.shape, t.dtype, t.block_size, t.scaler_block_size)
+            memo[id(t)] = nn.Parameter(nf4, requires_grad=False)
             continue
         dt = dtype if dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) else t.dtype
         new = torch.empty((shapes or {}).get(id(t), t.shape), dtype=dt, device="meta")

@@ -38,7 +38,13 @@ def merged_source(
 
 
 def export_adapters(
-    model: nn.Module, out_dir: Path, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None, overwrite: bool
+    model: nn.Module,
+    out_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype | None,
+    overwrite: bool,
+    last: Callable[[Path], None] | None = None,
 ) -> Path | None:
     """PEFT's adapter directory from full adapter tensors, gathered one at a time to the first rank.
 
@@ -46,6 +52,7 @@ def export_adapters(
     the keys, names them, writes ``adapter_model.safetensors`` and ``adapter_config.json`` (in
     inference mode, with the base model's class for auto-loading): the output is what peft
     writes for an unsharded model, one subdirectory per adapter other than ``default``.
+    ``last(directory)`` writes more files (the tokenizer) before the directory is published.
     """
     writer_rank = is_first_rank(model)
     error: BaseException | None = None
@@ -73,6 +80,6 @@ def export_adapters(
             except BaseException as exc:
                 error = exc
     if stage is not None:
-        error = stage.close(error)
+        error = stage.close(error, (lambda: last(stage.dir)) if last is not None else (lambda: None))
     raise_agreed(error, model, "export_hf")
     return out_dir if writer_rank else None

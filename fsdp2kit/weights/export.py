@@ -5,7 +5,9 @@
 in one process, without a process group (on a laptop, after the job). Both write what
 ``save_pretrained`` writes: the model's usual on-disk layout (transformers' weight conversions
 reversed, e.g. fused MoE experts split back into one tensor per expert), tied weights once,
-``model.safetensors`` or numbered shards with ``model.safetensors.index.json``, and the config.
+``model.safetensors`` or numbered shards with ``model.safetensors.index.json``, and the config;
+and beside them the tokenizer (given, or the one in the directory the model came from), so the
+directory is all that ``from_pretrained`` and a generate script need.
 
 Output appears complete or not at all: files are written into a hidden sibling directory that
 is renamed into place at the end.
@@ -32,9 +34,11 @@ from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.weights.hf_layout import export_groups, model_tensors, to_hf_layout
 from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
 
-__all__ = ["dcp_to_hf", "export_hf", "parse_size"]
+__all__ = ["dcp_to_hf", "export_hf", "has_tokenizer", "parse_size"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Files one of which every tokenizer directory transformers loads holds.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
 def parse_size(size: int | str) -> int:
@@ -71,19 +75,68 @@ def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: d
     return names
 
 
-def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None) -> None:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        return
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a tokenizer (one of the files `AutoTokenizer` reads)."""
+    return any(Path(directory, f).is_file() for f in TOKENIZER_FILES)
+
+
+def _source_dir(model: nn.Module) -> Path | None:
+    """The local directory the model's config was read from (transformers' ``name_or_path``), if any."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return Path(path) if isinstance(path, str) and path and Path(path).is_dir() else None
+
+
+def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
+    """The tokenizer to write: ``tokenizer`` itself (anything with ``save_pretrained``), the one in a
+    directory given as a path, else the one in the directory the model came from; None for none."""
+    if tokenizer is False:
+        return None
+    if tokenizer is None:
+        source = _source_dir(model)
+        if source is None or not has_tokenizer(source):
+            return None
+        tokenizer = source
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if not Path(tokenizer).is_dir() or not has_tokenizer(tokenizer):
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding a tokenizer")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"tokenizer: expected a tokenizer, a directory or None, got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def _special_token_ids(tokenizer) -> dict[str, Any]:
+    """The tokenizer's BOS/EOS/PAD ids (PAD: EOS when it has none), for the exported configs, so the
+    model's ``generate`` stops at the tokenizer's EOS (a named config carries Llama's ids otherwise)."""
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    ids["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return ids
+
+
+def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
+    """The config and generation config (copies: the model is not changed), with ``dtype`` and the
+    tokenizer's special token ids, and the tokenizer beside them."""
     import copy
 
-    config = copy.deepcopy(config)
-    if dtype is not None:
-        config.dtype = dtype
-    config.save_pretrained(directory)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(directory)
+    ids = _special_token_ids(tokenizer) if tokenizer is not None else {}
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        if dtype is not None:
+            config.dtype = dtype
+        generation = copy.deepcopy(getattr(model, "generation_config", None))
+        for c in (config, generation):
+            for key, value in ids.items():
+                have = getattr(c, key, None) if c is not None else None
+                if c is not None and not (isinstance(have, list) and value in have):  # keep a list of EOS ids
+                    setattr(c, key, value)
+        config.save_pretrained(directory)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -101,8 +154,9 @@ def export_hf(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     merge: bool = False,
+    tokenizer: Any = None,
 ) -> Path | None:
-    """Write a (sharded) model as a Hugging Face checkpoint that ``from_pretrained`` loads.
+    """Write a (sharded) model as a Hugging Face checkpoint that ``from_pretrained`` loads, with its tokenizer.
 
     A peft ``PeftModel`` is written as peft writes it: the adapters only, as
     ``adapter_config.json`` + ``adapter_model.safetensors`` under peft's own key names, which
@@ -127,6 +181,11 @@ def export_hf(
         max_shard_size: bytes per file (int or ``"5GB"``); one file ``model.safetensors`` when
             everything fits, else ``model-0000i-of-0000n.safetensors`` plus the index.
         overwrite: replace an existing non-empty ``out_dir`` (else ``FileExistsError``).
+        tokenizer: written beside the weights (``save_pretrained``), its BOS/EOS/PAD ids set in the
+            saved config and generation config (an EOS list that holds the tokenizer's is kept):
+            a tokenizer object, or a directory holding one; by default the tokenizer of the local
+            directory the model's config came from (``config.name_or_path``), if it holds one;
+            ``False``: none. `has_tokenizer(out_dir)` says whether one was written.
 
     Returns the output directory on the writing rank, None on the others.
     """
@@ -139,7 +198,13 @@ def export_hf(
         from fsdp2kit.weights.adapter_export import export_adapters, merged_source
 
         if not merge:
-            return export_adapters(model, out_dir, tensors, dtype=dtype, overwrite=overwrite)
+
+            def write_tokenizer(directory: Path) -> None:  # on the writing rank; an error there is agreed on
+                tok = _resolve_tokenizer(tokenizer, model)
+                if tok is not None:
+                    tok.save_pretrained(str(directory))
+
+            return export_adapters(model, out_dir, tensors, dtype=dtype, overwrite=overwrite, last=write_tokenizer)
         model, tensors, aliases, full_of = merged_source(model, tensors, aliases)
     elif merge:
         raise ValueError(f"export_hf(merge=True) merges peft adapters; {type(model).__name__} is not a peft PeftModel")
@@ -150,8 +215,10 @@ def export_hf(
     error: BaseException | None = None
     stage: StagedDir | None = None
     writer: ShardedWriter | None = None
+    tok = None
     if writer_rank:
         try:
+            tok = _resolve_tokenizer(tokenizer, model)
             stage = StagedDir(out_dir, overwrite)
             writer = ShardedWriter(stage.dir, max_bytes)
         except BaseException as exc:
@@ -173,7 +240,7 @@ def export_hf(
 
         def last() -> None:
             writer.finish()
-            _save_config(model, stage.dir, dtype or held)
+            _save_config(model, stage.dir, dtype or held, tok)
 
         error = stage.close(error, last)
     raise_agreed(error, model, "export_hf")
@@ -222,6 +289,7 @@ def dcp_to_hf(
     prefix: str = "model",
     base: str | os.PathLike | None = None,
     merge: bool = False,
+    tokenizer: Any = None,
 ) -> Path:
     """Convert a DCP checkpoint of a transformers model to Hugging Face safetensors, in one process.
 
@@ -242,6 +310,9 @@ def dcp_to_hf(
     pretrained model directory the run started from: the PEFT model is rebuilt around it in
     memory (see `peft_model_from_checkpoint`) and written as `export_hf` writes it, PEFT's
     adapter directory or, with ``merge=True``, the merged model.
+
+    ``tokenizer`` as for `export_hf`; by default the one in ``base``, else in the ``config``
+    directory, else in the step directory (the directory the model's config comes from).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -253,11 +324,20 @@ def dcp_to_hf(
                 "frozen base): pass base= (--base) the pretrained model directory the run started from"
             )
         model = peft_model_from_checkpoint(step_dir, base)
-        return export_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, merge=merge)
+        return export_hf(
+            model,
+            out_dir,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            merge=merge,
+            tokenizer=tokenizer,
+        )
     if merge:
         raise ValueError(f"merge=True folds LoRA adapters into their base; {step_dir} is a full model's checkpoint")
     config = _load_config(config, step_dir)
     model = _meta_model(config)
+    tok = _resolve_tokenizer(tokenizer, model)
     metadata = read_metadata(step_dir)
     lead = prefix + "."
     stored = {
@@ -334,7 +414,7 @@ def dcp_to_hf(
             batch_bytes += size
         drain()
         writer.finish()
-        _save_config(model, stage.dir, dtype or held)
+        _save_config(model, stage.dir, dtype or held, tok)
     except BaseException:
         stage.abort()
         raise

@@ -14,6 +14,9 @@ class ModelConfig:
     name: str = opt("demo", "a named config (demo, llama3-8b, llama3-70b, ...) or a local HF config/model directory")
     pretrained: bool = opt(False, "load the weights of the local directory in `name` (load_pretrained)")
     meta_init: bool = opt(True, "build on the meta device: no rank ever holds the whole model")
+    max_position_embeddings: int = opt(
+        0, "set the model's position limit (a data.seq_len above the config's is refused without it); 0: as configured"
+    )
 
 
 @dataclass

@@ -43,6 +43,10 @@ def test_qlora_recipe_from_pretrained_dir(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "done: steps 0 -> 4" in out and "PeftModel" in out
+    # The memory plan counts the model the ShardPlan shows: NF4 base, the adapters' gradients and AdamW state.
+    memory = re.search(r"per rank, all step: parameters (.+?), gradients (.+?), optimizer state (.+?)$", out, re.M)
+    shard = re.search(r"per rank: parameters (.+?), gradients (.+?), Adam state (.+?) \(sum", out, re.M)
+    assert memory and shard and memory.groups() == shard.groups(), out[-4000:]
     # An untrained 768-token model starts near ln(768) = 6.64: the base was loaded and quantized, not left empty.
     first = float(re.search(r"step 1  loss ([0-9.]+)", out).group(1))
     assert 6.0 < first < 7.5, first
