@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.meta_init import skip_meta_parameter_init
+from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = ["NAMED_CONFIGS", "build_causal_lm", "llama_config"]
 
@@ -133,5 +133,5 @@ def build_causal_lm(
     if not meta:
         with torch.device(device):
             return AutoModelForCausalLM.from_config(config)
-    with torch.device("meta"), skip_meta_parameter_init():  # init on meta computes nothing and costs time
+    with torch.device("meta"), skipping_meta_init():  # init on meta computes nothing and costs time
         return AutoModelForCausalLM.from_config(config)

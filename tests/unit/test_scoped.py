@@ -1,21 +1,23 @@
-"""Meta-device construction skips init of meta parameters only, and leaves nothing behind.
+"""Scoped patching (fsdp2kit._internal.scoped): seen by the library's own call on its own thread only.
 
 `build_causal_lm(meta=True)`, the buffers' twin and the conversions' twin construct models
 whose parameters are on the meta device; initialising them computed nothing and cost a third of
 `load_pretrained`'s time (benchmarks/results/peers.md). The guarantees: real tensors are still
 initialised, buffers keep their constructed values, the weights later initialised equal
-transformers' own, and no flag or patch outlives the construction.
+transformers' own, another thread sees torch's own functions meanwhile, and nothing outlives
+the block.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 import torch.nn as nn
 
 import fsdp2kit as fk
-from fsdp2kit._internal.markers import HF_INITIALIZED
-from fsdp2kit._internal.meta_init import skip_meta_parameter_init
+from fsdp2kit._internal.scoped import divert, skipping_meta_init
 from fsdp2kit.models import build_causal_lm
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_torch_init_skips_meta_tensors_only(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", lambda t, *a, **k: seen.append(t.device.type) or t)
-    with skip_meta_parameter_init():
+    with skipping_meta_init():
         nn.Linear(4, 4, device="meta")
         nn.Linear(4, 4)  # a real tensor: still initialised
     assert seen == ["cpu"]
@@ -32,15 +34,46 @@ def test_torch_init_skips_meta_tensors_only(monkeypatch):
     assert seen == ["cpu", "meta"]
 
 
-def test_flags_are_removed_and_patches_undone():
-    register, normal = nn.Module.register_parameter, torch.nn.init.normal_
-    with skip_meta_parameter_init():
-        inside = nn.Linear(4, 4, device="meta")
-        assert getattr(inside.weight, HF_INITIALIZED, False)
-    assert not hasattr(inside.weight, HF_INITIALIZED)
+def test_other_threads_see_torch_and_everything_is_undone():
+    import transformers.initialization as hf_init
+
+    register, normal, hf_normal = nn.Module.register_parameter, torch.nn.init.normal_, hf_init.TORCH_INIT_FUNCTIONS
+    hf_before = dict(hf_normal)
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(torch.nn.init.normal_(torch.zeros(64)).std().item()))
+    with skipping_meta_init():
+        assert torch.nn.init.normal_ is not normal  # the stand-in: this thread's calls skip meta tensors
+        weight = torch.zeros(3, device="meta")
+        assert torch.nn.init.normal_(weight) is weight
+        other.start()
+        other.join()
+        assert torch.nn.init.normal_(torch.zeros(64)).std() > 0.5  # a real tensor: initialised
+    assert seen and seen[0] > 0.5  # the other thread ran torch's own function
     assert nn.Module.register_parameter is register and torch.nn.init.normal_ is normal
-    model = build_causal_lm("demo", meta=True)
-    assert not [n for n, p in model.named_parameters() if hasattr(p, HF_INITIALIZED)]
+    assert hf_before == hf_init.TORCH_INIT_FUNCTIONS
+    assert not [n for n, p in build_causal_lm("demo", meta=True).named_parameters() if vars(p)]
+
+
+def test_divert_nests_and_is_per_thread():
+    class Owner:
+        @staticmethod
+        def f(x):
+            return x
+
+    original = Owner.f
+    table = {"f": original}
+    with divert(Owner, "f", lambda orig, x: orig(x) + 1), divert(table, "f", lambda orig, x: orig(x) * 10):
+        with divert(Owner, "f", lambda orig, x: orig(x) * 2):
+            assert Owner.f(1) == 4  # inner over outer over the original
+            results = []
+            thread = threading.Thread(target=lambda: results.append((Owner.f(1), table["f"](1))))
+            thread.start()
+            thread.join()
+            assert results == [(1, 1)]
+        assert Owner.f(1) == 2 and table["f"](1) == 10
+        held = Owner.f  # kept past the block (as `from m import f` would)
+    assert Owner.f is original and table["f"] is original
+    assert held(1) == 1
 
 
 def test_meta_build_then_init_equals_transformers_own_init(mesh):
