@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = ["NAMED_CONFIGS", "build_causal_lm", "llama_config"]
@@ -131,7 +132,7 @@ def build_causal_lm(
             )
         config = llama_config(name, **overrides)
     if not meta:
-        with torch.device(device):
+        with torch.device(device), quiet_imports():
             return AutoModelForCausalLM.from_config(config)
-    with torch.device("meta"), skipping_meta_init():  # init on meta computes nothing and costs time
+    with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing, costs time
         return AutoModelForCausalLM.from_config(config)

@@ -21,7 +21,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
-    import fsdp2kit  # noqa: F401, I001  (first: keeps known-harmless import-time warnings out of the output)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -42,4 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fsdp2kit._internal.quiet import quiet_imports
+
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        sys.exit(main())

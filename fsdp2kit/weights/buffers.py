@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit._internal.scoped import divert, skipping_meta_init
 from fsdp2kit.weights.hf_layout import clean_fqn, is_pretrained, original_class
 
@@ -45,6 +46,7 @@ def parameters_on_meta() -> Iterator[None]:
         torch.device("cpu"),
         divert(nn.Module, "register_parameter", _to_meta),
         skipping_meta_init(),
+        quiet_imports(),
     ):
         yield
 

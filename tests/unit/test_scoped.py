@@ -104,3 +104,20 @@ def test_meta_build_then_init_equals_transformers_own_init(mesh):
             assert torch.equal(ours[name], p), name
         for name, b in model.named_buffers():  # rotary inv_freq: computed by construction, not skipped
             assert torch.equal(b, buffers[name]), name
+
+
+def test_quiet_imports_drops_torchao_lines_of_this_thread_only(caplog):
+    import logging
+
+    from fsdp2kit._internal.quiet import quiet_imports
+
+    logger = logging.getLogger("torchao")
+    before = list(logger.filters)
+    with caplog.at_level(logging.WARNING, logger="torchao"), quiet_imports():
+        logger.warning("Failed to load /x/_C_mxfp8.so: no CUDA")
+        logger.warning("something else")
+        other = threading.Thread(target=lambda: logger.warning("Failed to load /y.so (another thread)"))
+        other.start()
+        other.join()
+    assert [r.getMessage() for r in caplog.records] == ["something else", "Failed to load /y.so (another thread)"]
+    assert logger.filters == before
