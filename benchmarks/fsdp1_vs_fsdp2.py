@@ -60,7 +60,8 @@ from bench_stats import loss_parity, summarize_time, throughput_ratio
 from bench_variants import GRID, REVERTIBLE, Config, Variant, build_variant, make_batches, train_step
 from common import machine
 
-import fsdp2kit as fk  # first: quiet imports
+import fsdp2kit as fk
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
 
@@ -446,4 +447,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        main()

@@ -68,7 +68,8 @@ import torch.nn.functional as F
 from common import machine, reset_rss_peak, rss, rss_peak
 from torch.distributed.tensor import DTensor
 
-import fsdp2kit as fk  # first: quiet imports
+import fsdp2kit as fk
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.models import build_causal_lm, llama_config
 
 HERE = Path(__file__).resolve().parent
@@ -468,4 +469,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        main()

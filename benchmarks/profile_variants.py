@@ -27,7 +27,8 @@ from bench_variants import Variant, build_variant, make_batches
 from fsdp1_vs_fsdp2 import load_best, parse_sizes
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import fsdp2kit as fk  # first: quiet imports
+import fsdp2kit as fk
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.models import build_causal_lm
 
 # op or range name -> group, by prefix; the first match wins. The wrappers' own ranges come
@@ -218,4 +219,5 @@ def report(v: Variant, prof, args, cpu_ms: float, wall_ms: float) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        main()

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import fsdp2kit as fk  # first: quiet imports
+import fsdp2kit as fk
+from fsdp2kit._internal.quiet import quiet_imports
 
 
 def main() -> None:
@@ -95,4 +96,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        main()

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import fsdp2kit as fk  # first: quiet imports
+import fsdp2kit as fk
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.models import build_causal_lm
 from fsdp2kit.testing import run_world
 
@@ -229,4 +230,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        main()

@@ -40,7 +40,8 @@ from common import machine as common_machine
 from common import reset_rss_peak, rss_peak
 from wrappers_report import write_markdown
 
-import fsdp2kit as fk  # first: quiet imports
+import fsdp2kit as fk
+from fsdp2kit._internal.quiet import quiet_imports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -328,4 +329,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        main(sys.argv[1:])

@@ -4,7 +4,6 @@ The public face. Every helper takes a module (and a mesh) and changes it in plac
 README.md for the order in which they compose.
 """
 
-import fsdp2kit._internal.quiet  # noqa: F401  (first: filters two import-time warnings; see the module)
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
 from fsdp2kit.diagnostics import DesyncError, NonFiniteError, RankMonitor, check_finite

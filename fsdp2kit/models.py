@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.meta_init import skip_meta_parameter_init
+from fsdp2kit._internal.quiet import quiet_imports
+from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = ["NAMED_CONFIGS", "build_causal_lm", "causal_lm_config", "llama_config", "max_positions"]
 
@@ -169,7 +170,7 @@ def build_causal_lm(
         name, vocab_size=vocab_size, max_seq_len=max_seq_len, max_position_embeddings=max_position_embeddings
     )
     if not meta:
-        with torch.device(device):
+        with torch.device(device), quiet_imports():
             return AutoModelForCausalLM.from_config(config)
-    with torch.device("meta"), skip_meta_parameter_init():  # init on meta computes nothing and costs time
+    with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing, costs time
         return AutoModelForCausalLM.from_config(config)

@@ -7,14 +7,16 @@ that steps parameters nobody uses any more.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import FROZEN_AS, SHARDED_AS, TENSOR_PARALLEL
@@ -23,7 +25,7 @@ __all__ = [
     "check_devices",
     "check_nf4_shards",
     "check_not_sharded",
-    "install_optimizer_check",
+    "check_optimizers_at_first_forward",
     "mark_frozen",
     "mark_replaced",
 ]
@@ -114,9 +116,6 @@ def check_nf4_shards(params: dict[str, nn.Parameter], shard: int) -> None:
         )
 
 
-_hook_installed = False
-
-
 def mark_replaced(params: dict[str, nn.Parameter]) -> None:
     """Tag the parameters that fully_shard is about to replace with DTensor parameters."""
     for name, param in params.items():
@@ -150,14 +149,41 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> N
                 )
 
 
-def install_optimizer_check() -> None:
-    """Make any optimizer step that would update a pre-sharding parameter raise instead.
+def _live_optimizers() -> list[torch.optim.Optimizer]:
+    """Every optimizer object in the process: a scan of the garbage collector's objects (~50 ms at
+    400k objects), by exact type against the Optimizer subclasses that exist."""
+    kinds, todo = set(), [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop()
+        if cls not in kinds:
+            kinds.add(cls)
+            todo += cls.__subclasses__()
+    return [o for o in gc.get_objects() if type(o) in kinds]
+
+
+def check_optimizers_at_first_forward(model: nn.Module, replaced: Iterable[nn.Parameter]) -> None:
+    """At ``model``'s first forward, give every optimizer that holds a parameter ``shard_model``
+    replaced, or a frozen sharded one, a step pre-hook that raises instead of stepping it.
 
     An optimizer built before ``shard_model`` keeps the old parameters, which no longer take part
-    in the model: training would run and the loss would simply not move. A check on every step is
-    the only place this can be caught, and it costs one attribute look-up per parameter.
+    in the model: training would run and the loss would simply not move. Nothing global is
+    installed: the replaced parameters are watched by weak reference (in the right order nothing
+    holds them any more and the check costs nothing); only when one is still alive, or the model
+    has frozen parameters, are the process's optimizers looked up, once. An optimizer built after
+    the first forward is not checked.
     """
-    global _hook_installed
-    if not _hook_installed:
-        register_optimizer_step_pre_hook(_refuse_replaced_params)
-        _hook_installed = True
+    watched = [weakref.ref(p) for p in replaced]
+
+    def first_forward(module: nn.Module, args: tuple) -> None:
+        handle.remove()
+        if not any(r() is not None for r in watched) and not any(
+            getattr(p, FROZEN_AS, None) is not None for p in module.parameters()
+        ):
+            return
+        for optimizer in _live_optimizers():
+            try:
+                _refuse_replaced_params(optimizer, (), {})
+            except RuntimeError:
+                optimizer.register_step_pre_hook(_refuse_replaced_params)
+
+    handle = model.register_forward_pre_hook(first_forward)

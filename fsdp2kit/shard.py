@@ -35,7 +35,7 @@ from fsdp2kit.preflight import (
     check_devices,
     check_nf4_shards,
     check_not_sharded,
-    install_optimizer_check,
+    check_optimizers_at_first_forward,
     mark_frozen,
     mark_replaced,
 )
@@ -159,7 +159,7 @@ def shard_model(
     again in backward (a lookup's gradient does not read the table); tied to a head, it is.
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
-    optimizer built before raises on its first step).
+    optimizer built before is found at the model's first forward and raises on its first step).
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
@@ -180,7 +180,8 @@ def shard_model(
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     fsdp_mesh = _replicate_mesh(dp_mesh) if layout.strategy.replicate_only else dp_mesh
-    mark_replaced(dict(model.named_parameters()))
+    replaced = dict(model.named_parameters())
+    mark_replaced(replaced)
     for _, modules, reshard in layout.units:
         fully_shard(
             modules if len(modules) > 1 else modules[0],
@@ -197,7 +198,7 @@ def shard_model(
         chain_forward_prefetch(_forward_units(model, layout))
 
     mark_frozen(dict(model.named_parameters()))
-    install_optimizer_check()
+    check_optimizers_at_first_forward(model, replaced.values())
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
     return layout.plan
 

@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
             "or fsdp2kit.export_hf(..., tokenizer=...)) or copy a tokenizer's files there"
         )
 
-    import fsdp2kit  # noqa: F401, I001  (first: keeps known-harmless import-time warnings out of the output)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -55,4 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fsdp2kit._internal.quiet import quiet_imports
+
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        sys.exit(main())

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import fsdp2kit as fk  # first: keeps known-harmless import-time warnings out of the log
+import fsdp2kit as fk
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.diagnostics import ON_NONFINITE, RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
@@ -385,4 +386,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+        main()

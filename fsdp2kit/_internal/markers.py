@@ -16,6 +16,3 @@ SHARDED_AS = "_fsdp2kit_sharded_as"
 TENSOR_PARALLEL = "_fsdp2kit_tensor_parallel"
 # On a sharded parameter that is frozen (a LoRA / QLoRA base): its name, so an optimizer holding it can be named.
 FROZEN_AS = "_fsdp2kit_frozen_as"
-# On a parameter: transformers' own flag (its name, not ours) that makes its init functions skip the
-# tensor. fsdp2kit sets it on meta-device parameters while a model is constructed (nothing to compute).
-HF_INITIALIZED = "_is_hf_initialized"

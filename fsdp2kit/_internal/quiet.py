@@ -1,37 +1,52 @@
-"""Drop two known-harmless import-time warnings from users' output, and nothing else.
+"""Keep two known-harmless import-time warnings out of the output of fsdp2kit's own calls and scripts.
 
 - torchao (imported by transformers) tries to load its CUDA-only kernels and logs one
   "Failed to load ..._C_*.so" line per library on a CPU build.
 - torchao registers Enum classes with torch's pytree, which logs a deprecation per class.
 
 Both are printed on every rank at every start and bury the lines that matter. The filters match
-those messages exactly, so any other warning from the same loggers still gets through. They only
-act on imports that happen after fsdp2kit is imported.
+those messages exactly, and only inside `quiet_imports()`, and only records logged by the thread
+that opened it: the loggers belong to other libraries, so outside fsdp2kit's own calls (a model
+built by the user's own transformers call, which imports torchao) they are left as they are.
+Scripts that own their process (recipes, benchmarks) open the block around their whole run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from collections.abc import Iterator
+
+__all__ = ["quiet_imports"]
+
+_MESSAGES = (
+    ("torchao", ("Failed to load",)),
+    ("torch.utils._pytree", ("is an Enum subclass and is now natively supported",)),
+)
 
 
 class _DropMessages(logging.Filter):
-    def __init__(self, *fragments: str):
+    def __init__(self, fragments: tuple[str, ...]):
         super().__init__()
         self.fragments = fragments
+        self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread:
+            return True
         message = record.getMessage()
         return not any(f in message for f in self.fragments)
 
 
-def _install() -> None:
-    for name, fragments in (
-        ("torchao", ("Failed to load",)),
-        ("torch.utils._pytree", ("is an Enum subclass and is now natively supported",)),
-    ):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(*fragments))
-
-
-_install()
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Inside (this thread's records only): torchao's import-time lines above are dropped."""
+    installed = [(logging.getLogger(name), _DropMessages(fragments)) for name, fragments in _MESSAGES]
+    for logger, f in installed:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in installed:
+            logger.removeFilter(f)

@@ -51,7 +51,8 @@ TOP_LEVEL = [
     "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "same_network",
     "gpu_ids", "main_training_function", "enable_cpu_affinity", "downcast_bf16", "dynamo_config", "fp8_config",
     "parallelism_config", "megatron_lm_config", "mpirun_config", "tpu_name", "tpu_zone", "tpu_use_cluster",
-    "tpu_use_sudo", "tpu_vm", "tpu_env", "command_file", "commands", "fp16", "dynamo_backend",
+    "tpu_use_sudo", "tpu_vm", "tpu_env", "command_file", "commands", "fp16", "dynamo_backend", "tpu_cluster",
+    "ipex_config", "xpu_config", "tp_config",
 ]  # fmt: skip
 
 
@@ -153,14 +154,27 @@ def _top_level(conv: Conversion, data: dict, kind: str, machines: int) -> None:
             conv.not_needed("enable_cpu_affinity", value, NO_GAIN)
     if "downcast_bf16" in data:
         conv.not_needed("downcast_bf16", pop("downcast_bf16"), TPU_ONLY)
-    for key in ("tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env", "command_file",
-                "commands", "megatron_lm_config", "mpirun_config"):  # fmt: skip
+    for key in ("tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env",
+                "command_file", "commands", "megatron_lm_config", "mpirun_config"):  # fmt: skip
         if key in data:
             value = pop(key)
             if value in (None, False, [], {}, ""):
                 conv.not_needed(key, value, NO_GAIN)
             else:
                 conv.refuse(key, value, TPU_ONLY if key.startswith(("tpu", "command")) else "not supported by fsdp2kit")
+    # Blocks of older accelerate releases: Intel's extension (ipex_config: {ipex: bool}, until 1.12),
+    # Intel GPUs (xpu_config: {use_xpu: bool}, 0.20), tensor parallelism (tp_config: {tp_size: N}, 1.4-1.6).
+    for key, why in (("ipex_config", "Intel Extension for PyTorch is not used by fsdp2kit"),
+                     ("xpu_config", "fsdp2kit runs on CUDA (NCCL) or CPU (gloo)")):  # fmt: skip
+        if key in data:
+            value = pop(key)
+            if not value or not any(truthy(v) for v in dict(value).values()):
+                conv.not_needed(key, value, NO_GAIN)
+            else:
+                conv.refuse(key, value, why)
+    if "tp_config" in data:
+        cfg = dict(pop("tp_config") or {})
+        _parallelism(conv, {"tp_size": cfg.pop("tp_size", 1), **cfg}, prefix="tp_config.")
     if "fp16" in data:  # accelerate's pre-0.6 spelling of mixed_precision: fp16
         value = pop("fp16")
         data.setdefault("mixed_precision", "fp16" if truthy(value) else "no")
@@ -194,19 +208,22 @@ def _mixed_precision(conv: Conversion, value: Any) -> None:
 
 
 def _dynamo(conv: Conversion, cfg: dict) -> None:
-    cfg = dict(cfg)
+    # `accelerate launch` reads a dynamo_config key without the "dynamo_" prefix as "dynamo_" + key.
+    written = {(k if k.startswith("dynamo_") else "dynamo_" + k): k for k in cfg}
+    cfg = {name: cfg[k] for name, k in written.items()}
     backend = str(cfg.pop("dynamo_backend", "NO")).upper()
+    src = "dynamo_config." + written.get("dynamo_backend", "dynamo_backend")
     if backend == "NO":
-        conv.not_needed("dynamo_config.dynamo_backend", backend, NO_GAIN)
+        conv.not_needed(src, backend, NO_GAIN)
     elif backend == "INDUCTOR":
         conv.set(
-            "parallel", "compile", True, "dynamo_config.dynamo_backend", backend,
+            "parallel", "compile", True, src, backend,
             "regional: each block is compiled in place (compile time flat in depth), not the whole model",
         )  # fmt: skip
     else:
-        conv.refuse("dynamo_config.dynamo_backend", backend, "the recipe compiles with inductor only (compile = true)")
+        conv.refuse(src, backend, "the recipe compiles with inductor only (compile = true)")
     for key, value in cfg.items():
-        src = f"dynamo_config.{key}"
+        src = f"dynamo_config.{written[key]}"
         if key == "dynamo_use_regional_compilation":
             conv.not_needed(src, value, "fsdp2kit always compiles per block (fk.compile_blocks)")
         elif key in ("dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic"):
@@ -219,14 +236,17 @@ def _dynamo(conv: Conversion, cfg: dict) -> None:
 
 
 def _fp8(conv: Conversion, cfg: dict) -> None:
-    cfg = dict(cfg)
+    # accelerate writes fp8_config keys bare and `accelerate launch` reads them as "fp8_" + key: both spellings.
+    written = {k.removeprefix("fp8_"): k for k in cfg}
+    cfg = {name: cfg[k] for name, k in written.items()}
     backend = str(cfg.pop("backend", "AO")).upper()
+    src = "fp8_config." + written.get("backend", "backend")
     if backend == "AO":
-        conv.set("parallel", "float8", True, "fp8_config.backend", backend, "torchao float8 (fk.enable_float8)")
+        conv.set("parallel", "float8", True, src, backend, "torchao float8 (fk.enable_float8)")
     else:
-        conv.refuse("fp8_config.backend", backend, "fsdp2kit's float8 is torchao's: float8 = true (backend AO)")
+        conv.refuse(src, backend, "fsdp2kit's float8 is torchao's: float8 = true (backend AO)")
     for key, value in cfg.items():
-        src = f"fp8_config.{key}"
+        src = f"fp8_config.{written[key]}"
         if key == "enable_fsdp_float8_all_gather":
             if truthy(value):
                 conv.not_needed(src, value, "float8 = true always all-gathers in float8")
@@ -238,11 +258,10 @@ def _fp8(conv: Conversion, cfg: dict) -> None:
             conv.refuse(src, value, f"{backend} option without a torchao counterpart")
 
 
-def _parallelism(conv: Conversion, cfg: dict) -> None:
-    prefix = "parallelism_config_"
+def _parallelism(conv: Conversion, cfg: dict, prefix: str = "parallelism_config.") -> None:
     for key, value in dict(cfg).items():
-        src = f"parallelism_config.{key}"
-        name = key.removeprefix(prefix)
+        src = prefix + key
+        name = key.removeprefix("parallelism_config_")
         if name == "dp_replicate_size":
             conv.set("parallel", "replicate", int(value), src, value, "HSDP replica groups")
         elif name == "dp_shard_size":

@@ -50,11 +50,45 @@ FSDP_KEYS = [
 ]  # fmt: skip
 
 
+# Names accelerate has read for a key, besides its own (accelerate <= 0.33 read the first as the
+# second, with a FutureWarning; removed in 0.34, huggingface/accelerate#3098, though its FSDP guide
+# still shows it). Keys without the "fsdp" prefix are covered by `canonical_keys`.
+ALIASES = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
+ALIAS_NOTES = {
+    "fsdp_backward_prefetch_policy": "old name of fsdp_backward_prefetch (accelerate >= 0.34 no longer reads it)"
+}
+
+
+def canonical_keys(conv: Conversion, cfg: dict) -> tuple[dict, dict]:
+    """``cfg`` under accelerate's current key names, and each name's spelling in the file.
+
+    `accelerate launch` reads an ``fsdp_config`` key that does not start with "fsdp" as "fsdp_" +
+    key (``sharding_strategy``, ``offload_params``... as the configs of accelerate 0.6 to 0.11
+    wrote them), and older names by `ALIASES`. When two spellings of one key are given, the
+    current name wins (then the first one written); the others are reported as not needed.
+    """
+    out: dict = {}
+    written: dict = {}
+    order = sorted(cfg, key=lambda k: k not in FSDP_KEYS)  # current names first
+    for key in order:
+        name = key if key.startswith("fsdp") else "fsdp_" + key
+        name = ALIASES.get(name, name)
+        if name in out:
+            conv.not_needed("fsdp_config." + key, cfg[key], f"another spelling of {written[name]}, which is used")
+            continue
+        out[name], written[name] = cfg[key], key
+    return out, written
+
+
 def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
     """Convert the keys of an ``fsdp_config`` block (``machines``: the YAML's ``num_machines``)."""
-    p = "fsdp_config."
+    cfg, written = canonical_keys(conv, cfg)
+
+    def src(key: str) -> str:
+        return "fsdp_config." + written.get(key, key)
+
     version = int(cfg.pop("fsdp_version", 1) or 1)
-    conv.not_needed(p + "fsdp_version", version, "the recipe is FSDP2 (fully_shard) whatever this says")
+    conv.not_needed(src("fsdp_version"), version, "the recipe is FSDP2 (fully_shard) whatever this says")
     strategy_key = None
     if "fsdp_sharding_strategy" in cfg:
         strategy_key = "fsdp_sharding_strategy"
@@ -65,29 +99,29 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
             continue
         value = cfg.pop(key)
         if key != strategy_key:
-            conv.not_needed(p + key, value, f"accelerate takes the strategy from {strategy_key} when both are set")
+            conv.not_needed(src(key), value, f"accelerate takes the strategy from {strategy_key} when both are set")
             continue
         if isinstance(value, bool) or (version == 2 and str(value).lower() in ("true", "false")):
             name = "FULL_SHARD" if truthy(value) else "SHARD_GRAD_OP"
         else:
             name = strategy_name(value)
         if name is None:
-            conv.refuse(p + key, value, f"expected a strategy name or 1-5 ({', '.join(STRATEGY_NAMES)}) or a bool")
+            conv.refuse(src(key), value, f"expected a strategy name or 1-5 ({', '.join(STRATEGY_NAMES)}) or a bool")
             continue
         note = ""
         if name.startswith("HYBRID"):
             if machines > 1:
                 conv.set(
-                    "parallel", "replicate", machines, p + key, value, "HSDP: shard in a machine, replicate across"
+                    "parallel", "replicate", machines, src(key), value, "HSDP: shard in a machine, replicate across"
                 )
             else:
                 name = "FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"
                 note = f"one machine: {value} has nothing to replicate across, which is {name}"
-        conv.set("parallel", "strategy", name, p + key, value, note)
+        conv.set("parallel", "strategy", name, src(key), value, note)
     if "fsdp_offload_params" in cfg:
         value = cfg.pop("fsdp_offload_params")
         conv.set(
-            "parallel", "cpu_offload", truthy(value), p + "fsdp_offload_params", value,
+            "parallel", "cpu_offload", truthy(value), src("fsdp_offload_params"), value,
             "FSDP2's CPU offload also runs the optimizer step on CPU" if truthy(value) else "",
         )  # fmt: skip
     policy = str(cfg.pop("fsdp_auto_wrap_policy", "") or "")
@@ -100,76 +134,80 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
             "loop can pass shard_model(blocks=[])",
         }
         if policy.upper() in reasons:
-            conv.not_needed(p + "fsdp_auto_wrap_policy", policy, reasons[policy.upper()])
+            conv.not_needed(src("fsdp_auto_wrap_policy"), policy, reasons[policy.upper()])
         else:
-            conv.refuse(p + "fsdp_auto_wrap_policy", policy, "expected " + ", ".join(reasons))
+            conv.refuse(src("fsdp_auto_wrap_policy"), policy, "expected " + ", ".join(reasons))
     if "fsdp_transformer_layer_cls_to_wrap" in cfg:
         conv.not_needed(
-            p + "fsdp_transformer_layer_cls_to_wrap", cfg.pop("fsdp_transformer_layer_cls_to_wrap"),
+            src("fsdp_transformer_layer_cls_to_wrap"), cfg.pop("fsdp_transformer_layer_cls_to_wrap"),
             "found from the model (its _no_split_modules or its repeated blocks); in your own loop "
             "shard_model(blocks=[LayerClass]) takes the classes, not their names",
         )  # fmt: skip
     if "fsdp_min_num_params" in cfg:
-        conv.not_needed(p + "fsdp_min_num_params", cfg.pop("fsdp_min_num_params"), "units are blocks (see above)")
+        conv.not_needed(src("fsdp_min_num_params"), cfg.pop("fsdp_min_num_params"), "units are blocks (see above)")
     if "fsdp_backward_prefetch" in cfg:
         value = cfg.pop("fsdp_backward_prefetch")
-        name = str(value).upper() if value is not None else "NO_PREFETCH"
+        name = str(value).strip().upper() if value is not None else "NO_PREFETCH"
+        name = {"1": "BACKWARD_PRE", "2": "BACKWARD_POST"}.get(name, name)  # BackwardPrefetch's numbers
+        alias = ALIAS_NOTES.get(written["fsdp_backward_prefetch"])
         if name in ("BACKWARD_PRE", "BACKWARD_POST"):
             note = "the next block's all-gather is issued before this block's backward"
             if name == "BACKWARD_POST":
                 note += " (FSDP2 has no BACKWARD_POST; this is BACKWARD_PRE)"
-            conv.set("parallel", "prefetch", 1, p + "fsdp_backward_prefetch", value, note)
-        elif name in ("NO_PREFETCH", "NONE"):
             conv.set(
-                "parallel", "prefetch", 0, p + "fsdp_backward_prefetch", value,
-                "no explicit prefetch; FSDP2 still overlaps one all-gather implicitly",
-            )  # fmt: skip
+                "parallel", "prefetch", 1, src("fsdp_backward_prefetch"), value, "; ".join(filter(None, [note, alias]))
+            )
+        elif name in ("NO_PREFETCH", "NONE"):
+            note = "no explicit prefetch; FSDP2 still overlaps one all-gather implicitly"
+            conv.set(
+                "parallel", "prefetch", 0, src("fsdp_backward_prefetch"), value, "; ".join(filter(None, [note, alias]))
+            )
         else:
-            conv.refuse(p + "fsdp_backward_prefetch", value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
+            conv.refuse(src("fsdp_backward_prefetch"), value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
     if "fsdp_forward_prefetch" in cfg:
         value = cfg.pop("fsdp_forward_prefetch")
         conv.not_needed(
-            p + "fsdp_forward_prefetch", value,
+            src("fsdp_forward_prefetch"), value,
             "[parallel] prefetch sets forward and backward prefetch together (fk.set_prefetch(forward=, backward=) "
             "sets them apart)",
         )  # fmt: skip
     if "fsdp_state_dict_type" in cfg:
-        conv.not_needed(p + "fsdp_state_dict_type", cfg.pop("fsdp_state_dict_type"), STATE_DICT)
+        conv.not_needed(src("fsdp_state_dict_type"), cfg.pop("fsdp_state_dict_type"), STATE_DICT)
     if "fsdp_use_orig_params" in cfg:
-        conv.not_needed(p + "fsdp_use_orig_params", cfg.pop("fsdp_use_orig_params"), ORIG_PARAMS)
+        conv.not_needed(src("fsdp_use_orig_params"), cfg.pop("fsdp_use_orig_params"), ORIG_PARAMS)
     if "fsdp_sync_module_states" in cfg:
-        conv.not_needed(p + "fsdp_sync_module_states", cfg.pop("fsdp_sync_module_states"), SYNC_STATES)
+        conv.not_needed(src("fsdp_sync_module_states"), cfg.pop("fsdp_sync_module_states"), SYNC_STATES)
     if "fsdp_cpu_ram_efficient_loading" in cfg:
         value = cfg.pop("fsdp_cpu_ram_efficient_loading")
         conv.set(
-            "model", "meta_init", truthy(value), p + "fsdp_cpu_ram_efficient_loading", value,
+            "model", "meta_init", truthy(value), src("fsdp_cpu_ram_efficient_loading"), value,
             "built on the meta device; load_pretrained reads only each rank's rows" if truthy(value) else "",
         )  # fmt: skip
     if "fsdp_activation_checkpointing" in cfg:
         value = cfg.pop("fsdp_activation_checkpointing")
         if truthy(value):
-            conv.set("parallel", "activation_checkpointing", "full", p + "fsdp_activation_checkpointing", value)
+            conv.set("parallel", "activation_checkpointing", "full", src("fsdp_activation_checkpointing"), value)
         else:
-            conv.not_needed(p + "fsdp_activation_checkpointing", value, "off is the recipe's default")
+            conv.not_needed(src("fsdp_activation_checkpointing"), value, "off is the recipe's default")
     if "fsdp_activation_checkpointing_offload" in cfg:
         value = cfg.pop("fsdp_activation_checkpointing_offload")
         if truthy(value):
             conv.refuse(
-                p + "fsdp_activation_checkpointing_offload", value,
+                src("fsdp_activation_checkpointing_offload"), value,
                 "activations are not offloaded to CPU by fsdp2kit; activation_checkpointing = 'full' keeps one "
                 "input per block",
             )  # fmt: skip
         else:
-            conv.not_needed(p + "fsdp_activation_checkpointing_offload", value, NO_GAIN)
+            conv.not_needed(src("fsdp_activation_checkpointing_offload"), value, NO_GAIN)
     if "fsdp_ignored_modules" in cfg:
         value = cfg.pop("fsdp_ignored_modules")
         if value:
             conv.refuse(
-                p + "fsdp_ignored_modules", value,
+                src("fsdp_ignored_modules"), value,
                 "no recipe key: in your own loop keep those modules out of shard_model's blocks, or call "
                 "fully_shard(ignored_params=...) yourself",
             )  # fmt: skip
         else:
-            conv.not_needed(p + "fsdp_ignored_modules", value, NO_GAIN)
+            conv.not_needed(src("fsdp_ignored_modules"), value, NO_GAIN)
     for key, value in cfg.items():
-        conv.unknown(p + key, value, FSDP_KEYS)
+        conv.unknown(src(key), value, FSDP_KEYS)

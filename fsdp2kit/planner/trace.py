@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from fsdp2kit._internal.scoped import divert
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
@@ -105,9 +106,24 @@ def meta_copy(
     return copy.deepcopy(model, memo)
 
 
+def _fused_sdpa(sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if q.device.type != "meta":
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out
+
+
+def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
+    if weight.device.type == "meta" and weight.dtype != torch.bfloat16:
+        return False
+    return can_grouped(input, weight, offs)
+
+
 @contextlib.contextmanager
 def _as_a_real_step():
-    """What must differ between a shapes-only step and a real one, undone on exit.
+    """What must differ between a shapes-only step and a real one, for this thread's step only.
 
     - transformers cannot check whether positions are packed on meta tensors (it reads their
       values) and materialises a (batch, 1, seq, seq) mask whenever it suspects tracing; a real
@@ -116,48 +132,32 @@ def _as_a_real_step():
       step runs a fused kernel (flash on CUDA and on CPU) that saves its output and the
       log-sum-exp, so the recorded step calls the CPU flash kernel, whose meta kernel has the
       same outputs.
-    - MoE experts in a dtype other than bf16: see below.
+    - MoE experts: transformers 5 runs them as one grouped matmul (torch's grouped_mm, fp32 too
+      on CPU and CUDA), but torch's meta kernel for it takes bf16 only. On meta tensors of any
+      other dtype the recording uses transformers' own fallback op instead, whose meta (fake)
+      kernel gives the same output and whose backward saves the same input and weight.
+
+    Each function is diverted for this thread only (`divert`). Not SDPA by a TorchFunctionMode:
+    no mode is active while autograd runs backward, where activation checkpointing recomputes.
     """
-    masking = sys.modules.get("transformers.masking_utils")
-    saved = {}
-    if masking is not None:
-        for k, v in (("is_tracing", lambda tensor=None: False), ("find_packed_sequence_indices", lambda p: None)):
-            if hasattr(masking, k):
-                saved[k] = getattr(masking, k)
-                setattr(masking, k, v)
-    sdpa = F.scaled_dot_product_attention
-
-    def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if q.device.type != "meta":
-            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-        )
-        return out
-
-    F.scaled_dot_product_attention = fused_sdpa
-    # MoE experts: transformers 5 runs them as one grouped matmul (torch's grouped_mm, fp32 too
-    # on CPU and CUDA), but torch's meta kernel for it takes bf16 only. On meta tensors of any
-    # other dtype the recording uses transformers' own fallback op instead, whose meta (fake)
-    # kernel gives the same output and whose backward saves the same input and weight.
-    moe = sys.modules.get("transformers.integrations.moe")
-    can_grouped = getattr(moe, "_can_use_grouped_mm", None)
-    if can_grouped is not None:
-
-        def grouped_on_meta(input, weight, offs):
-            if weight.device.type == "meta" and weight.dtype != torch.bfloat16:
-                return False
-            return can_grouped(input, weight, offs)
-
-        moe._can_use_grouped_mm = grouped_on_meta
-    try:
+    with contextlib.ExitStack() as stack:
+        masking = sys.modules.get("transformers.masking_utils")
+        for name, fn in (("is_tracing", _not_tracing), ("find_packed_sequence_indices", _not_packed)):
+            if hasattr(masking, name):
+                stack.enter_context(divert(masking, name, fn))
+        moe = sys.modules.get("transformers.integrations.moe")
+        if hasattr(moe, "_can_use_grouped_mm"):
+            stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
+        stack.enter_context(divert(F, "scaled_dot_product_attention", _fused_sdpa))
         yield
-    finally:
-        F.scaled_dot_product_attention = sdpa
-        if can_grouped is not None:
-            moe._can_use_grouped_mm = can_grouped
-        for k, v in saved.items():
-            setattr(masking, k, v)
+
+
+def _not_tracing(original, tensor=None) -> bool:
+    return False
+
+
+def _not_packed(original, position_ids) -> None:
+    return None
 
 
 def _tensors(obj) -> list[torch.Tensor]:

@@ -19,40 +19,36 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.meta_init import flag_meta_parameter, meta_tensors_skip_torch_init
+from fsdp2kit._internal.quiet import quiet_imports
+from fsdp2kit._internal.scoped import divert, skipping_meta_init
 from fsdp2kit.weights.hf_layout import clean_fqn, is_pretrained, original_class
 
 
+def _to_meta(register: Callable, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if param is not None and not param.is_meta:
+        param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    register(module, name, param)
+
+
 @contextlib.contextmanager
-def parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Build modules for real on CPU, except that each parameter moves to meta as it is registered.
 
     The constructor's own code computes the buffers; ``torch.empty`` for a parameter reserves
     address space without touching it, and the meta copy costs nothing, so this is cheap even
-    for a very large model. Neither transformers' init nor torch's touches those meta parameters
-    (fsdp2kit._internal.meta_init: initialising them computes nothing, and cost a third of a
-    small model's `load_pretrained`).
+    for a very large model. Initialising those meta parameters is skipped (it computes nothing,
+    and cost a third of a small model's `load_pretrained`). Construction runs in the caller's
+    default dtype (the buffers are cast to the model's afterwards) and draws, if it draws, from a
+    fork of the random state: the caller's stream is untouched.
     """
-    register = nn.Module.register_parameter
-
-    def to_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        flag_meta_parameter(param)  # the twin is thrown away: its flags need no removing
-        register(self, name, param)
-
-    previous = torch.get_default_dtype()
-    rng = torch.get_rng_state()  # a constructor may draw (nn.Parameter(torch.randn(...))): not from ours
-    nn.Module.register_parameter = to_meta
-    try:
-        if dtype is not None and dtype.is_floating_point:
-            torch.set_default_dtype(dtype)
-        with torch.device("cpu"), meta_tensors_skip_torch_init():
-            yield
-    finally:
-        nn.Module.register_parameter = register
-        torch.set_default_dtype(previous)
-        torch.set_rng_state(rng)
+    with (
+        torch.random.fork_rng(devices=[]),
+        torch.device("cpu"),
+        divert(nn.Module, "register_parameter", _to_meta),
+        skipping_meta_init(),
+        quiet_imports(),
+    ):
+        yield
 
 
 def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:
@@ -84,13 +80,6 @@ def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:
         return None
 
 
-def _param_dtype(model: nn.Module) -> torch.dtype | None:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return None
-
-
 def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
     """CPU values for the buffers ``names`` (raw names) as constructing their owners gives them.
 
@@ -100,7 +89,6 @@ def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.
     """
     if not names:
         return {}
-    dtype = _param_dtype(model)
     found: dict[str, torch.Tensor] = {}
     modules = dict(model.named_modules(remove_duplicate=False))
 
@@ -109,7 +97,7 @@ def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.
         if not wanted:
             return
         try:
-            with parameters_on_meta(dtype):
+            with parameters_on_meta():
                 twin = build()
         except Exception:
             return

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.meta_init import skip_meta_parameter_init
+from fsdp2kit._internal.quiet import quiet_imports
+from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = [
     "Group",
@@ -90,7 +91,7 @@ def _as_built(model: nn.Module) -> nn.Module:
     if all(type(m) is original_class(m) for m in model.modules()):
         return model
     if model not in _twins:
-        with torch.device("meta"), skip_meta_parameter_init():  # initialising meta tensors computes nothing
+        with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing
             twin = original_class(model)(copy.deepcopy(model.config))
         if getattr(model, "_weight_conversions", None) is not None:  # set by from_pretrained
             twin._weight_conversions = model._weight_conversions

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -17,22 +16,12 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard, model_meshes
+from fsdp2kit._internal.scoped import divert_init_functions
 from fsdp2kit.dist import mesh_device
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import copy_buffers, fill_buffers
 from fsdp2kit.weights.hf_layout import is_pretrained
 from fsdp2kit.weights.nf4 import is_nf4
-
-_INIT_FUNCTIONS = (
-    "uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_",
-)  # fmt: skip
-# Modules that bind torch.nn.init functions by name at import (transformers patches the same list).
-_TORCH_INIT_MODULES = (
-    "torch.nn.init", "torch.nn.modules.activation", "torch.nn.modules.transformer", "torch.nn.modules.linear",
-    "torch.nn.modules.loss", "torch.nn.modules.batchnorm", "torch.nn.modules.conv",
-    "torch.nn.modules.normalization", "torch.nn.modules.rnn", "torch.nn.modules.sparse",
-)  # fmt: skip
 
 
 class _NoShardWrites(TorchFunctionMode):
@@ -142,39 +131,14 @@ class _Replay:
 @contextlib.contextmanager
 def _route_init_functions(replay: _Replay) -> Iterator[None]:
     """torch.nn.init.* (and transformers' wrappers over them) route sharded parameters to ``replay``."""
-    patched: list[tuple[object, str, object]] = []
 
-    def wrap(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def routed(tensor, *args, **kwargs):
-            if isinstance(tensor, DTensor):
-                return replay.init_function(original, tensor, *args, **kwargs)
-            return original(tensor, *args, **kwargs)
+    def routed(original: Callable, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            return replay.init_function(original, tensor, *args, **kwargs)
+        return original(tensor, *args, **kwargs)
 
-        return routed
-
-    originals = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
-    try:
-        for mod_name in _TORCH_INIT_MODULES:
-            mod = sys.modules.get(mod_name)
-            for name in _INIT_FUNCTIONS:
-                if mod is not None and getattr(mod, name, None) is originals[name]:
-                    patched.append((mod, name, originals[name]))
-                    setattr(mod, name, wrap(originals[name]))
-        hf_init = sys.modules.get("transformers.initialization")
-        table = getattr(hf_init, "TORCH_INIT_FUNCTIONS", None)
-        if isinstance(table, dict):
-            for name, fn in list(table.items()):
-                patched.append((table, name, fn))
-                table[name] = wrap(fn)
-        with _NoShardWrites(replay):
-            yield
-    finally:
-        for owner, name, fn in reversed(patched):
-            if isinstance(owner, dict):
-                owner[name] = fn
-            else:
-                setattr(owner, name, fn)
+    with divert_init_functions(routed), _NoShardWrites(replay):
+        yield
 
 
 def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[], object]]]:
@@ -199,8 +163,16 @@ def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[],
     yield from visit("", model, model if is_pretrained(model) else None)
 
 
+@contextlib.contextmanager
+def _rank0_rng(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Inside: every rank draws from a copy of the mesh's first rank's random state, so that full
+    tensors agree; on exit each rank's own state is back as it was (ranks keep their own streams)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        _sync_rng(model, device)
+        yield
+
+
 def _sync_rng(model: nn.Module, device: torch.device) -> None:
-    """Every rank takes the random state of the mesh's first rank, so that full tensors agree."""
     meshes = model_meshes(model)
     if not meshes or not dist.is_initialized():
         return
@@ -231,8 +203,9 @@ def materialize(
     ``_init_weights`` (in the order ``initialize_weights`` uses), other modules by their
     ``reset_parameters``, or by ``init_fn(module)`` for every module in ``model.modules()``
     order if you pass one. That code runs on full-size, unsharded plain tensors standing in for
-    the module's own parameters, one module at a time, on every rank from the random state of
-    the mesh's first rank (every rank leaves with that state); each rank keeps its own rows.
+    the module's own parameters, one module at a time, on every rank from a copy of the random
+    state of the mesh's first rank; each rank keeps its own rows. Every rank's own random state
+    (CPU, and the device's) is left exactly as it was: a per-rank seed set before stays per rank.
     So ``init_fn`` is written as for an unsharded model, and what you get is guaranteed to be:
 
     - the same, bit for bit, as running the same init on an unsharded copy on the same device
@@ -270,8 +243,7 @@ def materialize(
         params, buffers = allocate(model, device)
     if not params and not buffers:
         return model
-    _sync_rng(model, device)
-    with all_ranks_or_none(model, "materialize"):
+    with _rank0_rng(model, device), all_ranks_or_none(model, "materialize"):
         # Buffers before the init (init code may read them) and again after (it may write them):
         # what stays is the construction's value.
         values, unfound = fill_buffers(model, buffers, missing_ok=init_fn is not None)

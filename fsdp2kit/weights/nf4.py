@@ -8,6 +8,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.dtensor import local_shard
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks
 
 __all__ = ["NF4_DEFAULTS", "is_nf4", "meta_nf4", "nf4_shard_problem", "quantize_nf4"]
@@ -111,7 +112,8 @@ def quantize_nf4(
     Returns the names of the quantized weights.
     """
     try:
-        from torchao.quantization import to_nf4
+        with quiet_imports():  # torchao's import-time log lines on a CPU build (fsdp2kit._internal.quiet)
+            from torchao.quantization import to_nf4
     except ImportError as exc:  # pragma: no cover - torchao is a dependency
         raise ImportError("quantize_nf4 needs torchao (pip install torchao)") from exc
     if any(isinstance(m, FSDPModule) for m in model.modules()) or any(

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
+from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks, shared_parameters
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
@@ -117,9 +118,9 @@ def enable_float8(
     Raises ``ValueError`` if no layer is eligible: float8 silently doing nothing is worse than
     an error. Parameter names are unchanged (``Float8Linear`` is an ``nn.Linear``).
     """
-    # (torchao's import-time log lines on a CPU build are filtered by fsdp2kit._internal.quiet)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
+    with quiet_imports():  # torchao's import-time log lines on a CPU build (fsdp2kit._internal.quiet)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
 
     if not isinstance(fsdp_all_gather, bool):
         raise ValueError(f"fsdp_all_gather={fsdp_all_gather!r}: expected True or False")

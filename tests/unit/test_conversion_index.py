@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import fsdp2kit.weights.conversion_index as ci
-from fsdp2kit._internal.meta_init import skip_meta_parameter_init
+from fsdp2kit._internal.scoped import skipping_meta_init
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 
 
 def _meta(config):
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), skip_meta_parameter_init():
+    with torch.device("meta"), skipping_meta_init():
         return AutoModelForCausalLM.from_config(config)
 
 

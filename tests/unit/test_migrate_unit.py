@@ -156,6 +156,103 @@ def test_accelerate_strategies(tmp_path: Path, value, machines, strategy, replic
     assert conv.nproc_per_node == 8 and not conv.refused
 
 
+# The YAML of Accelerate's own FSDP guide (docs/source/usage_guides/fsdp.md), as printed there.
+ACCELERATE_GUIDE_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch_policy: BACKWARD_PRE
+  fsdp_forward_prefetch: false
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: BertLayer
+  fsdp_use_orig_params: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def test_accelerate_fsdp_guide_yaml_converts(tmp_path: Path) -> None:
+    conv = _convert(tmp_path, ACCELERATE_GUIDE_YAML)
+    assert not conv.refused, [(e.key, e.note) for e in conv.refused]
+    prefetch = next(e for e in conv.entries if e.key == "fsdp_config.fsdp_backward_prefetch_policy")
+    assert prefetch.target == "parallel.prefetch" and "old name of fsdp_backward_prefetch" in prefetch.note
+    assert conv.settings["parallel"]["prefetch"] == 1 and conv.settings["parallel"]["strategy"] == "FULL_SHARD"
+
+
+# Every other spelling accelerate reads for a key: in fsdp_config without the "fsdp_" prefix (`accelerate
+# launch` adds it; accelerate 0.6-0.11 wrote sharding_strategy, offload_params, min_num_params,
+# transformer_layer_cls_to_wrap so), the old backward_prefetch_policy, dynamo_config keys without
+# "dynamo_", fp8_config keys with "fp8_", and top-level blocks of older releases.
+ALIASES = [
+    ("fsdp_config", "sharding_strategy", "2", "parallel.strategy", "SHARD_GRAD_OP"),
+    ("fsdp_config", "reshard_after_forward", "false", "parallel.strategy", "SHARD_GRAD_OP"),
+    ("fsdp_config", "offload_params", "true", "parallel.cpu_offload", True),
+    ("fsdp_config", "min_num_params", "100000000", None, None),
+    ("fsdp_config", "transformer_layer_cls_to_wrap", "BertLayer", None, None),
+    ("fsdp_config", "auto_wrap_policy", "TRANSFORMER_BASED_WRAP", None, None),
+    ("fsdp_config", "backward_prefetch", "BACKWARD_POST", "parallel.prefetch", 1),
+    ("fsdp_config", "backward_prefetch_policy", "NO_PREFETCH", "parallel.prefetch", 0),
+    ("fsdp_config", "fsdp_backward_prefetch_policy", "BACKWARD_PRE", "parallel.prefetch", 1),
+    ("fsdp_config", "fsdp_backward_prefetch", "1", "parallel.prefetch", 1),  # BackwardPrefetch.BACKWARD_PRE
+    ("fsdp_config", "forward_prefetch", "false", None, None),
+    ("fsdp_config", "state_dict_type", "FULL_STATE_DICT", None, None),
+    ("fsdp_config", "use_orig_params", "true", None, None),
+    ("fsdp_config", "sync_module_states", "true", None, None),
+    ("fsdp_config", "cpu_ram_efficient_loading", "true", "model.meta_init", True),
+    ("fsdp_config", "activation_checkpointing", "true", "parallel.activation_checkpointing", "full"),
+    ("fsdp_config", "version", "2", None, None),
+    ("dynamo_config", "backend", "INDUCTOR", "parallel.compile", True),
+    ("dynamo_config", "use_regional_compilation", "true", None, None),
+    ("dynamo_config", "mode", "default", None, None),
+    ("fp8_config", "fp8_backend", "AO", "parallel.float8", True),
+    ("fp8_config", "fp8_pad_inner_dim", "true", None, None),
+    (None, "tpu_cluster", "false", None, None),
+    (None, "ipex_config", "{ipex: false}", None, None),
+    (None, "xpu_config", "{use_xpu: false}", None, None),
+    (None, "tp_config", "{tp_size: 1}", None, None),
+]
+
+
+@pytest.mark.parametrize(("block", "key", "value", "target", "expected"), ALIASES, ids=lambda v: str(v))
+def test_accelerate_key_aliases(tmp_path: Path, block, key, value, target, expected) -> None:
+    nested = f"{block}:\n  {key}: {value}\n" if block else f"{key}: {value}\n"
+    text = "distributed_type: FSDP\n" + nested
+    conv = _convert(tmp_path, text)
+    assert not conv.refused, [(e.key, e.note) for e in conv.refused]
+    src = key if block is None else f"{block}.{key}"
+    entry = next(e for e in conv.entries if e.key == src or e.key.startswith(src + "."))  # as written
+    if target is not None:
+        table, name = target.split(".")
+        assert entry.target == target and conv.settings[table][name] == expected
+
+
+def test_accelerate_current_name_wins_over_an_alias(tmp_path: Path) -> None:
+    conv = _convert(
+        tmp_path,
+        "distributed_type: FSDP\nfsdp_config:\n  backward_prefetch_policy: NO_PREFETCH\n"
+        "  fsdp_backward_prefetch: BACKWARD_PRE\n",
+    )
+    assert conv.settings["parallel"]["prefetch"] == 1
+    other = next(e for e in conv.entries if e.key == "fsdp_config.backward_prefetch_policy")
+    assert "another spelling of fsdp_backward_prefetch" in other.note
+
+
 def test_fsdp2_reshard_after_forward_bool(tmp_path: Path) -> None:
     conv = _convert(
         tmp_path, "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n"

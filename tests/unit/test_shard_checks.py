@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.optim.optimizer as optimizer_module
 from models import TinyGPT, build, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -150,6 +151,10 @@ def test_optimizer_built_before_sharding_is_refused(mesh):
         opt.step()
     good = torch.optim.AdamW(model.parameters())
     good.step()  # the right order is not disturbed
+    assert not good._optimizer_step_pre_hooks and len(opt._optimizer_step_pre_hooks) == 1
+    # Found at the first forward, by the model's own one-off hook: nothing process-wide.
+    assert not optimizer_module._global_optimizer_pre_hooks
+    assert [type(h.__self__).__name__ for h in model._forward_pre_hooks.values()] == ["FSDPState"]  # ours is gone
 
 
 def test_world_of_one_trains_like_plain_pytorch(mesh):

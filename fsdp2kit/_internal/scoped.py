@@ -1,0 +1,142 @@
+"""The one place fsdp2kit changes other code's functions: only for its own call, only on its own thread.
+
+Some library code has no hook for what fsdp2kit needs during one of its calls: ``torch.nn.init``
+must not spend time on meta tensors while a model is constructed, a sharded parameter must be
+initialised through a full-size stand-in (`fsdp2kit.materialize`), a constructor must register
+its parameters on the meta device (the buffers' twin), transformers must not build a causal mask
+on meta tensors (the planner). `divert` swaps such a function for the duration of a ``with``
+block, and the swap is seen only by calls made from the thread that opened the block: any other
+thread calling the same function meanwhile reaches the original, and on exit the original object
+is back in place (so ``torch.nn.init.normal_ is normal_`` holds again). A reference to the
+stand-in taken meanwhile (``from torch.nn.init import normal_`` in another thread) keeps calling
+the original once no block is open.
+
+A ``torch.overrides.TorchFunctionMode`` is scoped by nature and serves where it suffices (materialize's
+check on writes to sharded parameters), but no mode is active while autograd runs backward, so it
+cannot stand in for a function that activation checkpointing calls again when it recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["divert", "divert_init_functions", "skipping_meta_init"]
+
+_lock = threading.Lock()
+_TABLE = "_fsdp2kit_diverted"  # on a stand-in: {thread id: [replacements, innermost last]}
+
+# torch.nn.init's in-place initialisers (each takes the tensor first), and the modules that bind
+# some of them by name at import (MultiheadAttention's xavier_uniform_...): transformers' list too.
+INIT_FUNCTIONS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+_INIT_MODULES = (
+    "torch.nn.modules.activation", "torch.nn.modules.transformer", "torch.nn.modules.linear",
+    "torch.nn.modules.loss", "torch.nn.modules.batchnorm", "torch.nn.modules.conv",
+    "torch.nn.modules.normalization", "torch.nn.modules.rnn", "torch.nn.modules.sparse",
+)  # fmt: skip
+
+
+def _get(owner: Any, name: str) -> Any:
+    return owner[name] if isinstance(owner, dict) else getattr(owner, name)
+
+
+def _origin(fn: Any) -> Any:
+    return getattr(fn, "_fsdp2kit_original", fn)
+
+
+def _put(owner: Any, name: str, value: Any) -> None:
+    if isinstance(owner, dict):
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def divert(owner: Any, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """Inside: this thread's calls to ``owner.name`` (``owner[name]`` for a dict) run
+    ``replacement(original, *args, **kwargs)``; every other thread's calls run the original.
+
+    Blocks nest (the inner replacement's ``original`` is the outer one) and may be open on
+    several threads at once; the original goes back when the last one closes.
+    """
+    me = threading.get_ident()
+    with _lock:
+        current = _get(owner, name)
+        table = getattr(current, _TABLE, None)
+        if table is None:
+            original, table = current, {}
+
+            @functools.wraps(original)
+            def stand_in(*args, **kwargs):
+                stack = table.get(threading.get_ident())
+                return stack[-1](*args, **kwargs) if stack else original(*args, **kwargs)
+
+            setattr(stand_in, _TABLE, table)
+            stand_in._fsdp2kit_original = original
+            _put(owner, name, stand_in)
+        else:
+            stand_in, original = current, current._fsdp2kit_original
+        stack = table.setdefault(me, [])
+        below = stack[-1] if stack else original
+        stack.append(functools.update_wrapper(functools.partial(replacement, below), original))
+    try:
+        yield
+    finally:
+        with _lock:
+            stack.pop()
+            if not stack:
+                del table[me]
+            if not table and _get(owner, name) is stand_in:
+                _put(owner, name, original)
+
+
+@contextlib.contextmanager
+def divert_init_functions(replacement: Callable[..., Any]) -> Iterator[None]:
+    """`divert` every ``torch.nn.init`` initialiser, where torch binds them and where transformers
+    keeps its own references (``transformers.initialization.TORCH_INIT_FUNCTIONS``, which its
+    init functions call), to ``replacement(original, tensor, *args, **kwargs)``."""
+    if "transformers" in sys.modules:
+        # Imported inside the block, it would keep our stand-ins as its references for good.
+        import transformers.initialization  # noqa: F401
+    init = torch.nn.init
+    owners = [(init, name) for name in INIT_FUNCTIONS]
+    for mod_name in _INIT_MODULES:
+        mod = sys.modules.get(mod_name)
+        for name in INIT_FUNCTIONS:
+            if mod is not None and mod is not init and _origin(getattr(mod, name, None)) is _origin(_get(init, name)):
+                owners.append((mod, name))
+    table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+    if isinstance(table, dict):
+        owners += [(table, name) for name in table]
+    with contextlib.ExitStack() as stack:
+        for owner, name in owners:
+            stack.enter_context(divert(owner, name, replacement))
+        yield
+
+
+def _skip_meta(original: Callable, tensor: Any, *args, **kwargs) -> Any:
+    if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+        return tensor
+    return original(tensor, *args, **kwargs)
+
+
+def skipping_meta_init() -> contextlib.AbstractContextManager:
+    """Inside (this thread): initialising a meta tensor returns it at once.
+
+    On the meta device an init function computes nothing, yet it is not free: transformers'
+    ``post_init`` runs ``_init_weights`` over every module and each ``nn.Linear`` runs
+    ``reset_parameters``, every call going through torch's Python code. For a 34M-parameter
+    Llama on one CPU core that was about a third of `load_pretrained`'s time, which builds such
+    models twice (benchmarks/results/peers.md). Real tensors (buffers computed on CPU, such as
+    rotary ``inv_freq``) are initialised as usual.
+    """
+    return divert_init_functions(_skip_meta)

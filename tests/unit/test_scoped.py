@@ -1,0 +1,123 @@
+"""Scoped patching (fsdp2kit._internal.scoped): seen by the library's own call on its own thread only.
+
+`build_causal_lm(meta=True)`, the buffers' twin and the conversions' twin construct models
+whose parameters are on the meta device; initialising them computed nothing and cost a third of
+`load_pretrained`'s time (benchmarks/results/peers.md). The guarantees: real tensors are still
+initialised, buffers keep their constructed values, the weights later initialised equal
+transformers' own, another thread sees torch's own functions meanwhile, and nothing outlives
+the block.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp2kit as fk
+from fsdp2kit._internal.scoped import divert, skipping_meta_init
+from fsdp2kit.models import build_causal_lm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_torch_init_skips_meta_tensors_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", lambda t, *a, **k: seen.append(t.device.type) or t)
+    with skipping_meta_init():
+        nn.Linear(4, 4, device="meta")
+        nn.Linear(4, 4)  # a real tensor: still initialised
+    assert seen == ["cpu"]
+    nn.Linear(4, 4, device="meta")  # outside: torch's own behaviour again
+    assert seen == ["cpu", "meta"]
+
+
+def test_other_threads_see_torch_and_everything_is_undone():
+    import transformers.initialization as hf_init
+
+    register, normal, hf_normal = nn.Module.register_parameter, torch.nn.init.normal_, hf_init.TORCH_INIT_FUNCTIONS
+    hf_before = dict(hf_normal)
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(torch.nn.init.normal_(torch.zeros(64)).std().item()))
+    with skipping_meta_init():
+        assert torch.nn.init.normal_ is not normal  # the stand-in: this thread's calls skip meta tensors
+        weight = torch.zeros(3, device="meta")
+        assert torch.nn.init.normal_(weight) is weight
+        other.start()
+        other.join()
+        assert torch.nn.init.normal_(torch.zeros(64)).std() > 0.5  # a real tensor: initialised
+    assert seen and seen[0] > 0.5  # the other thread ran torch's own function
+    assert nn.Module.register_parameter is register and torch.nn.init.normal_ is normal
+    assert hf_before == hf_init.TORCH_INIT_FUNCTIONS
+    assert not [n for n, p in build_causal_lm("demo", meta=True).named_parameters() if vars(p)]
+
+
+def test_divert_nests_and_is_per_thread():
+    class Owner:
+        @staticmethod
+        def f(x):
+            return x
+
+    original = Owner.f
+    table = {"f": original}
+    with divert(Owner, "f", lambda orig, x: orig(x) + 1), divert(table, "f", lambda orig, x: orig(x) * 10):
+        with divert(Owner, "f", lambda orig, x: orig(x) * 2):
+            assert Owner.f(1) == 4  # inner over outer over the original
+            results = []
+            thread = threading.Thread(target=lambda: results.append((Owner.f(1), table["f"](1))))
+            thread.start()
+            thread.join()
+            assert results == [(1, 1)]
+        assert Owner.f(1) == 2 and table["f"](1) == 10
+        held = Owner.f  # kept past the block (as `from m import f` would)
+    assert Owner.f is original and table["f"] is original
+    assert held(1) == 1
+
+
+def test_meta_build_then_init_equals_transformers_own_init(mesh):
+    """A meta build initialises as transformers' own meta build does: by its init, or by materialize."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # the reference: no fsdp2kit in its construction
+        reference = AutoModelForCausalLM.from_config(build_causal_lm("demo", meta=True).config)
+    reference.to_empty(device="cpu")
+    torch.manual_seed(5)
+    reference.initialize_weights()  # what transformers runs on a meta-built model's missing weights
+    # transformers' own init after to_empty, as on a model it built on meta itself.
+    ours = build_causal_lm("demo", meta=True)
+    ours.to_empty(device="cpu")
+    torch.manual_seed(5)
+    ours.initialize_weights()
+    for (name, p), (_, q) in zip(ours.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    buffers = dict(build_causal_lm("demo", meta=False).named_buffers())
+    unsharded = build_causal_lm("demo", meta=True)  # materialize keeps these very Parameter objects
+    sharded = build_causal_lm("demo", meta=True)
+    fk.shard_model(sharded, mesh)
+    for model in (unsharded, sharded):
+        torch.manual_seed(5)
+        fk.materialize(model, device="cpu")
+        ours = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+        for name, p in reference.named_parameters():
+            assert torch.equal(ours[name], p), name
+        for name, b in model.named_buffers():  # rotary inv_freq: computed by construction, not skipped
+            assert torch.equal(b, buffers[name]), name
+
+
+def test_quiet_imports_drops_torchao_lines_of_this_thread_only(caplog):
+    import logging
+
+    from fsdp2kit._internal.quiet import quiet_imports
+
+    logger = logging.getLogger("torchao")
+    before = list(logger.filters)
+    with caplog.at_level(logging.WARNING, logger="torchao"), quiet_imports():
+        logger.warning("Failed to load /x/_C_mxfp8.so: no CUDA")
+        logger.warning("something else")
+        other = threading.Thread(target=lambda: logger.warning("Failed to load /y.so (another thread)"))
+        other.start()
+        other.join()
+    assert [r.getMessage() for r in caplog.records] == ["something else", "Failed to load /y.so (another thread)"]
+    assert logger.filters == before
