@@ -10,18 +10,13 @@ import json
 from pathlib import Path
 
 MiB = 2**20
-REVERTED = ("fsdp2_no_async_all_gather", "fsdp2_no_forward_prefetch", "fsdp2_no_embedding_unshard")
-ORDER = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best", "fsdp2_torch", "fsdp2_prev", *REVERTED)
+REVERTED = ("fsdp2_no_embedding_unshard",)
+ORDER = ("ddp", "fsdp1", "fsdp2", "fsdp1_best", "fsdp2_best", *REVERTED)
 RATIO_NAMES = {
     "fsdp2_over_fsdp1": "FSDP2 / FSDP1, defaults",
     "best_fsdp2_over_best_fsdp1": "best FSDP2 / best FSDP1",
     "fsdp2_over_ddp": "FSDP2 / DDP, defaults",
     "best_fsdp2_over_ddp": "best FSDP2 / DDP",
-    "fsdp2_over_fsdp2_torch_collectives": "FSDP2 / FSDP2 with FSDP2's own collectives",
-    "fsdp2_torch_collectives_over_fsdp1": "FSDP2 with FSDP2's own collectives / FSDP1",
-    "fsdp2_over_fsdp2_prev": "FSDP2 / FSDP2 without issue 15's step defaults",
-    "fsdp2_prev_over_fsdp1": "FSDP2 without issue 15's step defaults / FSDP1",
-    "fsdp2_prev_over_ddp": "FSDP2 without issue 15's step defaults / DDP",
     **{f"fsdp2_over_{k}": f"FSDP2 / FSDP2 without {k.removeprefix('fsdp2_no_')}" for k in REVERTED},
 }
 EXTRA_RATIOS = [k for k in RATIO_NAMES if k not in ("fsdp2_over_fsdp1", "best_fsdp2_over_best_fsdp1", "fsdp2_over_ddp")]
@@ -206,10 +201,6 @@ def _chart(result: dict, path: Path) -> None:
         "fsdp1_best": "#08519c",
         "fsdp2": "#fd8d3c",
         "fsdp2_best": "#a63603",
-        "fsdp2_torch": "#fdd0a2",
-        "fsdp2_prev": "#d9d9d9",
-        "fsdp2_no_async_all_gather": "#c7e9c0",
-        "fsdp2_no_forward_prefetch": "#74c476",
         "fsdp2_no_embedding_unshard": "#238b45",
     }
     for j, key in enumerate(keys):

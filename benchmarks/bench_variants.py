@@ -26,7 +26,6 @@ class Config:
     strategy: str = "FULL_SHARD"  # or SHARD_GRAD_OP (ZeRO-2: no re-gather in backward)
     forward_prefetch: bool = False  # FSDP1 forward_prefetch=True / fk.set_prefetch(forward=1)
     compile: bool = False  # every block compiled with fk.compile_blocks (FSDP1: use_orig_params=True)
-    collectives: str = "auto"  # FSDP2 only: shard_model(collectives=...); "torch" = FSDP2's own
     # FSDP2 only: shard_model defaults to undo after it, to measure each (see `revert_defaults`)
     revert: tuple[str, ...] = ()
 
@@ -39,8 +38,6 @@ class Config:
             parts.append("fwd prefetch")
         if self.compile:
             parts.append("compiled")
-        if self.collectives != "auto":
-            parts.append(f"{self.collectives} collectives")
         if self.revert:
             parts.append("without " + " + ".join(self.revert))
         return ", ".join(parts)
@@ -97,10 +94,8 @@ def build_variant(
             # the recompute does not run the unit's all-gather hooks a second time
             _checkpoint_wrap(model, blocks)
     else:
-        fk.shard_model(
-            model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision, collectives=c.collectives
-        )
-        revert_defaults(model, mesh, c.revert)
+        fk.shard_model(model, mesh, strategy=c.strategy, mixed_precision=args.mixed_precision)
+        revert_defaults(model, c.revert)
         if c.forward_prefetch:
             fk.set_prefetch(model, forward=1, backward=1)
     # foreach=None is torch's default: the multi-tensor path on CUDA, a per-parameter loop on CPU
@@ -108,31 +103,18 @@ def build_variant(
 
 
 # shard_model's step defaults (issue 15) that a variant can undo, each back to what it did before.
-REVERTIBLE = ("async_all_gather", "forward_prefetch", "embedding_unshard")
+REVERTIBLE = ("embedding_unshard",)
 
 
-def revert_defaults(model: nn.Module, mesh, revert: tuple[str, ...]) -> None:
-    """Undo some of `shard_model`'s step defaults: the asynchronous gloo all-gather (back to a
-    blocking one), the forward prefetch chain on gloo (back to none), the embedding units'
-    skipped all-gather in backward (back to FSDP2's re-gather)."""
-    from fsdp2kit.collectives import GlooAllGather, uses_gloo
-
+def revert_defaults(model: nn.Module, revert: tuple[str, ...]) -> None:
+    """Undo some of `shard_model`'s step defaults: the embedding units' skipped all-gather in
+    backward (back to FSDP2's re-gather)."""
     unknown = set(revert) - set(REVERTIBLE)
     if unknown:
         raise ValueError(f"revert: unknown {sorted(unknown)}; choose from {REVERTIBLE}")
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if "async_all_gather" in revert and uses_gloo(mesh):
-        blocking = GlooAllGather(always_async=False)
-        for unit in units:
-            group = unit._get_fsdp_state()._fsdp_param_group  # None: several groups, FSDP2's comms
-            if group is not None and isinstance(group._all_gather_comm, GlooAllGather):
-                unit.set_custom_all_gather(blocking)
-    if "forward_prefetch" in revert:
-        for unit in units:
-            unit.set_modules_to_forward_prefetch([])
     if "embedding_unshard" in revert:
-        for unit in units:
-            if isinstance(unit, nn.Embedding):
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule) and isinstance(unit, nn.Embedding):
                 unit.set_unshard_in_backward(True)
 
 

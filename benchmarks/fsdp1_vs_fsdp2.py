@@ -11,11 +11,8 @@ initial weights on the same batches, in one process per rank:
 - ``ddp``:        DistributedDataParallel with its defaults, the un-sharded baseline;
 - ``fsdp1``:      FullyShardedDataParallel with its own defaults and fsdp2kit's units (`wrap_fsdp1`);
 - ``fsdp2``:      `fsdp2kit.shard_model` with its defaults;
-- ``fsdp2_torch``: the same with FSDP2's own collectives (``collectives="torch"``): on gloo, what
-  fsdp2kit's reduce-scatter and all-gather (docs/gloo-collectives.md) change; not in the default set;
-- ``fsdp2_prev``: fsdp2kit without its step defaults of issue 15 (asynchronous gloo all-gather,
-  forward prefetch chain on gloo, no embedding all-gather in backward), and ``fsdp2_no_<one>``
-  without one of them (`bench_variants.REVERTIBLE`): what each is worth; not in the default set;
+- ``fsdp2_no_<one>``: fsdp2kit without one of its step defaults (`bench_variants.REVERTIBLE`:
+  the embedding not all-gathered in backward): what it is worth; not in the default set;
 - ``fsdp1_best``/``fsdp2_best``: each library's best configuration from one grid searched for both
   (`GRID`); ``--search`` runs that search and writes benchmarks/best_configs.json, which this
   run reads, so `make bench` always runs the same thing.
@@ -225,11 +222,6 @@ RATIOS = {
     "best_fsdp2_over_best_fsdp1": ("fsdp2_best", "fsdp1_best"),
     "fsdp2_over_ddp": ("fsdp2", "ddp"),
     "best_fsdp2_over_ddp": ("fsdp2_best", "ddp"),
-    "fsdp2_over_fsdp2_torch_collectives": ("fsdp2", "fsdp2_torch"),
-    "fsdp2_torch_collectives_over_fsdp1": ("fsdp2_torch", "fsdp1"),
-    "fsdp2_over_fsdp2_prev": ("fsdp2", "fsdp2_prev"),
-    "fsdp2_prev_over_fsdp1": ("fsdp2_prev", "fsdp1"),
-    "fsdp2_prev_over_ddp": ("fsdp2_prev", "ddp"),
     **{f"fsdp2_over_fsdp2_no_{r}": ("fsdp2", f"fsdp2_no_{r}") for r in REVERTIBLE},
 }
 VARIANT_KEYS = (
@@ -238,8 +230,6 @@ VARIANT_KEYS = (
     "fsdp2",
     "fsdp1_best",
     "fsdp2_best",
-    "fsdp2_torch",
-    "fsdp2_prev",
     *(f"fsdp2_no_{r}" for r in REVERTIBLE),
 )
 DEFAULT_VARIANTS = VARIANT_KEYS[:5]
@@ -253,8 +243,6 @@ def bench(args, info, mesh) -> dict:
         "fsdp2": Variant("fsdp2", "fsdp2"),
         "fsdp1_best": Variant("fsdp1_best", "fsdp1", best1),
         "fsdp2_best": Variant("fsdp2_best", "fsdp2", best2),
-        "fsdp2_torch": Variant("fsdp2_torch", "fsdp2", Config(collectives="torch")),
-        "fsdp2_prev": Variant("fsdp2_prev", "fsdp2", Config(revert=REVERTIBLE)),
         **{f"fsdp2_no_{r}": Variant(f"fsdp2_no_{r}", "fsdp2", Config(revert=(r,))) for r in REVERTIBLE},
     }
     keys = args.variants.split(",")

@@ -153,14 +153,10 @@ def main() -> None:
 
 def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
     """The collectives of FSDP and DDP on one unit's worth of fp32 parameters, and a memory copy
-    of the same size for scale: what one FSDP unit costs per step in communication. On gloo,
-    fsdp2kit's own reduce-scatter and all-gather (fsdp2kit.collectives) are timed beside gloo's.
-    Rounds run every collective once, in an order rotated each round, so a busy neighbour slows
+    of the same size for scale: what one FSDP unit costs per step in communication. Rounds run every collective once, in an order rotated each round, so a busy neighbour slows
     them alike; the median over rounds is kept."""
     import statistics
     import warnings
-
-    from fsdp2kit.collectives import GlooAllGather, GlooReduceScatter
 
     # torch 2.13 suggests the *_single spellings; the *_tensor ones are what FSDP calls
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
@@ -169,7 +165,6 @@ def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
     full = torch.randn(numel, device=info.device)
     shard, out = torch.randn(numel // world, device=info.device), torch.empty(numel // world, device=info.device)
     gathered = torch.empty(numel, device=info.device)
-    group = dist.group.WORLD
 
     mb = numel * 4 / 1e6
     ops = {
@@ -178,11 +173,6 @@ def time_collectives(numel: int, info: fk.DistInfo, repeats: int = 10) -> None:
         f"all-reduce ({mb:.1f} MB)": lambda: dist.all_reduce(full),
         f"memory copy ({mb:.1f} MB)": lambda: full.clone(),
     }
-    if dist.get_backend() == "gloo" and info.device.type == "cpu":
-        ops["all-gather, fsdp2kit (point-to-point)"] = lambda: GlooAllGather()(gathered, shard, group)
-        ops["reduce-scatter, fsdp2kit (all-to-all + sum)"] = lambda: GlooReduceScatter()(
-            out, full, group, dist.ReduceOp.AVG
-        )
     names = list(ops)
     times: dict[str, list[float]] = {k: [] for k in names}
     for rnd in range(repeats + 1):

@@ -11,7 +11,6 @@ Units, bottom-up (FSDP2 requires children before parents):
 
 An embedding unit of one ``nn.Embedding`` (no tied head) is not all-gathered again in backward:
 the gradient of a lookup needs the indices, not the table (``set_unshard_in_backward(False)``).
-On gloo, each unit prefetches the next one's all-gather in forward (docs/gloo-collectives.md).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.collectives import install_collectives, resolve_collectives
 from fsdp2kit.dist import data_parallel_mesh
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
@@ -39,8 +37,7 @@ from fsdp2kit.preflight import (
     mark_frozen,
     mark_replaced,
 )
-from fsdp2kit.units import assign_units, dtype_subunits, forward_chain
-from fsdp2kit.wrappers.prefetch import chain_forward_prefetch
+from fsdp2kit.units import assign_units, dtype_subunits
 
 __all__ = ["STRATEGIES", "Strategy", "estimate_plan", "resolve_strategy", "shard_model"]
 
@@ -120,7 +117,6 @@ def shard_model(
     reshard_after_forward: bool | int | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
-    collectives: str = "auto",
 ) -> ShardPlan:
     """Shard ``model`` in place with FSDP2 over ``mesh`` and return its `ShardPlan`.
 
@@ -148,12 +144,6 @@ def shard_model(
             ``MixedPrecisionPolicy``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
             optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
-        collectives: ``"auto"``: on a CPU mesh over gloo, every unit reduce-scatters and
-            all-gathers with fsdp2kit's bandwidth-optimal collectives (gloo has no reduce-scatter
-            of its own; docs/gloo-collectives.md); there the all-gathers are asynchronous and
-            each unit prefetches the next in forward (a CPU has no streams to overlap them
-            otherwise: one more unsharded block in forward); elsewhere (NCCL) FSDP2's own.
-            ``"torch"``: FSDP2's own everywhere, no forward prefetch.
 
     On any backend, an embedding unit that is one plain ``nn.Embedding`` is not all-gathered
     again in backward (a lookup's gradient does not read the table); tied to a head, it is.
@@ -164,7 +154,6 @@ def shard_model(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
     check_not_sharded(model, mesh)
-    resolve_collectives(collectives)
     dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
     layout = _layout(
         model,
@@ -193,21 +182,11 @@ def shard_model(
     for table in layout.lookups:
         # backward of a lookup scatters the output gradient by index: the table is not read
         table.set_unshard_in_backward(False)
-    if install_collectives(model, fsdp_mesh, collectives):
-        # CPU has no streams: without it, every all-gather is waited for where it is issued
-        chain_forward_prefetch(_forward_units(model, layout))
 
     mark_frozen(dict(model.named_parameters()))
     check_optimizers_at_first_forward(model, replaced.values())
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
     return layout.plan
-
-
-def _forward_units(model: nn.Module, layout: _Layout) -> list[nn.Module]:
-    """The units in the order forward first uses them (`fsdp2kit.units.forward_chain`)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    order = forward_chain(model, [names[id(g[0])] for g in layout.groups], [names[id(b)] for b in layout.blocks])
-    return [model.get_submodule(n) for n in order]
 
 
 def estimate_plan(
@@ -256,7 +235,6 @@ class _Layout:
     strategy: Strategy
     blocks: list[nn.Module]
     units: list[tuple[str, list[nn.Module], bool | int]]  # (label, modules, reshard_after_forward), children first
-    groups: list[list[nn.Module]]  # the embedding groups (each an embedding and the modules tied to it)
     lookups: list[nn.Embedding]  # the groups that are one plain nn.Embedding (fully_shard changes the class)
     mp_policy: MixedPrecisionPolicy
     plan: ShardPlan
@@ -336,4 +314,4 @@ def _layout(
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
         plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard, tp_shapes))
     lookups = [g[0] for g in groups if len(g) == 1 and type(g[0]) is nn.Embedding]
-    return _Layout(resolved, found, units, groups, lookups, mp_policy, plan)
+    return _Layout(resolved, found, units, lookups, mp_policy, plan)

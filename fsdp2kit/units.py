@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from fsdp2kit._internal.fmt import fmt_list
 
-__all__ = ["assign_units", "dtype_subunits", "forward_chain"]
+__all__ = ["assign_units", "dtype_subunits"]
 
 
 def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
@@ -130,16 +130,3 @@ def dtype_subunits(
         tag = str(dtype).removeprefix("torch.")
         out.append((f"[{tag} trainable: {fmt_list(outermost, 2)}]", [model.get_submodule(o) for o in outermost]))
     return out
-
-
-def forward_chain(model: nn.Module, embeddings: list[str], blocks: list[str]) -> list[str]:
-    """Unit names in the order forward first uses them, as far as registration order tells: the
-    root (``""``), the ``embeddings`` registered before the first block (module order), then the
-    ``blocks``; the root alone without blocks. `shard_model` chains its forward prefetch along it
-    on gloo; the planner replays it."""
-    if not blocks:
-        return [""]
-    position = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    first = position[blocks[0]]
-    before = sorted((n for n in embeddings if position.get(n, first) < first), key=position.__getitem__)
-    return ["", *before, *blocks]

@@ -20,7 +20,6 @@ from fsdp2kit.planner.timeline import replay
 from fsdp2kit.planner.trace import record_step
 from fsdp2kit.precision import resolve_mixed_precision
 from fsdp2kit.shard import estimate_plan
-from fsdp2kit.units import forward_chain
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
 
@@ -192,14 +191,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             activation_checkpointing=s.activation_checkpointing,
         )
     units = [u for _, u in units_for(model, plan, compute_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)]
-    chain = None
-    if s.device == "cpu" and shard_size > 1:  # gloo: shard_model's forward prefetch chain (docs/gloo-collectives.md)
-        modules = dict(model.named_modules())
-        embeddings = [
-            n[0] for n in unit_names if isinstance(modules.get(n[0]), nn.Embedding) and n[0] not in block_names
-        ]
-        chain = forward_chain(model, embeddings, block_names)
-    step = replay(cache[key], units, unit_names, block_names, world=shard_size, prefetch=s.prefetch, chain=chain)
+    step = replay(cache[key], units, unit_names, block_names, world=shard_size, prefetch=s.prefetch)
 
     params = plan.param_bytes_per_rank
     shards = []

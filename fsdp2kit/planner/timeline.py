@@ -19,8 +19,6 @@ torch/distributed/fsdp/_fully_shard, torch 2.13); `replay` drives it with the ev
   post-backward (``reduce_scatter_states``, capped at one buffer).
 - an embedding unit that is one plain ``nn.Embedding`` is not gathered in backward
   (`shard_model` sets ``set_unshard_in_backward(False)``).
-- on CPU (gloo, fsdp2kit's collectives): the all-gathers are asynchronous, so no flat buffer is
-  kept past its copy-out, and forward prefetches along ``chain`` (root, embeddings, blocks).
 """
 
 from __future__ import annotations
@@ -59,8 +57,6 @@ class FsdpTimeline:
     world: int  # ranks in the shard group (1: no all-gather buffers at all)
     prefetch: int = 0  # explicit forward/backward prefetch depth (fk.set_prefetch); 0: FSDP2's implicit
     blocks: list[int] = field(default_factory=list)  # unit indices of the blocks, forward order
-    chain: list[int] = field(default_factory=list)  # on gloo: each unit prefetches the next in forward
-    async_gather: bool = False  # on gloo: an all-gather's flat buffer is freed at its copy-out
     gathered: int = 0  # unsharded parameters alive
     buffers: int = 0  # all-gather and reduce-scatter flat buffers alive
     grads_unsharded: int = 0
@@ -122,15 +118,11 @@ class FsdpTimeline:
             return []
         # A unit gathered by an explicit prefetch does not keep its flat buffer (FSDPParamGroup.wait_for_unshard).
         prefetched = u.pending_gather != 0
-        keep_flat = not prefetched and self.world > 1 and not self.async_gather
-        moments = self._finish_gather(u, forward=True, keep_flat=keep_flat)
-        explicit = self.prefetch > 0 and index in self.blocks
-        if explicit:
+        moments = self._finish_gather(u, forward=True, keep_flat=not prefetched and self.world > 1)
+        if self.prefetch > 0 and index in self.blocks:
             at = self.blocks.index(index)
             for nxt in self.blocks[at + 1 : at + 1 + self.prefetch]:
                 self._start_gather(self.units[nxt])
-        elif index in self.chain[:-1]:
-            self._start_gather(self.units[self.chain[self.chain.index(index) + 1]])
         return moments
 
     def post_forward(self, index: int) -> None:
@@ -177,11 +169,6 @@ class FsdpTimeline:
         if not u.grads_live:
             return []
         self.buffers += u.reduce_input
-        if self.async_gather:
-            # measured on gloo: the reduce-scatter input beside the flat buffer of the backward
-            # prefetch still in flight (a QLoRA block: 330 KB + 64 KB). With the blocking
-            # all-gather the kept forward flat buffer was higher and hid this moment.
-            self.max_buffers = max(self.max_buffers, self.buffers)
         moments = [self.extra()]
         self.grads_unsharded -= u.grads_live
         u.grads_live = 0
@@ -255,15 +242,12 @@ def replay(
     *,
     world: int,
     prefetch: int,
-    chain: list[str] | None = None,
 ) -> Replayed:
     """Run the recorded step's events through `FsdpTimeline` for ``units`` (fresh copies are used)."""
     units = [copy.copy(u) for u in units]
     index_of = {n: i for i, names in enumerate(unit_names) for n in names}
     blocks = [index_of[n] for n in block_names]
-    # ``chain`` (unit names, forward order; on gloo): forward prefetch along it, asynchronous all-gathers
-    order = [index_of[n] for n in chain or []]
-    tl = FsdpTimeline(units, world=world, prefetch=prefetch, blocks=blocks, chain=order, async_gather=chain is not None)
+    tl = FsdpTimeline(units, world=world, prefetch=prefetch, blocks=blocks)
     out = Replayed()
     middle_unit = index_of[rec.blocks[-2]] if rec.repeat else None
     level, phase, alias = 0, "", None

@@ -12,15 +12,13 @@ an attribute of the model (`fsdp2kit._internal.markers.BLOCK_ORDER`).
 
 from __future__ import annotations
 
-from itertools import pairwise
-
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.wrappers.forward import ORDER
 
-__all__ = ["chain_forward_prefetch", "set_prefetch"]
+__all__ = ["set_prefetch"]
 
 
 def _depth(name: str, value: int) -> int:
@@ -42,9 +40,7 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Mo
     in forward, one block in backward: FSDP2 has no switch to turn that one off).
 
     Calling it again replaces the previous setting. Only the blocks prefetch each other; the
-    embedding and root units keep what `shard_model` gave them (on gloo, each prefetches the
-    next unit in forward: `chain_forward_prefetch`), except that ``forward=0`` turns every
-    forward prefetch off, theirs included.
+    embedding and root units keep FSDP2's default.
     """
     forward, backward = _depth("forward", forward), _depth("backward", backward)
     blocks = getattr(model, BLOCK_ORDER, None)
@@ -57,25 +53,8 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Mo
         raise ValueError(
             "set_prefetch: the recorded blocks are not FSDP units any more; call shard_model on this model first"
         )
-    if forward == 0:  # also the root's and the embeddings' (shard_model's chain on gloo)
-        for unit in model.modules():
-            if isinstance(unit, FSDPModule):
-                unit.set_modules_to_forward_prefetch([])
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + forward])
         # Nearest first: that is the order backward reaches them.
         block.set_modules_to_backward_prefetch(blocks[max(0, i - backward) : i][::-1])
     return model
-
-
-def chain_forward_prefetch(units: list[nn.Module]) -> None:
-    """Each FSDP unit of ``units`` (in forward order) prefetches the next one's all-gather in forward.
-
-    `shard_model` does this on gloo (root, the embedding units before the first block, then the
-    blocks): on CPU, FSDP2 has no streams to run the next all-gather beside the current compute,
-    so without an explicit prefetch every all-gather is waited for where it is issued. Backward
-    keeps FSDP2's implicit one-unit prefetch. `set_prefetch` afterwards replaces the blocks'
-    forward setting; ``forward=0`` turns off every unit's, the root's and the embeddings' too.
-    """
-    for unit, nxt in pairwise(units):
-        unit.set_modules_to_forward_prefetch([nxt])

@@ -39,7 +39,6 @@ class Case:
     compile: bool = False  # compile_blocks
     prefetch: tuple[int, int] | None = None  # set_prefetch(forward, backward)
     keep_params: bool = False  # return the final full parameters, to compare cases with each other
-    collectives: str = "auto"  # shard_model(collectives=...): fsdp2kit's gloo collectives or "torch"'s
 
     @property
     def label(self) -> str:
@@ -64,8 +63,6 @@ class Case:
             parts.append("compiled")
         if self.prefetch is not None:
             parts.append(f"prefetch {self.prefetch[0]}/{self.prefetch[1]}")
-        if self.collectives != "auto":
-            parts.append(f"{self.collectives} collectives")
         return ", ".join(parts)
 
 
@@ -105,7 +102,6 @@ def run_case(case: Case) -> dict:
         cpu_offload=case.cpu_offload,
         reshard_after_forward=case.reshard_after_forward,
         mixed_precision=case.mixed_precision,
-        collectives=case.collectives,
     )
     if case.prefetch is not None:
         fk.set_prefetch(model, *case.prefetch)

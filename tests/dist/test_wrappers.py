@@ -235,11 +235,19 @@ def test_prefetch_targets_and_events() -> None:
     assert on["backward"] == [[], [0], [1]]
     assert on["forward_events"] >= 3  # block 0 issues 1 and 2, block 1 issues 2 (a no-op if in flight)
     assert on["backward_events"] >= 2
-    # 0: no explicit prefetch (nor shard_model's root/embedding chain on gloo); backward keeps
-    # FSDP2's implicit one-block prefetch
+    # 0: no explicit prefetch; backward keeps FSDP2's implicit one-block prefetch
     assert off["forward"] == [[], [], []] and off["backward"] == [[], [], []]
     assert off["forward_events"] == 0
     assert off["backward_events"] >= 1
+
+
+@pytest.mark.timeout(450)
+def test_untied_embedding_is_not_gathered_in_backward() -> None:
+    # a lookup's gradient scatters by index and never reads the table (any backend)
+    got = _world()[0]["unshard_in_backward"]
+    assert got["tinygpt"] == {"(root)": True, "tok": False, **{f"trunk.{i}": True for i in range(3)}}
+    # tied to the head, the table is read by the head's backward: gathered as FSDP2 does by default
+    assert got["tinygpt-tied"]["tok"] is True
 
 
 @pytest.mark.timeout(450)

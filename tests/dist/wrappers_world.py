@@ -182,6 +182,23 @@ def prefetch_targets() -> dict:
     return out
 
 
+def unshard_in_backward() -> dict:
+    """Per FSDP unit of shard_model's defaults (untied and tied head): whether backward gathers it again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {}
+    for kind in ("tinygpt", "tinygpt-tied"):
+        model = build(kind)
+        fk.shard_model(model, _mesh(-1, 1))
+        names = {id(m): n or "(root)" for n, m in model.named_modules()}
+        out[kind] = {
+            names[id(m)]: m._get_fsdp_state()._fsdp_param_group.unshard_in_backward
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+        }
+    return out
+
+
 def order_errors() -> dict:
     """Each wrapper that must precede shard_model says so when called after it."""
     out = {}
@@ -221,6 +238,7 @@ def run_all(cases: list[Case], memory_modes: list, with_checks: bool, key_wrappe
         out["float8_scales"] = float8_scales()
         out["order_errors"] = order_errors()
         out["prefetch"] = prefetch_targets()
+        out["unshard_in_backward"] = unshard_in_backward()
         out["compiled_regions"] = compiled_regions()
     out["keys"] = {kind: state_dict_keys(kind, wrappers) for kind, wrappers in key_wrappers.items()}
     # Only rank 0's parameters are needed by the test. They travel as numpy arrays: a tensor put
