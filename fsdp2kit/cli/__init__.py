@@ -6,7 +6,9 @@ them. Adding a command means writing that module and appending one entry.
 
     fsdp2kit inspect CKPT_DIR [--step N] [--json]
     fsdp2kit export-hf CKPT_DIR OUT_DIR [--step N] [--dtype bf16] [--config DIR] [--max-shard-size 5GB]
-    fsdp2kit plan MODEL --shard N [--replicate M] [--strategy S] [--mixed-precision bf16] [--cpu-offload]
+                       [--tokenizer DIR] [--base DIR [--merge]]
+    fsdp2kit plan MODEL --shard N [--replicate M] [--tp T] [--strategy S] [--mixed-precision bf16] [--cpu-offload]
+                  [--lora R [--qlora] [--lora-targets NAMES]]
                   [--batch B --seq S [--ac MODE] [--optimizer O] [--gpu-memory 80GiB] [--json] ...]
     fsdp2kit convert-config FILE [--source accelerate|deepspeed] [-o OUT.toml] [--allow-refused]
 """

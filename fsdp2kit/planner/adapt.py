@@ -37,7 +37,10 @@ def lora_model(
     work = meta_copy(model, torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32)
     if qlora:  # on the meta device: NF4 placeholders with to_nf4's inner tensors (fsdp2kit.weights.nf4.meta_nf4)
         quantize_nf4(work)
-    return apply_lora(work, r=r, targets=list(targets) if isinstance(targets, tuple) else targets)
+    # peft's adapter init draws from the CPU generator even on meta tensors: a plan must leave the
+    # caller's stream as it was (the recipe planned on rank 0 only, so its ranks' streams parted).
+    with torch.random.fork_rng(devices=[]):
+        return apply_lora(work, r=r, targets=list(targets) if isinstance(targets, tuple) else targets)
 
 
 def _gather_output(tp: int, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,12 @@ def test_tensor_parallel_plan_counts_one_tp_ranks_slices():
     assert state(plan) != state(fk.plan_memory(model, shard=2, batch=2, seq=32, device="cpu"))
 
 
+def test_planning_lora_leaves_the_random_stream_alone():
+    before = torch.random.get_rng_state()
+    fk.plan_memory(base_model(), shard=2, batch=1, seq=8, lora=4, device="cpu")
+    assert torch.equal(before, torch.random.get_rng_state())
+
+
 def test_a_peft_model_is_planned_as_it_is():
     trained = trained_model(8, QKVO, False, "bf16")
     with pytest.raises(ValueError, match="is a peft model already"):
