@@ -130,6 +130,7 @@ def test_materialize(world, index, refs, tmp_path_factory):
     assert res["stats_problems"] == [], res["stats_problems"]
     assert res["tied_ok"], res["ties"]
     assert res["finite_logits"]
+    assert all(r[index]["rng_kept"] for r in _world(world, refs, tmp_path_factory)), "a rank's RNG state changed"
 
 
 @pytest.mark.timeout(300)

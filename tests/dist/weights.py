@@ -290,10 +290,13 @@ def _stats_problems(model, cpu) -> list[str]:
 def run_materialize(case: Case) -> dict:
     from fsdp2kit.blocks import shared_parameters
 
-    # Ranks start from different random states on purpose: materialize must agree on one.
+    # Ranks start from different random states on purpose: materialize must agree on one, and leave
+    # each rank's own stream as it found it (CPU and, where there is one, the GPU's).
     torch.manual_seed(1234 + dist.get_rank())
     model = _sharded_meta(case)
+    rng = _rng_states()
     fk.materialize(model)
+    rng_kept = all(torch.equal(a, b) for a, b in zip(rng, _rng_states(), strict=True))
     # The same init on an unsharded copy from rank 0's seed, in this process.
     torch.manual_seed(1234)
     single = fk.materialize(hf_model(case.kind, meta=True))
@@ -313,7 +316,12 @@ def run_materialize(case: Case) -> dict:
         "ties": ties,
         "tied_ok": tied_ok,
         "finite_logits": bool(torch.isfinite(_logits(model, tokens())).all()),
+        "rng_kept": rng_kept,
     }
+
+
+def _rng_states() -> list[torch.Tensor]:
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])]
 
 
 def plain_init(module: torch.nn.Module) -> None:

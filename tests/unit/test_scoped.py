@@ -121,3 +121,32 @@ def test_quiet_imports_drops_torchao_lines_of_this_thread_only(caplog):
         other.join()
     assert [r.getMessage() for r in caplog.records] == ["something else", "Failed to load /y.so (another thread)"]
     assert logger.filters == before
+
+
+def test_importing_fsdp2kit_changes_nothing_process_wide():
+    """No logging filter, warning filter or patch is installed by ``import fsdp2kit`` (it used to filter
+    torchao's and torch's loggers there, for the whole process). The libraries it imports are imported
+    first (what their own imports change is theirs), then fsdp2kit alone, between two snapshots."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}"}
+    imports = "import fsdp2kit, fsdp2kit.models, fsdp2kit.planner\n"
+    listing = imports + "import sys; print(' '.join(m for m in sys.modules if not m.startswith('fsdp2kit')))\n"
+    code = (
+        "import importlib, side_effects, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n        importlib.import_module(name)\n    except Exception:\n        pass\n"
+        "before = side_effects.snapshot()\n"
+        + imports
+        + "print(side_effects.differences(before, side_effects.snapshot()))\n"
+    )
+    deps = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, env=env, timeout=120)
+    assert deps.returncode == 0, deps.stderr
+    run = [sys.executable, "-c", code, *deps.stdout.split()]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
