@@ -31,16 +31,12 @@ Method: every load runs in a fresh world of processes (nothing left from an earl
 the resident-set figures belong to that library alone), libraries interleaved, the order rotated
 every round; lazily imported modules are imported before the clock starts. A load is timed from
 a barrier to the slowest rank's end. Then every byte of the rank's shards is read once: a
-library may leave its shards memory-mapped from the checkpoint (transformers does, and so does
-fsdp2kit on CPU by default), and then its load has read nothing yet; "load + read" is the time until the weights are really in memory.
+library may leave its shards memory-mapped from the checkpoint (transformers does; fsdp2kit copies
+into its shards), and then its load has read nothing yet; "load + read" is the time until the weights are really in memory.
 Because a lazy load moves its reading into the first use, every round also runs each library's
 load once more in another fresh world and then times its first training step (forward, backward,
 AdamW step: every shard byte is read and, for a mapped shard, copied on write there): "load +
 first step" is a cost both libraries pay before their second step, whatever they defer.
-fsdp2kit skips building transformers' weight-conversion table when a small index file (written
-by the first process that built it, docs/loading.md) shows no conversion applies; the file is
-written before the loads if missing, so every round loads alike, and the table's build time in a
-fresh process (median of 3) is measured and reported beside the loads (what the first process ever pays more).
 Memory is the rise of the resident set's high-water mark (VmHWM, benchmarks/common.py) over the
 resident set before the load, per rank: at the end of the load, after the read, and (first round)
 during a training step after the warm-up steps. Training runs every measured library in one
@@ -200,9 +196,6 @@ def load_world(lib: str, path: str, opts: dict) -> dict:
     if _max_over_ranks(1.0 if error else 0.0) > 0:  # the same verdict on every rank
         return {"refused": error or "refused on another rank", "attempts": attempts}
     seconds, cpu_seconds = _max_over_ranks(seconds), _max_over_ranks(cpu_seconds)
-    from fsdp2kit.weights.conversion_index import loaded_table
-
-    table_built = loaded_table() is not None  # did this load build transformers' conversion table?
     if opts.get("then") == "step":  # load + the first training step: what both libraries pay before step 2
         model.train()
         batch = make_batches(1, opts["batch"], opts["seq"], opts["vocab"])[0]
@@ -213,7 +206,6 @@ def load_world(lib: str, path: str, opts: dict) -> dict:
             "seconds": seconds,
             "first_step_seconds": _max_over_ranks(time.perf_counter() - t0),
             "first_step_peak": rss_peak() - base,
-            "conversion_table_built": table_built,
             "attempts": attempts,
         }
     t0 = time.perf_counter()
@@ -225,7 +217,6 @@ def load_world(lib: str, path: str, opts: dict) -> dict:
         "touch_seconds": touch_seconds,
         "load_peak": load_peak,
         "touched_peak": rss_peak() - base,
-        "conversion_table_built": table_built,
         "state_bytes": 0,
         "attempts": attempts,
     }
@@ -305,38 +296,6 @@ def accelerate_launch_check() -> str:
     )
 
 
-def conversion_table() -> dict:
-    """fsdp2kit's conversion index (docs/loading.md): on disk before the loads? And the table's build time here.
-
-    Every load below runs in a fresh process. transformers builds its weight-conversion table in
-    each; fsdp2kit skips it when its index file says no conversion applies. The index is written
-    here if it is missing, so every round loads in the same state, and what the first process
-    ever would pay instead is measured: the table's build time in this (fresh) process.
-    """
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    from fsdp2kit.weights.conversion_index import known_index, remember_index
-
-    found = known_index(use_loaded=False) is not None
-    get_checkpoint_conversion_mapping("llama")  # built here if this process has not yet (save_pretrained does)
-    remember_index()
-    code = (
-        "import time, transformers.conversion_mapping as c; t = time.perf_counter(); "
-        "c.get_checkpoint_conversion_mapping('llama'); print(time.perf_counter() - t)"
-    )
-    times = []
-    for _ in range(3):  # in fresh processes: the first build in a process is the one a load pays
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        if proc.returncode == 0 and proc.stdout.strip():
-            times.append(float(proc.stdout.strip().splitlines()[-1]))
-    return {
-        "index_on_disk_before": found,
-        "build_seconds": statistics.median(times) if times else None,
-        "build_seconds_each": times,
-        "index_on_disk": known_index(use_loaded=False) is not None,
-    }
-
-
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -364,7 +323,6 @@ def run(args) -> dict:
         result["parameters"] = sum(p.numel() for p in model.parameters())
         model.to(getattr(torch, args.dtype)).save_pretrained(path)
         del model
-        result["conversion_table"] = conversion_table()
 
         # 1. loads, each in a fresh world, interleaved; the first round also measures a step's peak
         loads: dict[str, list] = {lib: [] for lib in libs}
@@ -411,7 +369,6 @@ def run(args) -> dict:
             "first_step_seconds_median": statistics.median(rd[0]["first_step_seconds"] for rd in stepped[lib]),
             "first_step_peak_mb_per_rank": per_rank("first_step_peak", stepped[lib]),
             "load_peak_mb_per_rank": per_rank("load_peak"),
-            "conversion_table_built": sorted({x["conversion_table_built"] for rd in rounds + stepped[lib] for x in rd}),
             "touched_peak_mb_per_rank": per_rank("touched_peak"),
             "step_peak_mb_per_rank": [x["step_peak"] / MB for x in rounds[0]],
             "state_mb_per_rank": [x["state_bytes"] / MB for x in rounds[0]],

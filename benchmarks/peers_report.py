@@ -59,10 +59,6 @@ def _mb(values) -> str:
     return " / ".join(f"{v:.0f}" for v in values)
 
 
-def _yes_no(seen) -> str:
-    return {(): "?", (False,): "no", (True,): "yes"}.get(tuple(seen or ()), "in some loads")
-
-
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -99,19 +95,6 @@ def markdown(result: dict) -> str:
         )
     for lib in result["refused"]:
         lines.append(f"| {lib} | did not shard: below | | | | | | | | | | |")
-    ct = result.get("conversion_table")
-    if ct:
-        build = f"{ct['build_seconds']:.2f} s" if ct["build_seconds"] is not None else "(not measured: failed)"
-        lines += [
-            "",
-            f"fsdp2kit's conversion index (docs/loading.md) was {'already' if ct['index_on_disk_before'] else 'not yet'} "
-            f"on disk before this run{'' if ct['index_on_disk_before'] else ' (written before the loads)'}. "
-            "Loads that built transformers' weight-conversion table (any rank, any round): "
-            + ", ".join(f"{k} {_yes_no(v.get('conversion_table_built'))}" for k, v in libs.items())
-            + f". Building it takes {build} in a fresh process here (median of 3, before the loads): what a "
-            "fsdp2kit load that must build it "
-            "(the first process on a machine, or a model that converts) pays more.",
-        ]
     lines += [""]
     if r:
         g = GOALS
@@ -162,8 +145,8 @@ def markdown(result: dict) -> str:
         "rank's shards once; *load + 1st step* = the load again, in another fresh world, plus its first training",
         "step (forward, backward, AdamW), which reads every shard byte whatever the load deferred;",
         "*after 1st step* = the peak rise over that load and step (a lazy load's shards are",
-        "memory-mapped from the checkpoint file: transformers' always, fsdp2kit's where `load_pretrained(mmap=True)`,",
-        "its default, can map them; such a load reads nothing, the bytes are read when first used); *peak* = rise of the resident set's high-water mark",
+        "memory-mapped from the checkpoint file, as transformers' are (fsdp2kit copies into its shards); such a load",
+        "reads nothing, the bytes are read when first used); *peak* = rise of the resident set's high-water mark",
         "(VmHWM) over the resident set before the load, in a fresh process (mapped file pages count once",
         "touched); *state* = parameters + AdamW state this rank holds; *step peak* = the same rise during a",
         f"training step after {a['warmup']} steps; *tokens/s* = all ranks' tokens per median step time (slowest rank).",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
+from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS as NF4_SHARDED  # the NF4Tensor inner tensors FSDP2 splits by rows
 
 __all__ = ["NF4_SHARDED", "ShardPlan", "UnitPlan"]
 
@@ -36,9 +37,6 @@ def _sharded_numel(shape: torch.Size, shard: int) -> int:
     if len(shape) == 0:
         return 1
     return math.ceil(shape[0] / shard) * math.prod(shape[1:])
-
-
-NF4_SHARDED = ("quantized_data", "quantized_scalers", "quantization_factor")
 
 
 def _sharded_bytes(p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None) -> int:

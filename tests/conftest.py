@@ -10,13 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-import tempfile
-
 import pytest
-
-# load_pretrained remembers transformers' conversion-table index under FSDP2KIT_CACHE_DIR; tests keep
-# it in a directory of their own (inherited by spawned ranks and torchrun), never in the user's ~/.cache.
-os.environ.setdefault("FSDP2KIT_CACHE_DIR", tempfile.mkdtemp(prefix="fsdp2kit-test-cache-"))
 
 _PARITY: list[tuple[str, int, float, str]] = []
 

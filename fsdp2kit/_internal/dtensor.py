@@ -111,10 +111,6 @@ def gather_full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()
 
 
-# The NF4Tensor inner tensors that FSDP2 splits by rows (the rest are copied on every rank).
-_NF4_ROWS = ("quantized_scalers", "quantization_factor", "quantized_data")
-
-
 def _gather_nf4(t: DTensor) -> torch.Tensor:
     """A row-sharded NF4 DTensor, whole, gathered with plain synchronous all-gathers.
 
@@ -124,12 +120,14 @@ def _gather_nf4(t: DTensor) -> torch.Tensor:
     """
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
 
+    from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS
+
     local = t._local_tensor
     dims = [d for d, p in enumerate(t.placements) if isinstance(p, Shard)]
     if [t.placements[d].dim for d in dims] not in ([], [0]):
         raise NotImplementedError(f"NF4 weights are gathered by rows only, not {t.placements}")
     parts = {}
-    for name in _NF4_ROWS:
+    for name in NF4_ROW_TENSORS:
         part = getattr(local, name).contiguous()
         if dims:
             group = t.device_mesh.get_group(dims[0])

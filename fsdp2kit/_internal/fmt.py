@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_count", "fmt_list"]
+__all__ = ["fmt_bytes", "fmt_count", "fmt_list", "key_problems"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -17,6 +17,16 @@ def fmt_list(items: list[str], limit: int = 12) -> str:
     """The first ``limit`` items of a list for an error message, and how many there are in all."""
     shown = ", ".join(map(str, items[:limit]))
     return f"{shown}, ... ({len(items)} in all)" if len(items) > limit else shown
+
+
+def key_problems(missing=(), unexpected=(), mismatched=(), *, source: str = "the checkpoint") -> list[str]:
+    """How a model's keys and a file's differ, one phrase per kind that occurs, each naming the keys."""
+    problems = [f"shapes differ: {fmt_list(list(mismatched), 6)}"] if mismatched else []
+    if missing:
+        problems.append(f"missing from {source}: {fmt_list(list(missing))}")
+    if unexpected:
+        problems.append(f"in {source} but not in the model: {fmt_list(list(unexpected))}")
+    return problems
 
 
 def fmt_count(n: int) -> str:

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
-from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import fill_buffers
 from fsdp2kit.weights.hf_layout import clean_fqn, model_tensors
@@ -130,9 +130,8 @@ class _TorchFiles:
 
 def _reader(files: list[Path]):
     if all(f.suffix == ".safetensors" for f in files):
-        probe = SafetensorsReader({})
-        keys = {k: f for f in files for k in probe.header(f)[1] if k != "__metadata__"}
-        return SafetensorsReader(keys), list(keys)
+        reader = SafetensorsReader.of(files)
+        return reader, list(reader.files)
     if any(f.suffix == ".safetensors" for f in files):
         raise ValueError(f"mixed safetensors and torch files: {fmt_list([str(f) for f in files])}")
     reader = _TorchFiles(files)
@@ -197,13 +196,7 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportRes
         extra = sorted(n for n in by_name if n not in tensors)
         skipped = [n for n in extra if n in skippable]
         unexpected = [n for n in extra if n not in skippable]
-        problems = []
-        if mismatched:
-            problems.append(f"shapes differ: {fmt_list(mismatched, 6)}")
-        if missing:
-            problems.append(f"missing from the file: {fmt_list(missing)}")
-        if unexpected:
-            problems.append(f"in the file but not in the model: {fmt_list(unexpected)}")
+        problems = key_problems(missing, unexpected, mismatched, source="the file")
         if problems:
             reader.close()
             raise ValueError(f"load_full_state_dict({path}) into {type(model).__name__}: " + "; ".join(problems))

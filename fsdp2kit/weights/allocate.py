@@ -36,13 +36,8 @@ def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [s for s in slots.values() if len(s) > 1]
 
 
-def allocate(
-    model: nn.Module, device: torch.device, sources: dict[int, torch.Tensor] | None = None
-) -> tuple[set[str], set[str]]:
+def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]]:
     """Give every meta tensor storage on ``device``; returns the names of those that were meta.
-
-    ``sources`` maps ``id(parameter)`` to a ready tensor that becomes that parameter instead of
-    new storage (a view of a mapped file: weights/mapped.py); FSDP2 adopts it as its shard.
 
     ``to_empty`` replaces each module's tensors one module at a time, so a weight shared by two
     modules would come out as two tensors: we re-tie them (DTensor parameters keep their object,
@@ -55,14 +50,7 @@ def allocate(
     ties = _tied_slots(model)
     reshard_all(model)
 
-    sources = sources or {}
-
-    def fn(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_meta:
-            return t
-        return sources[id(t)] if id(t) in sources else torch.empty_like(t, device=device)
-
-    model._apply(fn)
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     for slots in ties:
         module, name = slots[0]
         shared = module._parameters[name]

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from fsdp2kit._internal.agree import raise_agreed
 from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
-from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.checkpoint.unpickler import SafeReader
 from fsdp2kit.weights.adapter_checkpoint import peft_model_from_checkpoint, read_info
@@ -363,16 +363,9 @@ def dcp_to_hf(
         if have != want:
             mismatched.append(f"{found}: checkpoint {have}, {type(model).__name__} {want}")
         source[name] = found
-    unexpected = sorted(set(stored) - set(tensors))
-    if missing or mismatched or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing: {fmt_list(missing)}")
-        if unexpected:
-            parts.append(f"not in {type(model).__name__}: {fmt_list(unexpected)}")
-        if mismatched:
-            parts.append(f"shapes differ: {fmt_list(mismatched, 6)}")
-        raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(parts))
+    problems = key_problems(missing, sorted(set(stored) - set(tensors)), mismatched)
+    if problems:
+        raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(problems))
 
     max_bytes = parse_size(max_shard_size)
     held = next(

@@ -200,17 +200,14 @@ def plan_load(
     disk_shapes: dict[str, tuple[int, ...]],
     model_tensors: dict[str, torch.Tensor],
     aliases: dict[str, str],
-    *,
-    convert: bool = True,
 ) -> LoadPlan:
     """Match checkpoint keys to model keys, the way transformers' from_pretrained does.
 
     ``model_tensors`` maps every model key (clean names, tied names included) to its tensor;
     ``aliases`` maps each tied name to the first name of its tensor. Every conversion is
-    dry-run on meta tensors, so a shape mismatch is found before a byte is read. ``convert=False``
-    skips transformers' conversions (the caller has shown none applies: weights/conversion_index.py).
+    dry-run on meta tensors, so a shape mismatch is found before a byte is read.
     """
-    transforms = _conversions(model, for_saving=False) if convert else []
+    transforms = _conversions(model, for_saving=False)
     plan = LoadPlan()
     if transforms:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key

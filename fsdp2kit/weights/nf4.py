@@ -11,11 +11,25 @@ from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks
 
-__all__ = ["NF4_DEFAULTS", "is_nf4", "meta_nf4", "nf4_shard_problem", "quantize_nf4"]
+__all__ = [
+    "NF4_DEFAULTS",
+    "NF4_INNER_TENSORS",
+    "NF4_ROW_TENSORS",
+    "is_nf4",
+    "meta_nf4",
+    "nf4_shard_problem",
+    "quantize_nf4",
+]
 
 # QLoRA's sizes (Dettmers et al. 2023, and torchao's defaults): one absmax scaler per 64 weights,
 # the scalers themselves quantized to int8 in groups of 256.
 NF4_DEFAULTS = {"block_size": 64, "scaler_block_size": 256}
+
+# A torchao NF4Tensor's inner tensors (attribute names). FSDP2 splits the first three by rows, as
+# torchao's fsdp_pre_all_gather gathers them; the scalers' mean and the 16-value NF4 table are
+# whole on every rank.
+NF4_ROW_TENSORS = ("quantized_data", "quantized_scalers", "quantization_factor")
+NF4_INNER_TENSORS = (*NF4_ROW_TENSORS, "scaler_mean", "nf4")
 
 
 def is_nf4(t: torch.Tensor) -> bool:

@@ -8,12 +8,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2kit._internal.dtensor import local_shard
-from fsdp2kit.weights.nf4 import is_nf4
+from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS, is_nf4
 
 __all__ = ["allocate_nf4", "fill_nf4", "nf4_load_problem", "quantize_rows"]
 
-# The inner tensors of a torchao NF4Tensor that this module writes (all of them but the metadata).
-_INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 _PIECE = 1 << 16  # weights quantized at once (a multiple of any block size up to 65536)
 
 
@@ -50,7 +48,7 @@ def _empty_nf4(local: torch.Tensor, device: torch.device) -> torch.Tensor:
     """
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
 
-    inner = {name: torch.empty_like(getattr(local, name), device=device) for name in _INNER}
+    inner = {name: torch.empty_like(getattr(local, name), device=device) for name in NF4_INNER_TENSORS}
     return NF4Tensor(*construct_nf4_args(local, {**inner, "device": device}))
 
 

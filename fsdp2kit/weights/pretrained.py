@@ -12,13 +12,11 @@ import torch.nn as nn
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
-from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.weights.adapters import base_name, is_peft_model, peft_init_fn, peft_view
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import fill_buffers
-from fsdp2kit.weights.conversion_index import needs_no_conversion, remember_index
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
-from fsdp2kit.weights.mapped import MappedFiles, mapped_shards
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.weights.nf4_load import allocate_nf4, fill_nf4, nf4_load_problem
@@ -34,13 +32,10 @@ class LoadResult:
     files: int = 0
     tensors: int = 0
     bytes_read: int = 0  # bytes this rank read from the files (its shards only, where it could)
-    bytes_mapped: int = 0  # bytes of this rank's shards that are views of a private file mapping (mmap=True)
     seconds: float = 0.0
 
 
-def load_pretrained(
-    model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True, mmap: bool = True
-) -> LoadResult:
+def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> LoadResult:
     """Read a local Hugging Face safetensors checkpoint straight into each rank's shards.
 
     Call it after `shard_model`, on every rank (the model may still be on the meta device: its
@@ -51,18 +46,13 @@ def load_pretrained(
     full model; a checkpoint whose layout differs from the model's adds one converted tensor at
     a time.
 
-    With ``mmap=True`` (the default), a CPU shard whose rows are stored in the parameter's own
-    dtype, unconverted and FSDP-sharded along dim 0 only, is not copied: it becomes a view of a
-    private, copy-on-write memory map of the file (as safetensors' ``safe_open`` and
-    transformers' ``from_pretrained`` give), which FSDP2 adopts as its sharded storage. Bytes
-    are then read from the page cache when first used (the first forward), and the optimizer's
-    first write gives the process its own copy of each page; the file is never written. Do not
-    modify the checkpoint file in place while such a model lives (replacing it by a rename, as
-    `export_hf` does, is safe). Everything else (CUDA, a dtype cast, a conversion, tensor
-    parallelism, NF4) and every shard with ``mmap=False`` is read with plain file reads
-    straight into the shard, so a rank's memory is its shards plus one tensor's rows in the
-    file's dtype when they differ (benchmarks/results/load_pretrained.md). Both give the same
-    bits (tests/dist/test_mapped_load.py).
+    Every shard is a copy: the rows are read with plain file reads straight into the shard (CPU)
+    or through one tensor's rows in host memory (CUDA, or when the file's dtype differs), so a
+    rank's memory is its shards plus at most one tensor's rows (benchmarks/results/load_pretrained.md).
+    Nothing of the model refers to the files once this returns: overwriting, truncating or
+    deleting them while the model trains changes nothing (tests/dist/test_weights.py). Each
+    file's header is checked against the file's size first (a truncated or padded file is a
+    ``ValueError`` naming it), before any rank reads a tensor.
 
     Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
     one per key but held fused) are mapped with transformers' own renamings and weight
@@ -89,28 +79,18 @@ def load_pretrained(
     """
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
-    maps, mapped = MappedFiles(), {}
     with all_ranks_or_none(model, "load_pretrained"):
         files = checkpoint_files(hf_dir)
         reader = SafetensorsReader(files)
         shapes = {k: reader.shape(k) for k in files}
         target, tensors, aliases = _load_targets(model)
-        as_stored = needs_no_conversion(target, shapes, tensors)  # skips building transformers' table
-        plan = plan_load(target, shapes, tensors, aliases, convert=not as_stored)
-        if not as_stored:
-            remember_index()  # the next process can skip it too
-        problems = []
-        if plan.mismatched:
-            problems.append(f"shapes differ: {fmt_list(plan.mismatched, 6)}")
+        plan = plan_load(target, shapes, tensors, aliases)
+        problems = key_problems(plan.missing if strict else (), plan.unexpected if strict else (), plan.mismatched)
         nf4_missing = [n for n in plan.missing if n in tensors and is_nf4(tensors[n])]
         if nf4_missing:
             problems.append(
-                f"NF4 weights missing from the checkpoint (quantized only from it): {fmt_list(nf4_missing)}"
+                f"NF4 weights missing from the checkpoint (quantized from it only): {fmt_list(nf4_missing)}"
             )
-        if strict and plan.missing:
-            problems.append(f"missing from the checkpoint: {fmt_list(plan.missing)}")
-        if strict and plan.unexpected:
-            problems.append(f"in the checkpoint but not in the model: {fmt_list(plan.unexpected)}")
         if problems:
             hint = " Is this the checkpoint of another model?" if len(plan.groups) < len(tensors) // 2 else ""
             raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)
@@ -123,20 +103,14 @@ def load_pretrained(
     else:
         device = target_device(model, None)
         with all_ranks_or_none(model, "load_pretrained"):
-            if mmap and device.type == "cpu":
-                mapped = mapped_shards(plan.groups, tensors, reader, maps)
-            _, buffers = allocate(model, device, {id(tensors[n]): d for n, d in mapped.items()})
+            _, buffers = allocate(model, device)
             fill_buffers(model, buffers, missing_ok=False)
     _, tensors, _ = _load_targets(model)  # allocation may have replaced plain (unsharded) tensors
 
     result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected, files=len(set(files.values())))
-    result.bytes_mapped = maps.bytes
     with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
         try:
             for group in plan.groups:
-                if group.targets[0] in mapped:
-                    result.tensors += 1
-                    continue
                 _load_group(target, group, tensors, reader)
                 result.tensors += len(group.targets)
         finally:
@@ -180,21 +154,14 @@ def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
 
 
 def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reader: SafetensorsReader) -> None:
-    if group.converter is None:
-        target = tensors[group.targets[0]]
-        if is_nf4(target):
-            _copy_into(target, reader.read(group.source_keys[0], local_index(target)))
-            return
-        local = local_shard(target)
-        if local.numel() == 0:
-            return
-        if local.device.type == "cpu":  # straight from the file into the shard when dtypes agree
-            reader.read(group.source_keys[0], local_index(target), into=local)
-        else:
-            _copy_into(target, reader.read(group.source_keys[0], local_index(target)))
-        return
     target = tensors[group.targets[0]]
     index = local_index(target)
+    if group.converter is None:
+        if is_nf4(target):
+            _copy_into(target, reader.read(group.source_keys[0], index))
+        elif local_shard(target).numel():  # straight from the file into a CPU shard when the dtypes agree
+            reader.read(group.source_keys[0], index, into=local_shard(target))
+        return
     whole_inner = all(s.indices(n) == (0, n, 1) for s, n in zip(index[1:], target.shape[1:]))
     if group.merges_dim0() and whole_inner:
         # The target's dim 0 is the list of sources (experts) and only dim 0 is sharded: this

@@ -1,8 +1,9 @@
-"""Reading safetensors files a rank at a time: the index, the headers, and only the rows a shard needs."""
+"""Reading safetensors files a rank at a time: the index, the checked headers, and only the rows a shard needs."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -30,8 +31,7 @@ def checkpoint_files(hf_dir: Path) -> dict[str, Path]:
             f"load_pretrained: no model.safetensors, model.safetensors.index.json or *.safetensors in {hf_dir} "
             f"(found {found}); .bin / .pt checkpoints are not read (they unpickle code): convert them first"
         )
-    probe = SafetensorsReader({})
-    return {k: path for path in candidates for k in probe.header(path)[1] if k != "__metadata__"}
+    return SafetensorsReader.of(candidates).files
 
 
 SAFETENSORS_DTYPES = {
@@ -42,6 +42,38 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
+def read_header(path: Path) -> tuple[int, dict]:
+    """(byte offset of the data, {key: dtype, shape, data_offsets}) of one file, checked as safetensors checks it.
+
+    safetensors' own reader refuses a file whose tensors do not tile its data region exactly,
+    from byte 0 to the end of the file: a truncated file (a copy cut short) or a padded one is
+    an error naming the file here too, found from the header before any tensor is read.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, 100_000_000):
+            raise ValueError(f"{path} is not a safetensors file (header length {n}, file size {size} bytes)")
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+        header.pop("__metadata__", None)
+        end = 0
+        for key, entry in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+            begin, stop = entry["data_offsets"]
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+            if begin != end or (dtype is not None and stop - begin != math.prod(entry["shape"]) * dtype.itemsize):
+                raise ValueError(f"{key}'s data_offsets [{begin}, {stop}] do not follow on from byte {end}")
+            end = stop
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a valid safetensors file: {exc!r}") from None
+    if 8 + n + end != size:
+        what = "truncated" if size < 8 + n + end else "padded with data no tensor holds"
+        raise ValueError(f"{path} is {size} bytes, but its header describes {8 + n + end}: the file is {what}")
+    return 8 + n, header
+
+
 class SafetensorsReader:
     """Reads tensors, or only the rows a rank needs, from safetensors files with plain file reads.
 
@@ -49,8 +81,7 @@ class SafetensorsReader:
     every tensor) and the raw row-major data, so rows ``[a, b)`` of a tensor are one contiguous
     byte range: we read exactly that, straight into the destination when the dtypes agree.
     Reading with ``readinto`` rather than through a memory map keeps the checkpoint's page-cache
-    pages out of the process (a mapped file counts in its resident set for as long as it is
-    mapped), so a rank's memory during the load is its shards and one tensor's rows, no more.
+    pages out of the process and leaves nothing of the model pointing into the file afterwards.
     """
 
     def __init__(self, files: dict[str, Path]):
@@ -59,17 +90,16 @@ class SafetensorsReader:
         self.handles: dict[Path, object] = {}
         self.bytes = 0
 
+    @classmethod
+    def of(cls, paths: list[Path]) -> SafetensorsReader:
+        """A reader of every tensor of these files (their headers read and checked now)."""
+        reader = cls({})
+        reader.files = {k: path for path in paths for k in reader.header(path)[1]}
+        return reader
+
     def header(self, path: Path) -> tuple[int, dict]:
-        """(byte offset of the data, the JSON header) of one file."""
         if path not in self.headers:
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) != 8:
-                    raise ValueError(f"{path} is not a safetensors file (shorter than its header)")
-                n = int.from_bytes(head, "little")
-                if n > 100_000_000 or n > path.stat().st_size - 8:
-                    raise ValueError(f"{path} is not a safetensors file (header length {n})")
-                self.headers[path] = (8 + n, json.loads(f.read(n)))
+            self.headers[path] = read_header(path)
         return self.headers[path]
 
     def entry(self, key: str) -> tuple[Path, int, dict]:
@@ -92,84 +122,56 @@ class SafetensorsReader:
     def read(
         self, key: str, index: tuple[slice, ...] | None = None, *, into: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The tensor ``key``, or ``key[index]``; with ``into``, copied into that tensor (returned)."""
+        """The tensor ``key``, or ``key[index]``; with ``into``, copied into that tensor (returned).
+
+        ``index`` is a box (one slice per dim, step 1 on dim 0). Its rows are read as one byte
+        range; a column block of a 2-D tensor (a row-wise tensor-parallel split) is read row by
+        row, so a rank reads its TP x FSDP slice and nothing more.
+        """
         path, data_start, entry = self.entry(key)
         shape, dtype = self.shape(key), self.dtype(key)
-        begin, end = entry["data_offsets"]
-        rows = index[0].indices(shape[0]) if index and shape else (0, shape[0] if shape else 1, 1)
-        row_bytes = (end - begin) // max(shape[0], 1) if shape else end - begin
-        first, last = rows[0], max(rows[0], rows[1])
-        part_shape = (last - first, *shape[1:]) if shape else ()
+        rows = shape or (1,)  # a scalar is read as one row
+        first, last, _ = (index[0] if index and shape else slice(None)).indices(rows[0])
+        last = max(first, last)
         rest = tuple(index[1:]) if index else ()
-        whole_rows = all(s.indices(n) == (0, n, 1) for s, n in zip(rest, shape[1:]))
-        if len(shape) == 2 and not whole_rows and rest[0].indices(shape[1])[2] == 1:
-            # A column block (a row-wise tensor-parallel split): read each row's own columns
-            # instead of whole rows, so a rank reads its TP x FSDP slice and nothing more.
-            return self._read_columns(key, path, data_start + begin, (first, last), rest[0], into)
-        direct = (
-            into is not None
-            and whole_rows
-            and into.dtype == dtype
-            and into.is_contiguous()
-            and into.device.type == "cpu"
-        )
-        buf = into if direct else torch.empty(part_shape, dtype=dtype)
-        nbytes = (last - first) * row_bytes
-        if tuple(buf.shape) != part_shape:
-            raise RuntimeError(
-                f"internal: {key} rows {first}:{last} have shape {part_shape}, destination {tuple(buf.shape)}"
-            )
-        if nbytes:
-            view = (
-                memoryview(buf.view(torch.uint8).reshape(-1).numpy())
-                if buf.dim()
-                else memoryview(buf.reshape(1).view(torch.uint8).numpy())
-            )
-            if path not in self.handles:
-                self.handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
-            f = self.handles[path]
-            f.seek(data_start + begin + first * row_bytes)
-            done = 0
-            while done < nbytes:
-                got = f.readinto(view[done:])
-                if not got:
-                    raise ValueError(f"{path} ends inside {key}: the file is truncated")
-                done += got
-        self.bytes += nbytes
-        part = buf if whole_rows else buf[(slice(None), *rest)]
-        if into is not None and not direct:
-            into.copy_(part)
-            return into
-        return part
+        sliced = [s.indices(n) for s, n in zip(rest, shape[1:]) if s.indices(n) != (0, n, 1)]
+        cols = None
+        if len(shape) == 2 and sliced and sliced[0][2] == 1:
+            cols = (sliced[0][0], max(sliced[0][0], sliced[0][1]))
+            sliced = []
+        part_shape = (last - first, *((cols[1] - cols[0],) if cols else shape[1:])) if shape else ()
+        direct = into is not None and into.device.type == "cpu" and into.is_contiguous() and into.dtype == dtype
+        buf = into if direct and not sliced else torch.empty(part_shape, dtype=dtype)
+        if into is not None and tuple(buf[(slice(None), *rest)].shape if sliced else buf.shape) != tuple(into.shape):
+            raise RuntimeError(f"internal: {key}[{first}:{last}] does not fit a destination of shape {into.shape}")
+        raw = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        row_bytes = math.prod(rows[1:]) * dtype.itemsize
+        start = data_start + entry["data_offsets"][0] + first * row_bytes
+        if cols is None:
+            self._fill(path, start, raw, key)
+        else:
+            start, width = start + cols[0] * dtype.itemsize, (cols[1] - cols[0]) * dtype.itemsize
+            for i in range(last - first):
+                self._fill(path, start + i * row_bytes, raw[i * width : (i + 1) * width], key)
+        part = buf[(slice(None), *rest)] if sliced else buf
+        if into is None or part is into:
+            return part
+        return into.copy_(part)
 
-    def _read_columns(
-        self, key: str, path: Path, start: int, rows: tuple[int, int], cols: slice, into: torch.Tensor | None
-    ) -> torch.Tensor:
-        shape, dtype = self.shape(key), self.dtype(key)
-        c0, c1, _ = cols.indices(shape[1])
-        c1 = max(c0, c1)
-        elem = dtype.itemsize
-        direct = into is not None and into.dtype == dtype and into.is_contiguous() and into.device.type == "cpu"
-        buf = into if direct else torch.empty((rows[1] - rows[0], c1 - c0), dtype=dtype)
-        width = (c1 - c0) * elem
-        if width and buf.numel():
-            if path not in self.handles:
-                self.handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
-            f = self.handles[path]
-            view = memoryview(buf.view(torch.uint8).reshape(-1).numpy())
-            for i, r in enumerate(range(rows[0], rows[1])):
-                f.seek(start + (r * shape[1] + c0) * elem)
-                done = 0
-                while done < width:
-                    got = f.readinto(view[i * width + done : (i + 1) * width])
-                    if not got:
-                        raise ValueError(f"{path} ends inside {key}: the file is truncated")
-                    done += got
-        self.bytes += width * (rows[1] - rows[0])
-        if into is not None and not direct:
-            into.copy_(buf)
-            return into
-        return buf
+    def _fill(self, path: Path, offset: int, view: memoryview, key: str) -> None:
+        if not len(view):
+            return
+        if path not in self.handles:
+            self.handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        f = self.handles[path]
+        f.seek(offset)
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise ValueError(f"{path} ends inside {key}: the file was truncated while it was read")
+            done += got
+        self.bytes += len(view)
 
     def close(self) -> None:
         for f in self.handles.values():

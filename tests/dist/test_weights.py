@@ -28,6 +28,7 @@ CASES: dict[int, list[Case]] = {
         Case("materialize", "llama-tied", strategy="NO_SHARD"),
         *[Case("materialize", k) for k in KINDS],
         Case("errors", "llama"),
+        Case("edit", "llama"),
         Case("plain", "tinygpt-tied"),
     ],
     # World size 3 shards every tensor unevenly: hidden 40 -> 14/14/12, 4 experts -> 2/2/0.
@@ -62,6 +63,10 @@ def refs(tmp_path_factory):
         changed = dict(weights)
         change(changed)
         save_file(changed, root / name / "model.safetensors", metadata={"format": "pt"})
+    data = (good / "model.safetensors").read_bytes()
+    for name, damaged in (("llama-truncated", data[:-100]), ("llama-padded", data + bytes(100))):
+        (root / name).mkdir()
+        (root / name / "model.safetensors").write_bytes(damaged)
     wide = hf_config("llama")
     wide.intermediate_size = 64
     from transformers import AutoModelForCausalLM
@@ -143,6 +148,18 @@ def test_plain_model_with_init_fn(world, index, refs, tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
+def test_loaded_model_does_not_see_its_file_edited(refs, tmp_path_factory):
+    """load_pretrained copies: rewriting the file in place (same inode) or truncating it changes nothing."""
+    ranks = _world(2, refs, tmp_path_factory)
+    index = next(i for i, c in enumerate(CASES[2]) if c.op == "edit")
+    for r in ranks:
+        res = r[index]
+        assert res["same_inode"], "the overwrite must keep the inode, as cp onto an existing file does"
+        assert res["after_overwrite"] and res["after_truncate"], res
+        assert res["step_equal"], "a training step after the edits differs from one on the untouched checkpoint"
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["llama-tied", "mixtral"])
 def test_dcp_to_hf(kind, refs, tmp_path_factory):
     """A DCP checkpoint written at 2 ranks -> HF files in this process, with no process group."""
@@ -188,6 +205,10 @@ def test_bad_inputs(refs, tmp_path_factory):
     assert kind == "ValueError" and "model.layers.0.mlp.gate_proj.weight" in msg and "(64, 40)" in msg
     kind, msg = res["wrong_model"]
     assert kind == "ValueError" and "transformer.h.0.attn.c_attn.weight" in msg and "another model" in msg
+    for damage in ("truncated", "padded"):
+        kind, msg = res[damage]
+        assert kind == "ValueError" and f"llama-{damage}/model.safetensors" in msg and damage in msg, msg
+        assert res[f"{damage}_still_meta"]
     assert res["lenient_missing"] == ["model.norm.weight"]
     assert res["lenient_finite"]
     assert res["lenient_unexpected"] == ["model.layers.0.extra.weight"]

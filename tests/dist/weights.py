@@ -129,7 +129,7 @@ def tokens() -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Case:
-    op: str  # "load", "materialize", "errors"
+    op: str  # "load", "materialize", "errors", "plain", "edit"
     kind: str = "llama"
     shard: int = -1
     replicate: int = 1
@@ -227,7 +227,7 @@ def run_load(case: Case, refs: Path, out: Path) -> dict:
         "logits_worst": _worst(logits, ref_logits),
         "params_equal": params_equal,
         "buffers_equal": buffers_equal,
-        "bytes_read": result.bytes_read + result.bytes_mapped,  # read, or mapped (mmap=True: no copy)
+        "bytes_read": result.bytes_read,
         "shard_bytes": shard_bytes,
         "missing": result.missing_keys,
         "unexpected": result.unexpected_keys,
@@ -384,6 +384,10 @@ def run_errors(case: Case, refs: Path) -> dict:
     out["shape"] = _error(lambda: fk.load_pretrained(_sharded_meta(case), refs / "llama-wide"))
     out["wrong_model"] = _error(lambda: fk.load_pretrained(_sharded_meta(case), refs / "gpt2"))
     out["empty_dir"] = _error(lambda: fk.load_pretrained(_sharded_meta(case), refs / "empty"))
+    for damage in ("truncated", "padded"):  # found from the header, before any rank reads or allocates
+        model = _sharded_meta(case)
+        out[damage] = _error(lambda model=model, damage=damage: fk.load_pretrained(model, refs / f"llama-{damage}"))
+        out[f"{damage}_still_meta"] = all(p.is_meta for p in model.parameters())
     # strict=False: the missing weight keeps its initialisation, the rest is loaded.
     model = _sharded_meta(case)
     result = fk.load_pretrained(model, refs / "llama-missing-key", strict=False)
@@ -392,6 +396,59 @@ def run_errors(case: Case, refs: Path) -> dict:
     result = fk.load_pretrained(_sharded_meta(case), refs / "llama-extra-key", strict=False)
     out["lenient_unexpected"] = result.unexpected_keys
     return out
+
+
+def _train_step(model, x: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    import torch.nn.functional as F
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = F.cross_entropy(model(x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    return loss.item(), {n: p.to_local().clone() for n, p in model.named_parameters()}
+
+
+def run_edit(case: Case, refs: Path, out: Path) -> dict:
+    """The checkpoint file is rewritten in place, then truncated, under a loaded model: the model must not see it."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, path = out / "edited", out / "edited" / "model.safetensors"
+    if dist.get_rank() == 0:
+        shutil.copytree(refs / case.kind, source)
+        save_file({k: v * 2 + 1 for k, v in load_file(path).items()}, out / "other.safetensors")
+    dist.barrier()
+    model = _sharded_meta(case)
+    fk.load_pretrained(model, source)
+    x = tokens()
+    shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    logits = _logits(model, x)
+    inode = path.stat().st_ino
+
+    def unchanged() -> bool:
+        same = all(torch.equal(p.to_local(), shards[n]) for n, p in model.named_parameters())
+        return same and torch.equal(_logits(model, x), logits)
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.copyfile(out / "other.safetensors", path)  # what `cp new.safetensors model.safetensors` does
+    dist.barrier()
+    res = {"label": case.label, "same_inode": path.stat().st_ino == inode, "after_overwrite": unchanged()}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.truncate(path, 64)
+    dist.barrier()
+    res["after_truncate"] = unchanged()
+    batch = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss, trained = _train_step(model, batch)
+    reference = _sharded_meta(case)  # the same step from the untouched checkpoint
+    fk.load_pretrained(reference, refs / case.kind)
+    ref_loss, ref_trained = _train_step(reference, batch)
+    res["step_equal"] = loss == ref_loss and all(torch.equal(trained[n], ref_trained[n]) for n in trained)
+    return res
 
 
 def run_cases(cases: list[Case], refs: str, out: str) -> list[dict]:
@@ -407,6 +464,8 @@ def run_cases(cases: list[Case], refs: str, out: str) -> list[dict]:
             results.append(run_plain(case, out_path))
         elif case.op == "errors":
             results.append(run_errors(case, refs_path))
+        elif case.op == "edit":
+            results.append(run_edit(case, refs_path, out_path))
         else:
             raise ValueError(case.op)
         results[-1]["seconds"] = time.perf_counter() - start

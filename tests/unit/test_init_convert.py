@@ -227,7 +227,7 @@ def test_dcp_to_hf_errors(tmp_path):
     _dcp(model, tmp_path / "root" / "step_00000001")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         fk.dcp_to_hf(tmp_path / "root", tmp_path / "hf")
-    with pytest.raises(ValueError, match=r"does not match GPT2LMHeadModel.*missing: transformer.wpe.weight"):
+    with pytest.raises(ValueError, match=r"not match GPT2LMHeadModel.*missing from the checkpoint: transformer.wpe"):
         fk.dcp_to_hf(tmp_path / "root", tmp_path / "hf", config=hf_config("gpt2"))
     wide = hf_config("llama")
     wide.intermediate_size = 64

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp2kit.weights.nf4 import meta_nf4
+from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS, meta_nf4
 from fsdp2kit.weights.nf4_load import quantize_rows
-
-INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 
 
 @pytest.mark.timeout(60)
@@ -22,7 +20,8 @@ def test_rows_and_placeholder_match_to_nf4(dtype, groups, shape) -> None:
     # One rank holding every row (no group): the mean is its own, so this is to_nf4 itself.
     got = quantize_rows(w, *groups)
     placeholder = meta_nf4(w.shape, dtype, *groups)
-    for name in INNER:
+    assert sorted(NF4_INNER_TENSORS) == sorted(ref.__tensor_flatten__()[0])  # fsdp2kit's names are torchao's
+    for name in NF4_INNER_TENSORS:
         want = getattr(ref, name)
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
         meta = getattr(placeholder, name)
