@@ -191,7 +191,19 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             activation_checkpointing=s.activation_checkpointing,
         )
     units = [u for _, u in units_for(model, plan, compute_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)]
-    step = replay(cache[key], units, unit_names, block_names, world=shard_size, prefetch=s.prefetch)
+    gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
+    position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
+    final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))
+    step = replay(
+        cache[key],
+        units,
+        unit_names,
+        block_names,
+        world=shard_size,
+        prefetch=s.prefetch,
+        clone_reduce_input=gloo,
+        final_order=final_order,
+    )
 
     params = plan.param_bytes_per_rank
     shards = []

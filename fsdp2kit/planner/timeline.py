@@ -16,19 +16,39 @@ torch/distributed/fsdp/_fully_shard, torch 2.13); `replay` drives it with the ev
   (compute dtype) accumulate until post-backward, which reshards, copies them into a flat
   reduce-scatter input (reduce dtype), frees them, and reduces into the sharded gradient
   (the master dtype). One reduce-scatter input stays alive until the next unit's
-  post-backward (``reduce_scatter_states``, capped at one buffer).
+  post-backward (``reduce_scatter_states``, capped at one buffer). Units whose post-backward
+  autograd did not run (inputs without gradients: the root, embeddings) reduce in the final
+  callback, in ``final_order`` (``FSDPState._root_post_backward_final_callback``).
 - an embedding unit that is one plain ``nn.Embedding`` is not gathered in backward
   (`shard_model` sets ``set_unshard_in_backward(False)``).
+- on CPU (``clone_reduce_input``): gloo has no reduce-scatter; ``ProcessGroupGloo`` clones the
+  whole input, all-reduces it and copies this rank's chunk out, so for the call a second
+  reduce-scatter input is alive beside the first and the output (a temporary, not FSDP's).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fsdp2kit.planner.trace import Recording
 
-__all__ = ["FsdpTimeline", "Replayed", "Unit", "replay"]
+__all__ = ["FsdpTimeline", "Moment", "Replayed", "Unit", "replay"]
+
+
+class Moment(NamedTuple):
+    """FSDP2's bytes at one moment of the step, by part."""
+
+    gathered: int
+    buffers: int
+    grads_unsharded: int
+    grads_sharded: int
+    clone: int = 0  # gloo's copy of a reduce-scatter input, for the call
+
+    @property
+    def total(self) -> int:
+        return sum(self)
 
 
 @dataclass
@@ -57,6 +77,8 @@ class FsdpTimeline:
     world: int  # ranks in the shard group (1: no all-gather buffers at all)
     prefetch: int = 0  # explicit forward/backward prefetch depth (fk.set_prefetch); 0: FSDP2's implicit
     blocks: list[int] = field(default_factory=list)  # unit indices of the blocks, forward order
+    clone_reduce_input: bool = False  # gloo: the reduce-scatter clones its input (module docstring)
+    final_order: list[int] = field(default_factory=list)  # end of backward; empty: index order
     gathered: int = 0  # unsharded parameters alive
     buffers: int = 0  # all-gather and reduce-scatter flat buffers alive
     grads_unsharded: int = 0
@@ -67,10 +89,10 @@ class FsdpTimeline:
     _rs_state: int = 0
     forward_order: list[Unit] = field(default_factory=list)
 
-    def extra(self) -> int:
-        return self.gathered + self.buffers + self.grads_unsharded + self.grads_sharded
+    def extra(self) -> Moment:
+        return Moment(self.gathered, self.buffers, self.grads_unsharded, self.grads_sharded)
 
-    def between_ops(self) -> int:
+    def between_ops(self) -> Moment:
         """`extra` while ops run: what FSDP2 holds outside its own hooks (the maxima reported are these)."""
         self.max_gathered = max(self.max_gathered, self.gathered)
         self.max_buffers = max(self.max_buffers, self.buffers)
@@ -82,7 +104,7 @@ class FsdpTimeline:
         u.pending_gather = u.gathered if self.world > 1 else -1
         self.buffers += max(u.pending_gather, 0)
 
-    def _finish_gather(self, u: Unit, *, forward: bool, keep_flat: bool) -> list[int]:
+    def _finish_gather(self, u: Unit, *, forward: bool, keep_flat: bool) -> list[Moment]:
         if u.unsharded:
             return []
         if not u.pending_gather:
@@ -112,7 +134,7 @@ class FsdpTimeline:
             self.gathered -= u.gathered
             u.unsharded = False
 
-    def pre_forward(self, index: int) -> list[int]:
+    def pre_forward(self, index: int) -> list[Moment]:
         u = self.units[index]
         if u.forward_done:
             return []
@@ -139,7 +161,7 @@ class FsdpTimeline:
         self.buffers -= self._ag_state
         self._ag_state = 0
 
-    def pre_backward(self, index: int) -> list[int]:
+    def pre_backward(self, index: int) -> list[Moment]:
         u = self.units[index]
         if u.backward_done:
             return []
@@ -157,8 +179,8 @@ class FsdpTimeline:
             u.grads_live += nbytes
             self.grads_unsharded += nbytes
 
-    def post_backward(self, index: int) -> list[int]:
-        """Reshard, reduce-scatter; returns the totals at its transient moments."""
+    def post_backward(self, index: int) -> list[Moment]:
+        """Reshard, reduce-scatter; returns its transient moments."""
         u = self.units[index]
         if u.backward_done:
             return []
@@ -173,15 +195,16 @@ class FsdpTimeline:
         self.grads_unsharded -= u.grads_live
         u.grads_live = 0
         self.buffers += u.reduce_output
-        moments.append(self.extra())
+        moments.append(self.extra()._replace(clone=u.reduce_input if self.clone_reduce_input else 0))
         self.buffers -= u.reduce_output
         self.grads_sharded += u.sharded_grads  # a cast copy (reduce dtype != master) or the output itself
         self._rs_state = u.reduce_input
         return moments
 
-    def end_backward(self) -> list[int]:
+    def end_backward(self) -> list[Moment]:
         moments = []
-        for i, u in enumerate(self.units):
+        for i in self.final_order or range(len(self.units)):
+            u = self.units[i]
             if not u.backward_done and (u.unsharded or u.grads_live):
                 moments += self.post_backward(i)
         for u in self.units:
@@ -242,12 +265,22 @@ def replay(
     *,
     world: int,
     prefetch: int,
+    clone_reduce_input: bool = False,
+    final_order: list[str] | None = None,
 ) -> Replayed:
-    """Run the recorded step's events through `FsdpTimeline` for ``units`` (fresh copies are used)."""
+    """Run the recorded step's events through `FsdpTimeline` for ``units`` (fresh copies are used);
+    ``final_order`` names one module of each unit, in the order FSDP2's final callback visits them."""
     units = [copy.copy(u) for u in units]
     index_of = {n: i for i, names in enumerate(unit_names) for n in names}
     blocks = [index_of[n] for n in block_names]
-    tl = FsdpTimeline(units, world=world, prefetch=prefetch, blocks=blocks)
+    tl = FsdpTimeline(
+        units,
+        world=world,
+        prefetch=prefetch,
+        blocks=blocks,
+        clone_reduce_input=clone_reduce_input,
+        final_order=[index_of[n] for n in final_order or []],
+    )
     out = Replayed()
     middle_unit = index_of[rec.blocks[-2]] if rec.repeat else None
     level, phase, alias = 0, "", None
@@ -257,10 +290,10 @@ def replay(
     backward = False
     after_blocks = 0
 
-    def check(total_extra: list[int], rise: int = 0) -> None:
+    def check(moments: list[Moment], rise: int = 0) -> None:
         nonlocal backward
-        for ex in total_extra:
-            total = level + rise + ex
+        for ex in moments:
+            total = level + rise + ex.total
             if backward:
                 out.backward_peak = max(out.backward_peak, total)
             else:
@@ -269,12 +302,12 @@ def replay(
                 act = sum(v for k, v in held.items() if k not in done)
                 out.peak, out.phase = total, phase
                 out.parts = {
-                    "gathered": tl.gathered,
-                    "comm_buffers": tl.buffers,
-                    "unsharded_grads": tl.grads_unsharded,
-                    "grads": tl.grads_sharded,
+                    "gathered": ex.gathered,
+                    "comm_buffers": ex.buffers,
+                    "unsharded_grads": ex.grads_unsharded,
+                    "grads": ex.grads_sharded,
                     "activations": min(act, level + rise),
-                    "temporaries": level + rise - min(act, level + rise),
+                    "temporaries": level + rise - min(act, level + rise) + ex.clone,
                 }
 
     for e in _expand(rec, block_names):

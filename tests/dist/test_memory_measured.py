@@ -21,6 +21,10 @@ CASES = [
     dict(world=2, replicate=1, ac=None, mp=None, batch=2, seq=64, size="s"),
     dict(world=2, replicate=1, ac="full", mp="bf16", batch=2, seq=96, size="s"),
     dict(world=2, replicate=1, ac="selective", mp=None, batch=1, seq=64, size="deep", optimizer="sgd"),
+    # Peaks in backward's final callback, in the root's reduce-scatter, where gloo's clone of the fp32
+    # input outweighs the bf16 gradients it was copied from (-4% without the clone; +4% with it but
+    # the embedding reduced before the root).
+    dict(world=2, replicate=1, ac="full", mp="bf16", batch=1, seq=16, size="m"),
 ]
 
 
@@ -67,7 +71,9 @@ def _check(cases: list[dict], ranks: list[list[dict]]) -> None:
             _near(predicted, measured, what, rel)
 
         _close(plan.peak_bytes, measured["peak"], f"{label} peak")
-        assert plan.phase == measured["phase"], label
+        # the measurement's label stays at the last block backward reached through the final callback
+        end = plan.phase == "backward (end)" and measured["phase"] == "backward model.layers.0"
+        assert plan.phase == measured["phase"] or end, label
         _close(plan.parts["params"], measured["params"], f"{label} sharded parameters")
         _close(plan.measured_like["grads"], measured["grads"], f"{label} gradients")
         _close(plan.parts["optimizer"], measured["optimizer"], f"{label} optimizer state")
