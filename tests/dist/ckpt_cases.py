@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
 import fsdp2kit.checkpoint.checkpointer as checkpointer_module
+from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState, list_steps, read_metadata, step_dir
 from fsdp2kit.checkpoint.unpickler import SafeReader
 
@@ -428,6 +429,16 @@ def world2(root: str) -> dict:
     out["err_truncated"] = corrupt("truncated", truncate)
     out["err_missing_file"] = corrupt("missing_file", lambda d: (d / "__0_0.distcp").unlink())
     out.update(_integrity(root / "integrity", model, opt))
+
+    # The same agreement outside the checkpointer (the weight loaders'): a failure on rank 1 of the
+    # model's mesh is rank 1's own exception there, and a RuntimeError naming it on rank 0.
+    try:
+        with all_ranks_or_none(model, "a local phase"):
+            if rank == 1:
+                raise ValueError("bad shard on rank 1")
+        out["agree_phase"] = "NO ERROR"
+    except Exception as e:
+        out["agree_phase"] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -256,6 +256,11 @@ def test_bad_input_world2(w2, case):
         assert fragment in msg, f"{case}: {fragment!r} not in:\n{msg}"
 
 
+def test_one_agreement_for_the_weight_loaders(w2):
+    assert w2[1]["agree_phase"] == "ValueError: bad shard on rank 1"
+    assert w2[0]["agree_phase"] == "RuntimeError: a local phase failed:\n  [rank 1] ValueError: bad shard on rank 1"
+
+
 def test_ranks_disagree_on_step(w2):
     for rank, res in enumerate(w2):
         assert f"save of step {5 + rank}" in res["err_disagree"]
