@@ -16,10 +16,10 @@ import torch.nn as nn
 from models import tiny_llama
 
 import fsdp2kit as fk
+from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS
 
 VOCAB, SEQ = 96, 12
 GROUPS = {"block_size": 32, "scaler_block_size": 8}  # whole 256-element groups per rank up to 4 ranks
-INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 
 
 def _base() -> nn.Module:
@@ -43,7 +43,7 @@ def _shards(model: nn.Module) -> dict[str, dict]:
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         if type(local).__name__ == "NF4Tensor":
-            out[name] = {k: getattr(local, k) for k in INNER}
+            out[name] = {k: getattr(local, k) for k in NF4_INNER_TENSORS}
             out[name]["meta"] = (tuple(local.shape), local.dtype, local.n_blocks, local.block_size)
     return out
 
