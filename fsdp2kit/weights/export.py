@@ -31,7 +31,7 @@ from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.checkpoint.unpickler import SafeReader
 from fsdp2kit.weights.adapter_checkpoint import peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import is_peft_model
-from fsdp2kit.weights.hf_layout import export_groups, model_tensors, to_hf_layout
+from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
 from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
 
 __all__ = ["dcp_to_hf", "export_hf", "has_tokenizer", "parse_size"]
@@ -225,13 +225,14 @@ def export_hf(
             error = exc
     # A failure on the writer must not stop it from taking part in the remaining gathers, or the
     # other ranks would wait in one forever: it stops writing and reports at the end.
+    layout = SaveLayout(model)
     with torch.no_grad():
-        for group in export_groups(model, names):
+        for group in layout.groups(names):
             fulls = {n: full_of(n) for n in group}
             if writer is None or error is not None:
                 continue
             try:
-                for name, t in to_hf_layout(model, {n: _cast(v, dtype) for n, v in fulls.items()}).items():
+                for name, t in layout.to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
                     writer.add(name, t)
             except BaseException as exc:
                 error = exc
@@ -382,6 +383,7 @@ def dcp_to_hf(
             dcp.load(state, storage_reader=SafeReader(reader_path), no_dist=True)
         return {n: state[prefix][source[n]] for n in batch}
 
+    layout = SaveLayout(model)
     stage = StagedDir(Path(out_dir), overwrite)
     try:
         writer = ShardedWriter(stage.dir, max_bytes)
@@ -394,11 +396,11 @@ def dcp_to_hf(
                 return
             values = read(keys)
             for group in batch:
-                converted = to_hf_layout(model, {n: _cast(values.pop(n), dtype) for n in group})
+                converted = layout.to_hf({n: _cast(values.pop(n), dtype) for n in group})
                 for name, t in converted.items():
                     writer.add(name, t)
 
-        for group in export_groups(model, names):
+        for group in layout.groups(names):
             size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
             if batch and batch_bytes + size > max_bytes:
                 drain()

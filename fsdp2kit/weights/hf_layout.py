@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import re
 import sys
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,14 +29,13 @@ from fsdp2kit._internal.scoped import skipping_meta_init
 __all__ = [
     "Group",
     "LoadPlan",
+    "SaveLayout",
     "clean_fqn",
-    "export_groups",
     "is_pretrained",
     "model_tensors",
     "natural_key",
     "original_class",
     "plan_load",
-    "to_hf_layout",
 ]
 
 # Wrapper modules that insert a path segment without changing what the module holds:
@@ -77,26 +75,22 @@ def natural_key(key: str) -> list:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
-_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _as_built(model: nn.Module) -> nn.Module:
     """The model as transformers knows it: a meta-device twin if FSDP renamed any of its classes.
 
     transformers finds a model's conversions by class name (then model_type), and FSDP2 turns
     ``MixtralForCausalLM`` into ``FSDPMixtralForCausalLM``: asked about the sharded model it
     would find none of the class-keyed ones. A twin built on the meta device from the config
-    costs nothing and has the original classes and the same structure.
+    costs nothing and has the original classes and the same structure (built once per load or
+    export: callers keep it).
     """
     if all(type(m) is original_class(m) for m in model.modules()):
         return model
-    if model not in _twins:
-        with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing
-            twin = original_class(model)(copy.deepcopy(model.config))
-        if getattr(model, "_weight_conversions", None) is not None:  # set by from_pretrained
-            twin._weight_conversions = model._weight_conversions
-        _twins[model] = twin
-    return _twins[model]
+    with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing
+        twin = original_class(model)(copy.deepcopy(model.config))
+    if getattr(model, "_weight_conversions", None) is not None:  # set by from_pretrained
+        twin._weight_conversions = model._weight_conversions
+    return twin
 
 
 def _conversions(model: nn.Module, *, for_saving: bool) -> list:
@@ -287,38 +281,41 @@ def plan_load(
 # Saving: model keys -> the model's usual checkpoint layout
 
 
-def _reverse_converters(model: nn.Module) -> list:
-    from transformers.core_model_loading import WeightConverter
+class SaveLayout:
+    """What writing a model in its usual checkpoint layout needs: transformers' conversions, reversed.
 
-    forward = _conversions(model, for_saving=True)
-    return [t.reverse_transform() for t in forward[::-1] if isinstance(t, WeightConverter)]
-
-
-def export_groups(model: nn.Module, keys: list[str]) -> list[list[str]]:
-    """``keys`` in order, grouped so that every reverse conversion sees all of its inputs at once.
-
-    Most groups hold one key. A model that fuses on load what the checkpoint splits (or the
-    other way round) needs the parts of one fused tensor together to write them back.
+    Looked up once per export (the model as transformers knows it, and its conversions), then
+    used for every group of tensors.
     """
-    converters = _reverse_converters(model) if _conversions(model, for_saving=True) else []
-    if not converters:
-        return [[k] for k in keys]
-    from transformers.core_model_loading import apply_converters
 
-    order: dict[str, list[str]] = {}
-    for key in keys:
-        renamed, pattern = apply_converters(key, converters)
-        order.setdefault(renamed if pattern is not None else key, []).append(key)
-    return list(order.values())
+    def __init__(self, model: nn.Module):
+        self.model = _as_built(model) if is_pretrained(model) else model
+        self.conversions = _conversions(self.model, for_saving=True)
 
+    def groups(self, keys: list[str]) -> list[list[str]]:
+        """``keys`` in order, grouped so that every reverse conversion sees all of its inputs at once.
 
-def to_hf_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One group of full tensors under model keys -> the same under the checkpoint's keys."""
-    if not _conversions(model, for_saving=True):
-        return tensors
-    from transformers.core_model_loading import revert_weight_conversion
+        Most groups hold one key. A model that fuses on load what the checkpoint splits (or the
+        other way round) needs the parts of one fused tensor together to write them back.
+        """
+        if not self.conversions:
+            return [[k] for k in keys]
+        from transformers.core_model_loading import WeightConverter, apply_converters
 
-    return revert_weight_conversion(_as_built(model), tensors)
+        converters = [t.reverse_transform() for t in self.conversions[::-1] if isinstance(t, WeightConverter)]
+        order: dict[str, list[str]] = {}
+        for key in keys:
+            renamed, pattern = apply_converters(key, converters)  # (key, None) where none applies
+            order.setdefault(renamed if pattern is not None else key, []).append(key)
+        return list(order.values())
+
+    def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One group of full tensors under model keys -> the same under the checkpoint's keys."""
+        if not self.conversions:
+            return tensors
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, tensors)
 
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
