@@ -111,13 +111,8 @@ def test_cli_plan_on_a_bf16_checkpoint_dir(tmp_path, capsys):
         out = capsys.readouterr().out
         assert f"master weights {master}" in out and f"AdamW state {master}" in out
         assert f"precision {mp}" in out
-        assert (
-            main(
-                ["plan", str(tmp_path), "--shard", "1", "--batch", "1", "--seq", "16", "--json"]
-                + ["--mixed-precision", mp]
-            )
-            == 0
-        )
+        memory = ["plan", str(tmp_path), "--shard", "1", "--batch", "1", "--seq", "16", "--json"]
+        assert main([*memory, "--mixed-precision", mp]) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["config"]["master_dtype"] == data["config"]["state_dtype"] == master
         assert data["parts"]["params"] == n * (4 if master == "fp32" else 2)
