@@ -54,6 +54,9 @@ GRID: list[dict] = [
     dict(world=2, replicate=1, ac="full", mp="bf16", batch=2, seq=128, size="m", lora=8),
     dict(world=2, replicate=1, ac=None, mp="bf16", batch=2, seq=64, size="q", lora=8, qlora=True),
     dict(world=2, replicate=1, ac="selective", mp="bf16", batch=2, seq=64, size="q", lora=16, qlora=True),
+    # A model built in bf16 (as a bf16 checkpoint builds it): fp32 masters cast at sharding, or pure bf16.
+    dict(world=2, replicate=1, ac=None, mp="bf16", batch=2, seq=64, size="s", built="bfloat16"),
+    dict(world=2, replicate=1, ac="full", mp="pure_bf16", batch=2, seq=64, size="s", built="bfloat16"),
     # MoE (Qwen3-MoE, transformers' grouped-matmul experts): fp32 and bf16.
     dict(world=2, replicate=1, ac=None, mp=None, batch=2, seq=64, size="moe"),
     dict(world=2, replicate=1, ac="full", mp="bf16", batch=2, seq=96, size="moe"),
@@ -117,7 +120,8 @@ SIZES = {
 }
 
 
-def build(size: str, meta: bool):
+def build(size: str, meta: bool, dtype: str | None = None):
+    """The model of ``size``, its parameters in ``dtype`` (e.g. "bfloat16", as a bf16 checkpoint builds it)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     kw = dict(SIZES[size])
@@ -126,7 +130,11 @@ def build(size: str, meta: bool):
     else:
         config, cls = LlamaConfig(max_position_embeddings=512, **kw), LlamaForCausalLM
     with torch.device("meta" if meta else "cpu"):
-        return cls(config)
+        model = cls(config)
+    if dtype is not None:  # the parameters only: rotary inv_freq stays fp32, as from_pretrained keeps it
+        for p in model.parameters():
+            p.data = p.data.to(getattr(torch, dtype))
+    return model
 
 
 def lm_loss(model, batch):
@@ -144,7 +152,7 @@ def measure_world(configs: list[dict]) -> list[dict]:
     out = []
     for c in configs:
         torch.manual_seed(0)
-        model = build(c["size"], meta=False)
+        model = build(c["size"], meta=False, dtype=c.get("built"))
         model.config.use_cache = False
         tp = c.get("tp", 1)
         if c.get("lora"):  # as the recipe's [lora] table: the base in the compute dtype, NF4 blocks for QLoRA
@@ -186,7 +194,7 @@ def predict(c: dict):
     import fsdp2kit as fk
 
     return fk.plan_memory(
-        build(c["size"], meta=True),
+        build(c["size"], meta=True, dtype=c.get("built")),
         shard=c["world"] // c["replicate"] // c.get("tp", 1),
         tp=c.get("tp", 1),
         lora=c.get("lora"),
@@ -208,7 +216,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/memory_planner")
     ap.add_argument(
         "--only",
-        choices=("tp", "lora", "moe"),
+        choices=("tp", "lora", "moe", "built"),
         help="re-run only the configurations with this key, keeping the other rows of the existing --out .json",
     )
     args = ap.parse_args()
@@ -243,7 +251,8 @@ def main() -> None:
         fresh = {json.dumps(r["config"], sort_keys=True): r for r in rows}
         kept = {json.dumps(r["config"], sort_keys=True): r for r in previous["rows"]}
         kept.update(fresh)
-        order = [json.dumps(c, sort_keys=True) for c in GRID]
+        # the order of a full run: by world size (one spawn each), then as listed
+        order = [json.dumps(c, sort_keys=True) for c in sorted(GRID, key=lambda c: c["world"])]
         rows = [kept[k] for k in order if k in kept]
         meta = dict(previous["meta"], **{f"{args.only}_rows": meta})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +296,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         dp = c["world"] // tp
         mesh = f"{c['replicate']}x{dp // c['replicate']}" if c["replicate"] > 1 else f"{dp}"
         mesh += f" x tp {tp}" if tp > 1 else ""
-        extra = [k for k in ("prefetch", "optimizer", "lora", "qlora") if k in c]
+        extra = [k for k in ("prefetch", "optimizer", "lora", "qlora", "built") if k in c]
         model = c["size"] + "".join(f", {k} {c[k]}" for k in extra)
         cats = [
             (p["parts"]["params"], m["params"]),

@@ -5,6 +5,9 @@ printed for a model built on the meta device without allocating anything. They a
 rank's figures: FSDP2 pads an uneven dim-0 to a multiple of the shard size, so rank 0 holds
 ``ceil(dim0 / shard)`` rows. With tensor parallelism a parameter is first split over the TP
 ranks and FSDP then shards each rank's TP slice: the figures start from that slice.
+
+Trainable parameters are counted in their master dtype (`fsdp2kit.precision`): under ``"bf16"`` a
+model built in bf16 is planned with the fp32 shards `shard_model` will cast it to.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
+from fsdp2kit.precision import PRECISIONS, Precision, dtype_name, resolve_precision
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS as NF4_SHARDED  # the NF4Tensor inner tensors FSDP2 splits by rows
 
 __all__ = ["NF4_SHARDED", "ShardPlan", "UnitPlan"]
@@ -39,9 +43,12 @@ def _sharded_numel(shape: torch.Size, shard: int) -> int:
     return math.ceil(shape[0] / shard) * math.prod(shape[1:])
 
 
-def _sharded_bytes(p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None) -> int:
-    """Bytes of the largest shard of ``p``. A tensor subclass that stores other tensors (torchao's
-    NF4Tensor: packed 4-bit data plus scalers) is split in proportion, so it counts what it stores."""
+def _sharded_bytes(
+    p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None, dtype: torch.dtype | None = None
+) -> int:
+    """Bytes of the largest shard of ``p`` (stored in ``dtype``, default its own). A tensor subclass that
+    stores other tensors (torchao's NF4Tensor: packed 4-bit data plus scalers) is split in
+    proportion, so it counts what it stores."""
     if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
         total = 0
         for attr in p.__tensor_flatten__()[0]:
@@ -50,25 +57,23 @@ def _sharded_bytes(p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Si
             parts = shard if attr in NF4_SHARDED else 1
             total += math.ceil(t.numel() / parts) * t.element_size()
         return total
-    return _sharded_numel(_tp_shape(p, tp_shapes), shard) * p.element_size()
+    return _sharded_numel(_tp_shape(p, tp_shapes), shard) * (dtype or p.dtype).itemsize
 
 
-def _gathered_bytes(
-    p: torch.Tensor, compute_dtype: torch.dtype | None, tp_shapes: Mapping[int, torch.Size] | None
-) -> int:
+def _gathered_bytes(p: torch.Tensor, precision: Precision, tp_shapes: Mapping[int, torch.Size] | None) -> int:
     """Bytes of ``p`` all-gathered for compute: an NF4 weight travels and stays packed (each Linear
-    dequantizes it in its own forward), anything floating is cast to the compute dtype."""
+    dequantizes it in its own forward), anything floating is cast to the policy's compute dtype."""
     if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
         return _sharded_bytes(p, 1)
-    itemsize = compute_dtype.itemsize if compute_dtype is not None and p.is_floating_point() else p.element_size()
-    return math.prod(_tp_shape(p, tp_shapes)) * itemsize
+    cast = precision.policy.param_dtype if p.is_floating_point() else None
+    return math.prod(_tp_shape(p, tp_shapes)) * (cast or precision.master(p)).itemsize
 
 
 @dataclass(frozen=True)
 class UnitPlan:
     name: str
     n_params: int
-    bytes_per_rank: int  # sharded parameters, in their stored (master) dtype
+    bytes_per_rank: int  # sharded parameters, trainable ones in their master dtype
     bytes_gathered: int  # unsharded parameters while the unit runs, in the compute dtype
     trainable_numel_per_rank: int
     trainable_bytes_per_rank: int
@@ -85,6 +90,9 @@ class ShardPlan:
     mixed_precision: str
     cpu_offload: bool
     units: list[UnitPlan] = field(default_factory=list)
+    precision: Precision = PRECISIONS["fp32"]
+    master_numel: dict[str, int] = field(default_factory=dict)  # trainable elements by master dtype name
+    cast_numel: dict[str, int] = field(default_factory=dict)  # of those, cast at sharding, by dtype as built
 
     @classmethod
     def unit(
@@ -92,12 +100,13 @@ class ShardPlan:
         name: str,
         params: list[torch.nn.Parameter],
         shard: int,
-        compute_dtype: torch.dtype | None,
+        precision: Precision | str | None,
         reshard_after_forward: bool | int,
         tp_shapes: Mapping[int, torch.Size] | None = None,
     ) -> UnitPlan:
-        per_rank = sum(_sharded_bytes(p, shard, tp_shapes) for p in params)
-        gathered = sum(_gathered_bytes(p, compute_dtype, tp_shapes) for p in params)
+        prec = resolve_precision(precision)
+        per_rank = sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in params)
+        gathered = sum(_gathered_bytes(p, prec, tp_shapes) for p in params)
         trainable = [p for p in params if p.requires_grad]
         return UnitPlan(
             name=name,
@@ -105,9 +114,51 @@ class ShardPlan:
             bytes_per_rank=per_rank,
             bytes_gathered=gathered,
             trainable_numel_per_rank=sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) for p in trainable),
-            trainable_bytes_per_rank=sum(_sharded_bytes(p, shard, tp_shapes) for p in trainable),
+            trainable_bytes_per_rank=sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in trainable),
             reshard_after_forward=reshard_after_forward,
         )
+
+    def count_masters(self, params: list[torch.nn.Parameter]) -> None:
+        """Record the master dtype of every trainable parameter, and which ones sharding casts."""
+        for p in params:
+            if p.requires_grad:
+                master = self.precision.master(p)
+                self.master_numel[dtype_name(master)] = self.master_numel.get(dtype_name(master), 0) + p.numel()
+                if master != p.dtype:
+                    self.cast_numel[dtype_name(p.dtype)] = self.cast_numel.get(dtype_name(p.dtype), 0) + p.numel()
+
+    @property
+    def master_dtype(self) -> str:
+        """The trainable parameters' master dtype (``"fp32"``, ``"bf16"``; several as ``"fp32 + bf16"``,
+        most elements first; ``"none"`` with nothing trainable)."""
+        order = sorted(self.master_numel, key=lambda d: -self.master_numel[d])
+        return " + ".join(order) or "none"
+
+    @property
+    def state_dtype(self) -> str:
+        """AdamW's state dtype: ``torch.optim.AdamW`` keeps exp_avg and exp_avg_sq like each parameter."""
+        return self.master_dtype
+
+    @property
+    def precision_line(self) -> str:
+        """Which dtype the master weights, gradients, AdamW state, compute and gradient reduction use."""
+        prec, masters = self.precision, self.master_dtype
+        cast = ""
+        if self.cast_numel:
+            cast = f" (cast from {' + '.join(sorted(self.cast_numel))} at sharding)"
+        line = f"master weights {masters}{cast}, gradients {masters}, AdamW state {self.state_dtype}; "
+        reduce = prec.policy.reduce_dtype or prec.compute_dtype
+        if prec.compute_dtype is None:
+            line += "compute in each parameter's dtype"
+        else:
+            line += f"compute {dtype_name(prec.compute_dtype)}"
+        line += f", gradient reduction {dtype_name(reduce)}" if reduce else ""
+        low = [d for d in self.master_numel if d in ("bf16", "fp16")]
+        if prec.name == "pure_bf16":
+            line += "; bf16 masters chosen (pure_bf16): an update below half a bf16 step rounds away"
+        elif low and prec.master_dtype is None:
+            line += f"; {' + '.join(low)} masters as built: mixed_precision='bf16' would keep fp32 masters"
+        return line
 
     @property
     def n_params(self) -> int:
@@ -142,6 +193,7 @@ class ShardPlan:
             f"ShardPlan: {len(self.units)} FSDP units over mesh ({mesh}), strategy {self.strategy}, "
             f"precision {self.mixed_precision}" + (", CPU offload" if self.cpu_offload else "")
         )
+        head += "\n" + self.precision_line
         rows = [("unit", "params", "per rank", "gathered", "reshard")]
         for u in self.units:
             reshard = {True: "yes", False: "no"}.get(u.reshard_after_forward, f"to {u.reshard_after_forward}")

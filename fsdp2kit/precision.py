@@ -1,36 +1,150 @@
-"""Mixed-precision policies by name.
+"""Mixed-precision policies by name, and the dtype of the master weights.
 
 FSDP2 casts parameters when it all-gathers them, so the compute dtype is chosen per unit at
-sharding time, and the sharded fp32 parameters stay the optimizer's master weights.
+sharding time; the sharded parameters are what the optimizer steps, the master weights, and
+gradients and AdamW state take their dtype. That dtype is chosen here by name, never inherited
+from the checkpoint: a Llama checkpoint stored in bf16 and built as stored would otherwise train
+bf16 master weights, where an update smaller than half a bf16 step (about 2^-9 of the weight;
+lr 2e-5 on a weight of 0.02) rounds away.
+
+- ``"bf16"`` / ``"fp16"``: compute in that dtype over fp32 master weights, whatever dtype the
+  model was built or stored in. `shard_model` casts the trainable floating-point parameters to
+  fp32 after sharding (`cast_masters`), so the cost is one fp32 shard per rank, never the whole
+  model: 2 bytes a parameter more than bf16 masters for the weights, 8 more with AdamW's state.
+- ``"pure_bf16"``: bf16 parameters, gradients and optimizer state: half the memory of the
+  weights, gradients and AdamW state, on purpose. Small updates round away unless the optimizer
+  rounds stochastically or keeps compensation.
+- ``"fp32"``: fp32 master weights and fp32 compute.
+- ``None`` or a ``MixedPrecisionPolicy``: parameters are trained as built; `shard_model` warns when
+  that leaves trainable parameters in 16 bits, and the `ShardPlan` says so.
+
+A frozen parameter (a LoRA/QLoRA base, NF4 weights) is never cast: it has no update to lose.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
+import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["MIXED_PRECISION", "resolve_mixed_precision"]
+__all__ = [
+    "PRECISIONS",
+    "Precision",
+    "cast_masters",
+    "dtype_name",
+    "resolve_mixed_precision",
+    "resolve_precision",
+    "warn_as_built",
+]
 
-# Gradients are reduced in fp32 in every named policy: averaging N low-precision gradients in
-# bf16 loses the low bits exactly where small updates live, and the reduce-scatter costs the
-# same bytes either way once communication overlaps compute. fp16 also needs loss scaling
-# (torch.amp.GradScaler) because its range is narrow; bf16 does not.
-MIXED_PRECISION: dict[str, MixedPrecisionPolicy] = {
-    "fp32": MixedPrecisionPolicy(),
-    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    "fp16": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+
+@dataclass(frozen=True)
+class Precision:
+    """A named choice: FSDP2's policy (compute and reduce dtypes) and the master weights' dtype."""
+
+    name: str
+    policy: MixedPrecisionPolicy
+    master_dtype: torch.dtype | None  # trainable floating-point parameters are kept in it; None: as built
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype forward and backward run in (None: each parameter's own)."""
+        return self.policy.param_dtype or self.master_dtype
+
+    def master(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype ``p`` is sharded, stepped and checkpointed in."""
+        if self.master_dtype is None or not p.requires_grad or not p.is_floating_point():
+            return p.dtype
+        return self.master_dtype
+
+
+# Gradients are reduced in fp32 in every named policy, pure_bf16 too: averaging N low-precision
+# gradients in bf16 loses the low bits exactly where small updates live, and the reduce-scatter
+# costs the same bytes either way once communication overlaps compute (pure_bf16's gradients are
+# then stored in bf16). fp16 also needs loss scaling (torch.amp.GradScaler) because its range is
+# narrow; bf16 does not.
+_BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", MixedPrecisionPolicy(), torch.float32),
+    "bf16": Precision("bf16", _BF16, torch.float32),
+    "fp16": Precision(
+        "fp16", MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32), torch.float32
+    ),
+    "pure_bf16": Precision("pure_bf16", _BF16, torch.bfloat16),
 }
+_AS_BUILT = Precision("as built", MixedPrecisionPolicy(), None)
 
 
-def resolve_mixed_precision(mixed_precision: str | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy:
-    """``None`` or ``"fp32"`` (no casting), ``"bf16"``, ``"fp16"``, or a policy, which is passed through."""
+def resolve_precision(mixed_precision: str | MixedPrecisionPolicy | Precision | None) -> Precision:
+    """``None`` (as built), a name of `PRECISIONS`, or a ``MixedPrecisionPolicy`` (as built, that policy)."""
     if mixed_precision is None:
-        return MIXED_PRECISION["fp32"]
-    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        return _AS_BUILT
+    if isinstance(mixed_precision, Precision):
         return mixed_precision
-    if isinstance(mixed_precision, str) and mixed_precision.lower() in MIXED_PRECISION:
-        return MIXED_PRECISION[mixed_precision.lower()]
+    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        return Precision("custom", mixed_precision, None)
+    if isinstance(mixed_precision, str) and mixed_precision.lower() in PRECISIONS:
+        return PRECISIONS[mixed_precision.lower()]
     raise ValueError(
-        f"mixed_precision={mixed_precision!r}: expected None, one of {sorted(MIXED_PRECISION)} "
+        f"mixed_precision={mixed_precision!r}: expected None, one of {sorted(PRECISIONS)} "
         "or a torch.distributed.fsdp.MixedPrecisionPolicy"
+    )
+
+
+def resolve_mixed_precision(mixed_precision: str | MixedPrecisionPolicy | Precision | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for any value `resolve_precision` takes."""
+    return resolve_precision(mixed_precision).policy
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
+
+
+def cast_masters(model: nn.Module, precision: Precision) -> int:
+    """Cast the trainable floating-point parameters of a sharded model to the master dtype, in place.
+
+    Runs after ``fully_shard``, so each rank casts its own shard (meta shards stay meta, and
+    `materialize` / `load_pretrained` fill them in the new dtype). Goes through ``Module._apply``,
+    whose FSDP2 override re-registers each new shard (``FSDPParam.reset_sharded_param``), the way
+    ``model.to(dtype)`` after ``fully_shard`` does; parameters keep their objects. Returns how
+    many parameters were cast.
+    """
+    master = precision.master_dtype
+    todo = {id(p) for p in model.parameters() if precision.master(p) != p.dtype}
+    if master is None or not todo:
+        return 0
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(master) if id(t) in todo else t
+
+    model._apply(cast)
+    return len(todo)
+
+
+def warn_as_built(precision: Precision, params: Iterable[torch.Tensor]) -> None:
+    """Say so when a policy that trains parameters as built leaves trainable ones in 16 bits."""
+    if precision.master_dtype is not None:
+        return
+    low: Counter[torch.dtype] = Counter()
+    for p in params:
+        if p.requires_grad and p.is_floating_point() and p.element_size() < 4:
+            low[p.dtype] += p.numel()
+    if not low:
+        return
+    which = ", ".join(dtype_name(d) for d in sorted(low, key=str))
+    warnings.warn(
+        f"shard_model(mixed_precision={'None' if precision is _AS_BUILT else 'a MixedPrecisionPolicy'}) trains the "
+        f"parameters as built: {sum(low.values())} trainable elements are {which}, so their master weights, "
+        "gradients and AdamW state are too, and updates smaller than half a step of that dtype round away. "
+        "Pass mixed_precision='bf16' (or 'fp16') for fp32 master weights with 16-bit compute, or "
+        "mixed_precision='pure_bf16' to train in bf16 on purpose.",
+        UserWarning,
+        stacklevel=3,
     )

@@ -28,7 +28,7 @@ from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.dist import data_parallel_mesh
 from fsdp2kit.plan import ShardPlan
-from fsdp2kit.precision import MIXED_PRECISION, resolve_mixed_precision
+from fsdp2kit.precision import Precision, cast_masters, resolve_precision, warn_as_built
 from fsdp2kit.preflight import (
     check_devices,
     check_nf4_shards,
@@ -139,9 +139,15 @@ def shard_model(
             backward's all-gather stays inside a node. ``None`` keeps the strategy's default,
             under which the last block does not reshard: backward starts with it, so freeing
             and re-gathering it at once would cost an all-gather for nothing.
-        mixed_precision: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` (compute dtype; gradients
-            are reduced in fp32 and the sharded master weights stay fp32), or a
-            ``MixedPrecisionPolicy``.
+        mixed_precision: ``"bf16"`` / ``"fp16"``: compute in that dtype, reduce gradients in
+            fp32, and keep fp32 master weights whatever dtype the model was built or stored in
+            (trainable floating-point parameters are cast to fp32 after sharding, one shard per
+            rank; frozen ones keep their storage dtype). ``"pure_bf16"``: bf16 parameters,
+            gradients and optimizer state, on purpose (half the memory; small updates round
+            away). ``"fp32"``: fp32 masters and compute. ``None`` or a ``MixedPrecisionPolicy``:
+            parameters trained as built (a warning when that leaves trainable ones in 16 bits).
+            The plan's precision line names the master and optimizer-state dtypes
+            (`fsdp2kit.precision`).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
             optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
 
@@ -176,9 +182,11 @@ def shard_model(
             modules if len(modules) > 1 else modules[0],
             mesh=fsdp_mesh,
             reshard_after_forward=reshard,
-            mp_policy=layout.mp_policy,
+            mp_policy=layout.precision.policy,
             offload_policy=offload,
         )
+    warn_as_built(layout.precision, model.parameters())
+    cast_masters(model, layout.precision)  # before any mark: it swaps parameter contents
     for table in layout.lookups:
         # backward of a lookup scatters the output gradient by index: the table is not read
         table.set_unshard_in_backward(False)
@@ -236,7 +244,7 @@ class _Layout:
     blocks: list[nn.Module]
     units: list[tuple[str, list[nn.Module], bool | int]]  # (label, modules, reshard_after_forward), children first
     lookups: list[nn.Embedding]  # the groups that are one plain nn.Embedding (fully_shard changes the class)
-    mp_policy: MixedPrecisionPolicy
+    precision: Precision
     plan: ShardPlan
 
 
@@ -267,7 +275,7 @@ def _layout(
         raise ValueError("the root module cannot be one of its own blocks")
     groups, unit_of = assign_units(model, found)
 
-    mp_policy = resolve_mixed_precision(mixed_precision)
+    precision = resolve_precision(mixed_precision)
     if resolved.replicate_only:
         mesh_shape, mesh_dim_names = (math.prod(mesh_shape), 1), ("replicate", "shard")
     shard_size = dp_shape[-1] if not resolved.replicate_only else 1
@@ -277,7 +285,9 @@ def _layout(
     for name, p in model.named_parameters():
         by_unit[unit_of[id(p)]][name] = p
     check_nf4_shards(dict(model.named_parameters()), shard_size)
-    split = {unit: dtype_subunits(model, unit, params, unit_of) for unit, params in by_unit.items()}
+    split = {}  # one master dtype for every trainable parameter needs no dtype sub-units
+    if precision.master_dtype is None:
+        split = {unit: dtype_subunits(model, unit, params, unit_of) for unit, params in by_unit.items()}
 
     # Units in the order FSDP2 needs them (children before parents).
     names = {id(m): n for n, m in model.named_modules()}
@@ -306,12 +316,14 @@ def _layout(
         strategy=resolved.name,
         mesh_shape=tuple(mesh_shape),
         mesh_dim_names=tuple(mesh_dim_names),
-        mixed_precision=next((k for k, v in MIXED_PRECISION.items() if v == mp_policy), "custom"),
+        mixed_precision=precision.name,
         cpu_offload=cpu_offload,
+        precision=precision,
     )
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
-        plan.units.append(ShardPlan.unit(label, params, shard_size, mp_policy.param_dtype, reshard, tp_shapes))
+        plan.units.append(ShardPlan.unit(label, params, shard_size, precision, reshard, tp_shapes))
+        plan.count_masters(params)
     lookups = [g[0] for g in groups if len(g) == 1 and type(g[0]) is nn.Embedding]
-    return _Layout(resolved, found, units, lookups, mp_policy, plan)
+    return _Layout(resolved, found, units, lookups, precision, plan)

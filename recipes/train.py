@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"config error: {problem}")
 
     p = cfg.parallel
+    lora_base_dtype = torch.bfloat16 if p.mixed_precision in ("bf16", "pure_bf16") else torch.float32
     if cfg.train.plan_only:
         # The model on the meta device (no memory), planned for the configured mesh: "does it fit?"
         if p.shard < 1:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.lora.r > 0:  # QLoRA too: quantize_nf4 on the meta device leaves NF4 placeholders
             model = apply_lora_table(
                 model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, targets=cfg.lora.targets,
-                qlora=cfg.lora.qlora, dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+                qlora=cfg.lora.qlora, dtype=lora_base_dtype,
             )  # fmt: skip
         print(
             fk.estimate_plan(
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     if lora.r > 0:  # LoRA / QLoRA adapters: they change modules, so before everything else
         model = apply_lora_table(
             model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets, qlora=lora.qlora,
-            dtype=torch.bfloat16 if p.mixed_precision == "bf16" else torch.float32,
+            dtype=lora_base_dtype,
         )  # fmt: skip
     if quantize_first:
         model.to(info.device)
@@ -259,7 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     monitor = RankMonitor(model, micro_steps=t.grad_accum, check_every=t.check_every, timeout=t.check_timeout)
     stop = fk.StopSignal(t.stop_signals)  # from here on a signal stops after the current step, with a checkpoint
-    log.log({"event": "start", "step": start, "config": config_to_dict(cfg), "world_size": info.world_size})
+    log.log(
+        {
+            "event": "start",
+            "step": start,
+            "config": config_to_dict(cfg),
+            "world_size": info.world_size,
+            "master_dtype": plan.master_dtype,  # also the second line of the printed ShardPlan
+            "optimizer_state_dtype": plan.state_dtype,  # torch AdamW: like the parameters
+        }
+    )
     bar = None
     if cfg.log.progress and info.is_main and sys.stderr.isatty():
         from tqdm import tqdm

@@ -59,7 +59,12 @@ def add_plan(subparsers) -> None:
     p.add_argument(
         "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
     )
-    p.add_argument("--mixed-precision", default=None, help="fp32, bf16 or fp16")
+    p.add_argument(
+        "--mixed-precision",
+        default=None,
+        help="bf16 or fp16 (fp32 master weights whatever the checkpoint's dtype), pure_bf16 (bf16 weights, "
+        "gradients and optimizer state) or fp32; default: the parameters as the checkpoint's config builds them",
+    )
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--lora", type=int, default=None, metavar="R", help="train rank-R LoRA adapters (peft)")
     p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights in the blocks (QLoRA)")

@@ -18,7 +18,7 @@ from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, un
 from fsdp2kit.planner.report import MemoryPlan
 from fsdp2kit.planner.timeline import replay
 from fsdp2kit.planner.trace import record_step
-from fsdp2kit.precision import resolve_mixed_precision
+from fsdp2kit.precision import resolve_precision
 from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
@@ -61,7 +61,7 @@ class Settings:
             raise ValueError(f"optimizer={self.optimizer!r}: expected one of {list(OPTIMIZERS)}")
         if self.activation_checkpointing is not None and not callable(self.activation_checkpointing):
             resolve_ac_mode(self.activation_checkpointing)
-        resolve_mixed_precision(self.mixed_precision)
+        resolve_precision(self.mixed_precision)
         check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
 
 
@@ -128,7 +128,10 @@ def plan_memory(
         activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block), as
             `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
             checkpoints the model its own way (another trainer's policy), called on the planner's copy.
-        mixed_precision: None/``"fp32"``, ``"bf16"``, ``"fp16"``.
+        mixed_precision: None (parameters as built), ``"fp32"``, ``"bf16"``, ``"fp16"`` (fp32 master
+            weights whatever the model's dtype) or ``"pure_bf16"`` (bf16 weights, gradients and
+            state), as `fsdp2kit.shard_model` takes it; ``plan.config`` names the master and
+            optimizer-state dtypes that follow.
         optimizer: ``"adamw"``, ``"adamw8bit"`` (torchao) or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
         prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
@@ -171,26 +174,32 @@ def plan_memory(
 def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
     s.check()
-    mp = resolve_mixed_precision(s.mixed_precision)
-    model = _as_trained(model, s, mp.param_dtype, cache)
+    prec = resolve_precision(s.mixed_precision)
+    compute = prec.compute_dtype
+    model = _as_trained(model, s, compute, cache)
     plan = estimate_plan(
-        model, shard=s.shard, replicate=s.replicate, strategy=s.strategy, mixed_precision=mp, cpu_offload=s.cpu_offload
+        model,
+        shard=s.shard,
+        replicate=s.replicate,
+        strategy=s.strategy,
+        mixed_precision=prec,
+        cpu_offload=s.cpu_offload,
     )
     shard_size = plan.mesh_shape[-1]
     unit_names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
     names_of = {id(m): n for n, m in model.named_modules()}
     block_names = [names_of[id(b)] for b in find_blocks(model)]
-    key = (id(model), s.batch, s.seq, s.activation_checkpointing, mp.param_dtype)
+    key = (id(model), s.batch, s.seq, s.activation_checkpointing, compute)
     if key not in cache:
         cache[key] = record_step(
             model,
             unit_names,
             batch=s.batch,
             seq=s.seq,
-            compute_dtype=mp.param_dtype,
+            compute_dtype=compute,
             activation_checkpointing=s.activation_checkpointing,
         )
-    units = [u for _, u in units_for(model, plan, compute_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)]
+    units = [u for _, u in units_for(model, plan)]
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
     position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
     final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))
@@ -212,7 +221,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             rows = math.ceil(p.shape[0] / shard_size) if p.dim() else 1
-            shards.append((rows * math.prod(p.shape[1:]), p.dtype))
+            shards.append((rows * math.prod(p.shape[1:]), prec.master(p)))
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")
     opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
     grads = step.grads_sharded
@@ -248,6 +257,8 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     config: dict[str, Any] = {k: v for k, v in dataclasses.asdict(s).items()}
     config["strategy"] = plan.strategy
     config["peft"] = is_peft_model(model)  # a model with its own adapters (the recipe's [lora] table)
+    config["master_dtype"] = plan.master_dtype
+    config["state_dtype"] = _state_dtype(s.optimizer, plan.master_dtype)
     notes = []
     limit = max_positions(model)
     if limit is not None and s.seq > limit:
@@ -274,6 +285,13 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         grad_bytes=grads,
         optimizer_bytes=opt.state,
         measured_like={"max_gathered": step.max_gathered, "max_comm_buffers": step.max_buffers, "grads": grads},
+    )
+
+
+def _state_dtype(optimizer: str, master: str) -> str:
+    """The optimizer state's dtype, as `optimizer_bytes` counts it."""
+    return {"adamw": master, "adamw8bit": "int8 (fp32 scales; tensors under 4096 elements: " + master + ")"}.get(
+        optimizer, "none"
     )
 
 

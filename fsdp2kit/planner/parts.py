@@ -25,16 +25,15 @@ _AO_BLOCK = 256
 _AO_MIN_SIZE = 4096
 
 
-def _gathered_bytes(p: torch.Tensor, shard: int, compute_dtype: torch.dtype | None) -> int:
-    """Bytes FSDP2 all-gathers for ``p``: dim 0 padded to a multiple of the shard size, in the compute
-    dtype; an NF4Tensor gathers its packed codes and scalers as they are (torchao's
+def _gathered_bytes(p: torch.Tensor, shard: int, compute_dtype: torch.dtype) -> int:
+    """Bytes FSDP2 all-gathers for ``p``: dim 0 padded to a multiple of the shard size, in
+    ``compute_dtype``; an NF4Tensor gathers its packed codes and scalers as they are (torchao's
     ``fsdp_pre_all_gather``), padded alike, and keeps its mean and table from the shard."""
     if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
         return sum(
             math.ceil(t.numel() / shard) * shard * t.element_size() for t in (getattr(p, a) for a in NF4_SHARDED)
         )
-    cdt = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
-    return _padded(p.shape, shard) * cdt.itemsize
+    return _padded(p.shape, shard) * compute_dtype.itemsize
 
 
 def _padded(shape: torch.Size, shard: int) -> int:
@@ -71,29 +70,26 @@ def _is_lookup(model: nn.Module, names: list[str]) -> bool:
         return False
 
 
-def units_for(
-    model: nn.Module,
-    plan: ShardPlan,
-    *,
-    compute_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    trainable: set[int] | None = None,
-) -> list[tuple[list[str], Unit]]:
-    """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group)."""
+def units_for(model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None = None) -> list[tuple[list[str], Unit]]:
+    """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group),
+    in the plan's precision: gathered and unsharded gradients in the compute dtype, the reduce-scatter
+    in the reduce dtype, sharded gradients in the master dtype."""
     shard = plan.mesh_shape[-1]
+    precision = plan.precision
     out = []
     for (names, params), up in zip(unit_params(model, plan), plan.units):
         gathered = grads = rs_in = rs_out = sharded = 0
         for p in params:
-            cdt = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
+            master = precision.master(p)
+            cdt = (precision.policy.param_dtype if p.is_floating_point() else None) or master
             padded = _padded(p.shape, shard)
-            gathered += _gathered_bytes(p, shard, compute_dtype)
+            gathered += _gathered_bytes(p, shard, cdt)
             if p.requires_grad if trainable is None else id(p) in trainable:
-                rdt = reduce_dtype or cdt
+                rdt = precision.policy.reduce_dtype or cdt
                 grads += p.numel() * cdt.itemsize
                 rs_in += padded * rdt.itemsize
                 rs_out += padded // shard * rdt.itemsize
-                sharded += padded // shard * p.dtype.itemsize
+                sharded += padded // shard * master.itemsize
         out.append(
             (
                 names,

@@ -95,7 +95,7 @@ class MemoryPlan:
         mesh += f" x tp={c['tp']}" if c.get("tp", 1) > 1 else ""
         head = (
             f"Memory plan: {c.get('model', '')} on {mesh}, batch {c['batch']} x seq {c['seq']}, "
-            f"AC {_ac_name(c['activation_checkpointing'])}, precision {c['mixed_precision'] or 'fp32'}, "
+            f"AC {_ac_name(c['activation_checkpointing'])}, precision {c['mixed_precision'] or 'as built'}, "
             f"optimizer {c['optimizer']}" + (", CPU offload" if c.get("cpu_offload") else "")
         )
         if c.get("lora"):
@@ -104,6 +104,8 @@ class MemoryPlan:
             head += targets if isinstance(targets, str) else ",".join(targets)
         elif c.get("peft"):
             head += ", the peft model's adapters trained"
+        if "master_dtype" in c:
+            head += f"\nmaster weights {c['master_dtype']}, optimizer state {c['state_dtype']}"
         rows = [(k, fmt_bytes(v), PART_NAMES[k]) for k, v in self.parts.items()]
         rows.append(("peak", fmt_bytes(self.peak_bytes), f"per rank, in {self.phase}"))
         w0 = max(len(r[0]) for r in rows)

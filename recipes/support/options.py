@@ -56,7 +56,10 @@ class ParallelConfig:
     replicate: int = opt(1, "replica groups (HSDP when > 1, e.g. the number of nodes)")
     tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)")
     strategy: str | None = opt(None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
-    mixed_precision: str | None = opt(None, "fp32 | bf16 | fp16")
+    mixed_precision: str | None = opt(
+        None,
+        "bf16 | fp16 (fp32 master weights whatever the checkpoint's dtype) | pure_bf16 (bf16 weights and state) | fp32",
+    )
     cpu_offload: bool = opt(False, "keep parameters, gradients and optimizer state in CPU memory")
     prefetch: int = opt(1, "blocks whose all-gather is issued ahead, forward and backward (0: off)")
     activation_checkpointing: str | None = opt(None, "full | selective | N (every N-th block)")

@@ -31,12 +31,15 @@ CASES = [
 # The paths that change the model before sharding (`fsdp2kit.planner.adapt`): tensor parallelism
 # alone on 2 ranks, LoRA over an fp32 base, QLoRA (NF4 base: its inner tensors are counted, not
 # the bf16-sized storage its wrapper reports), and an MoE in fp32 (traced with transformers'
-# fallback grouped matmul, which torch's meta kernel does not refuse).
+# fallback grouped matmul, which torch's meta kernel does not refuse); and one that changes it
+# while sharding: a model built in bf16 under "bf16", cast to fp32 masters shard by shard (the
+# bf16 storage must not outlive the cast).
 ADAPTED = [
     dict(world=2, replicate=1, ac=None, mp=None, batch=1, seq=32, size="s", tp=2),
     dict(world=2, replicate=1, ac="full", mp=None, batch=1, seq=32, size="s", lora=4),
     dict(world=2, replicate=1, ac=None, mp="bf16", batch=1, seq=16, size="q", lora=4, qlora=True),
     dict(world=2, replicate=1, ac=None, mp=None, batch=1, seq=32, size="moe"),
+    dict(world=2, replicate=1, ac=None, mp="bf16", batch=2, seq=64, size="s", built="bfloat16"),
 ]
 
 
