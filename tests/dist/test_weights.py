@@ -91,7 +91,8 @@ def _world(world: int, refs, tmp_path_factory) -> list[list[dict]]:
 
 def _params(op: str):
     return [
-        pytest.param(w, i, id=f"w{w}-{c.kind}-{i}")
+        # HSDP (world 4) adds a mesh shape, not a code path of load_pretrained: make test-all.
+        pytest.param(w, i, id=f"w{w}-{c.kind}-{i}", marks=[pytest.mark.slow] if w == 4 else [])
         for w, cases in CASES.items()
         for i, c in enumerate(cases)
         if c.op == op
