@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.errors import UsageError
 from support.formats import IGNORE, FormatSpec, encode_record
 
 __all__ = ["DataError", "DataSplits", "load_rows", "pack_examples", "prepare_data", "read_records"]
@@ -26,8 +27,10 @@ _VERSION = 1  # bump when the row layout changes: old caches then stop matching
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text", ".md": "text"}
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Bad data or data settings, with the file and line (or field) at fault."""
+
+    kind = "data"
 
 
 @dataclass
