@@ -47,6 +47,7 @@ from support.options import Config
 from support.positions import seq_len_problem
 from support.preemption import stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
+from support.rows import check_source
 from support.tracking import RunLog
 
 
@@ -84,6 +85,11 @@ def check_before_start(cfg: Config) -> None:
         raise UsageError(f"model.name = {cfg.model.name!r}: {e}", kind="model") from e
     if problem:
         raise ConfigError(problem)
+    for role, files in (("data", cfg.data.files), ("eval", cfg.eval.files)):
+        for f in [f for f in files.split(",") if f]:
+            check_source(f, role)  # exists and is of a type the data layer reads: before any process group
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_dir():
+        raise DataError(f"data.tokenizer = {cfg.data.tokenizer!r}: no such directory (a local Hugging Face tokenizer)")
     if lora.r > 0 and lora.targets != "all-linear":
         # The targets against the model's Linear names, on the meta device (no memory, no data yet):
         # a typo here must not wait for the data to be tokenized.
