@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 import fsdp2kit as fk
 from fsdp2kit._internal.quiet import quiet_imports
-from fsdp2kit.diagnostics import ON_NONFINITE, RankMonitor, check_finite
+from fsdp2kit.diagnostics import RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
-from fsdp2kit.stop import parse_signals
 from fsdp2kit.weights.adapters import peft_init_fn
-from support.config import ConfigError, config_to_dict, parse_config
+from support.config import config_to_dict, parse_config
 from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
+from support.errors import ConfigError, UsageError, run_recipe
 from support.evaluate import evaluate
 from support.export import export_model
 from support.lora import apply_lora_table
@@ -47,7 +47,8 @@ from support.options import Config
 from support.positions import seq_len_problem
 from support.preemption import stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
-from support.tracking import RunLog, parse_trackers
+from support.rows import check_source
+from support.tracking import RunLog
 
 
 def build_data(cfg: Config, info: fk.DistInfo, dp_info: fk.DistInfo):
@@ -71,24 +72,44 @@ def mean_answer_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     return answer_loss_sum(model, batch) / (batch["labels"] != -100).sum().clamp(min=1)
 
 
-def main(argv: list[str] | None = None) -> None:
-    try:
-        cfg = parse_config(Config, argv, description=__doc__, prog="recipes/train.py")
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+def check_before_start(cfg: Config) -> None:
+    """The mistakes that the config and the model's own config show, found before any process group work."""
+    p, lora = cfg.parallel, cfg.lora
+    if cfg.train.plan_only and p.shard < 1:
+        raise ConfigError("train.plan_only needs an explicit --parallel.shard (the GPUs per replica)")
     try:
         problem = seq_len_problem(cfg)
-    except (FileNotFoundError, ValueError) as e:  # no such model directory or named config
-        problem = str(e)
+    except ValueError as e:  # an unknown named config, not a directory
+        raise UsageError(str(e), kind="model") from e
+    except OSError as e:  # a directory without a config.json transformers can read
+        raise UsageError(f"model.name = {cfg.model.name!r}: {e}", kind="model") from e
     if problem:
-        sys.exit(f"config error: {problem}")
+        raise ConfigError(problem)
+    for role, files in (("data", cfg.data.files), ("eval", cfg.eval.files)):
+        for f in [f for f in files.split(",") if f]:
+            check_source(f, role)  # exists and is of a type the data layer reads: before any process group
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_dir():
+        raise DataError(f"data.tokenizer = {cfg.data.tokenizer!r}: no such directory (a local Hugging Face tokenizer)")
+    if lora.r > 0 and lora.targets != "all-linear":
+        # The targets against the model's Linear names, on the meta device (no memory, no data yet):
+        # a typo here must not wait for the data to be tokenized.
+        positions = cfg.model.max_position_embeddings or None
+        model = build_causal_lm(cfg.model.name, max_position_embeddings=positions, meta=True)
+        try:
+            apply_lora_table(model, r=lora.r, alpha=lora.alpha, dropout=0.0, targets=lora.targets, qlora=False,
+                             dtype=torch.float32)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"lora.targets = {lora.targets!r}: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(Config, argv, description=__doc__, prog="recipes/train.py")
+    check_before_start(cfg)
 
     p = cfg.parallel
     lora_base_dtype = torch.bfloat16 if p.mixed_precision in ("bf16", "pure_bf16") else torch.float32
     if cfg.train.plan_only:
         # The model on the meta device (no memory), planned for the configured mesh: "does it fit?"
-        if p.shard < 1:
-            sys.exit("config error: --train.plan_only needs an explicit --parallel.shard (the GPUs per replica)")
         positions = cfg.model.max_position_embeddings or None
         model = build_causal_lm(cfg.model.name, max_position_embeddings=positions, meta=True)
         if cfg.lora.r > 0:  # QLoRA too: quantize_nf4 on the meta device leaves NF4 placeholders
@@ -109,13 +130,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
 
-    if cfg.train.on_nonfinite not in ON_NONFINITE:
-        sys.exit(f"config error: train.on_nonfinite={cfg.train.on_nonfinite!r}; one of {', '.join(ON_NONFINITE)}")
-    try:
-        parse_signals(cfg.train.stop_signals)
-        parse_trackers(cfg.log.trackers)
-    except ValueError as e:
-        sys.exit(f"config error: {e}")
     # 1. process group and mesh
     info = fk.init_distributed(timeout=cfg.train.timeout)
     mesh = fk.make_mesh(shard=p.shard, replicate=p.replicate, tp=p.tp)
@@ -124,11 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     dp_info = dataclasses.replace(info, rank=info.rank // p.tp, world_size=info.world_size // p.tp)
     try:
         tokenizer, loader, eval_rows = build_data(cfg, info, dp_info)
-    except (DataError, FileNotFoundError) as e:
-        if info.is_main:
-            print(f"data error: {e}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        sys.exit(1)
+    except FileNotFoundError as e:  # a tokenizer directory: the same answer on every rank
+        raise DataError(str(e)) from e
     vocab = len(tokenizer)
 
     # 2. the model, on the meta device unless asked otherwise
@@ -145,13 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         meta=(cfg.model.meta_init or cfg.model.pretrained) and not quantize_first,
         device="cpu" if quantize_first else info.device,
     )
-    try:
-        check_vocab(tokenizer, model)  # the same answer on every rank: no collective needed
-    except DataError as e:
-        if info.is_main:
-            print(f"data error: {e}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        sys.exit(1)
+    check_vocab(tokenizer, model)  # the same answer on every rank: no collective needed
 
     if lora.r > 0:  # LoRA / QLoRA adapters: they change modules, so before everything else
         model = apply_lora_table(
@@ -397,4 +402,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
-        main()
+        run_recipe(main)  # a config, data or model mistake: one block from rank 0, no traceback (support/errors.py)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -32,4 +34,8 @@ def apply_lora_table(
                 p.data = p.data.to(dtype)
     if qlora:
         fk.quantize_nf4(model)
-    return fk.apply_lora(model, r=r, alpha=alpha, dropout=dropout, targets=split_targets(targets))
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing` alias when it wraps the model; the
+        # FutureWarning is about peft's code, printed on every rank at every launch. Here only, not process-wide.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return fk.apply_lora(model, r=r, alpha=alpha, dropout=dropout, targets=split_targets(targets))

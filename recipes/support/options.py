@@ -1,12 +1,48 @@
-"""The recipe's options: one dataclass per TOML table, each field with its default and its --help text."""
+"""The recipe's options: one dataclass per TOML table, each field with its default, its --help text and the
+values it takes (checked by support/config.py for the TOML file and the command line alike)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fsdp2kit.diagnostics import ON_NONFINITE
+from fsdp2kit.precision import PRECISIONS
+from fsdp2kit.shard import STRATEGIES
+from fsdp2kit.stop import parse_signals
+from support.formats import FORMATS
+from support.tracking import TRACKERS
 
-def opt(default, help: str):
-    return field(default=default, metadata={"help": help})
+
+def opt(default, help: str, **rules):
+    """A field; ``rules``: ``choices``, ``check`` (value -> value to store, or ValueError) or ``minimum``."""
+    return field(default=default, metadata={"help": help, **rules})
+
+
+def _ac_mode(value: str) -> str:
+    if value.isdigit() and int(value) >= 1:
+        return value
+    if value.lower() in ("full", "selective"):
+        return value.lower()
+    raise ValueError("expected full, selective or a number N >= 1 (every N-th block)")
+
+
+def _signals(value: str) -> str:
+    parse_signals(value)
+    return value
+
+
+def _trackers(value: str) -> str:
+    names = [n.strip().lower() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"unknown tracker {unknown[0]!r}; known: {', '.join(TRACKERS)}")
+    return value
+
+
+def _targets(value: str) -> str:
+    if not [t for t in value.split(",") if t.strip()]:
+        raise ValueError("empty: name the Linear modules to adapt (e.g. q_proj,v_proj), or all-linear")
+    return value
 
 
 @dataclass
@@ -22,10 +58,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     files: str = opt("", "comma-separated local .jsonl/.json/.parquet/.arrow/.txt files; empty: the demo corpus")
-    format: str = opt("text", "text (train on every token) | chat (a messages list) | completion (prompt, completion)")
+    format: str = opt(
+        "text",
+        "text (train on every token) | chat (a messages list) | completion (prompt, completion)",
+        choices=FORMATS,
+    )
     tokenizer: str = opt("", "a local Hugging Face tokenizer directory; empty: the demo BPE, trained into cache_dir")
-    seq_len: int = opt(128, "tokens per training sequence")
-    batch_size: int = opt(8, "sequences per rank per micro-step")
+    seq_len: int = opt(128, "tokens per training sequence", minimum=1)
+    batch_size: int = opt(8, "sequences per rank per micro-step", minimum=1)
     packing: bool = opt(True, "pack several examples per sequence (they never attend to each other); false: pad")
     text_field: str = opt("text", "format=text: the field that holds the text")
     messages_field: str = opt("messages", "format=chat: the field that holds the list of {role, content}")
@@ -41,7 +81,7 @@ class EvalConfig:
     files: str = opt("", "held-out files (same format as [data]); empty: a fraction of the data, or no eval")
     fraction: float = opt(0.0, "hold out this fraction of the [data] records when no eval files are given")
     every: int = opt(0, "evaluate every N steps (0: only at the end); each covers the whole held-out split")
-    batch_size: int = opt(8, "sequences per rank per eval forward")
+    batch_size: int = opt(8, "sequences per rank per eval forward", minimum=1)
 
 
 @dataclass
@@ -53,47 +93,54 @@ class ExportConfig:
 @dataclass
 class ParallelConfig:
     shard: int = opt(-1, "ranks that shard the model (-1: all that replicate leaves)")
-    replicate: int = opt(1, "replica groups (HSDP when > 1, e.g. the number of nodes)")
-    tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)")
-    strategy: str | None = opt(None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2")
+    replicate: int = opt(1, "replica groups (HSDP when > 1, e.g. the number of nodes)", minimum=1)
+    tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)", minimum=1)
+    strategy: str | None = opt(
+        None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2", choices=tuple(STRATEGIES)
+    )
     mixed_precision: str | None = opt(
         None,
         "bf16 | fp16 (fp32 master weights whatever the checkpoint's dtype) | pure_bf16 (bf16 weights and state) | fp32",
+        choices=tuple(PRECISIONS),
     )
     cpu_offload: bool = opt(False, "keep parameters, gradients and optimizer state in CPU memory")
-    prefetch: int = opt(1, "blocks whose all-gather is issued ahead, forward and backward (0: off)")
-    activation_checkpointing: str | None = opt(None, "full | selective | N (every N-th block)")
+    prefetch: int = opt(1, "blocks whose all-gather is issued ahead, forward and backward (0: off)", minimum=0)
+    activation_checkpointing: str | None = opt(None, "full | selective | N (every N-th block)", check=_ac_mode)
     compile: bool = opt(False, "torch.compile each block")
     float8: bool = opt(False, "float8 matmuls and float8 all-gather (torchao)")
 
 
 @dataclass
 class LoraConfig:
-    r: int = opt(0, "LoRA rank; 0: full fine-tuning (no adapters)")
+    r: int = opt(0, "LoRA rank; 0: full fine-tuning (no adapters)", minimum=0)
     alpha: float = opt(16.0, "LoRA scaling numerator (the update is alpha / r x B @ A)")
     dropout: float = opt(0.0, "dropout on the adapters' input")
-    targets: str = opt("all-linear", "comma-separated Linear module names to adapt, or all-linear")
+    targets: str = opt("all-linear", "comma-separated Linear module names to adapt, or all-linear", check=_targets)
     qlora: bool = opt(False, "quantize the frozen base's block weights to 4-bit NF4 (QLoRA)")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(300, "optimizer steps in total")
+    steps: int = opt(300, "optimizer steps in total", minimum=0)
     lr: float = opt(3e-3, "peak learning rate (AdamW)")
     warmup: int = opt(30, "linear warm-up steps, then cosine decay to 10% of lr")
     weight_decay: float = opt(0.1, "AdamW weight decay")
-    grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)")
+    grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)", minimum=1)
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)")
     seed: int = opt(0, "seed for weights and data order")
     smoke: bool = opt(False, "run the pre-flight self-check instead of training")
     plan_only: bool = opt(False, "print the ShardPlan for the configured mesh and exit (no process group, no GPU)")
     fail_at_step: int = opt(-1, "testing aid: rank 1 kills itself at this step on its first attempt")
     skip_micro_at: int = opt(-1, "testing aid: rank 1 skips micro-step 0 of step N (counted from 1)")
-    on_nonfinite: str = opt("raise", "a NaN/Inf loss or gradient norm: raise (naming the module) | skip the step")
+    on_nonfinite: str = opt(
+        "raise", "a NaN/Inf loss or gradient norm: raise (naming the module) | skip the step", choices=ON_NONFINITE
+    )
     timeout: float = opt(600.0, "seconds a collective may wait before it fails (the process group's timeout)")
     check_every: int = opt(10, "compare step, micro-step and batch shape across ranks every N steps (0: off)")
     check_timeout: float = opt(60.0, "seconds a rank waits at a check for the others before naming who is where")
-    stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint")
+    stop_signals: str = opt(
+        "SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint", check=_signals
+    )
     requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
 
 
@@ -101,17 +148,19 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str = opt("outputs/ckpt", "checkpoint root (step_XXXXXXXX directories)")
     every: int = opt(100, "save every N steps (and at the end); 0: only at the end")
-    keep_last: int = opt(2, "complete checkpoints to keep")
+    keep_last: int = opt(2, "complete checkpoints to keep", minimum=1)
     async_save: bool = opt(False, "save in the background while training continues")
     resume: bool = opt(True, "resume from the newest complete checkpoint in dir")
 
 
 @dataclass
 class LogConfig:
-    every: int = opt(10, "log every N steps")
+    every: int = opt(10, "log every N steps", minimum=1)
     jsonl: str = opt("outputs/train.jsonl", "JSONL metrics file (rank 0); empty: none")
     progress: bool = opt(True, "a progress bar on rank 0")
-    trackers: str = opt("", "comma-separated: tensorboard, wandb (offline), mlflow (local files); empty: none")
+    trackers: str = opt(
+        "", "comma-separated: tensorboard, wandb (offline), mlflow (local files); empty: none", check=_trackers
+    )
     tracker_dir: str = opt("outputs/tracking", "where the trackers write (tensorboard/, wandb/, mlruns/)")
     project: str = opt("fsdp2kit", "the W&B project / MLflow experiment")
     run_name: str = opt("", "the run's name in the trackers (empty: 'run')")

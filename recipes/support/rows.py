@@ -18,16 +18,19 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.errors import UsageError
 from support.formats import IGNORE, FormatSpec, encode_record
 
-__all__ = ["DataError", "DataSplits", "load_rows", "pack_examples", "prepare_data", "read_records"]
+__all__ = ["DataError", "DataSplits", "check_source", "load_rows", "pack_examples", "prepare_data", "read_records"]
 
 _VERSION = 1  # bump when the row layout changes: old caches then stop matching
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text", ".md": "text"}
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Bad data or data settings, with the file and line (or field) at fault."""
+
+    kind = "data"
 
 
 @dataclass
@@ -44,21 +47,31 @@ def _quiet_datasets() -> None:
     datasets.logging.set_verbosity_error()
 
 
+def check_source(path: str | Path, role: str = "data") -> str | None:
+    """The `datasets` builder that reads ``path`` (None: a dataset saved with save_to_disk), or `DataError`.
+    Reads nothing, so the recipe checks its files before any process group starts."""
+    p = Path(path)
+    if p.is_dir() and (p / "dataset_info.json").is_file():
+        return None
+    if p.is_dir():
+        raise DataError(f"{role} path {p} is a directory but not a dataset saved with save_to_disk")
+    if not p.is_file():
+        raise DataError(f"{role} file {p} does not exist")
+    builder = _BUILDERS.get(p.suffix.lower())
+    if builder is None:
+        raise DataError(f"{role} file {p}: unknown type {p.suffix!r}; use one of {', '.join(sorted(_BUILDERS))}")
+    return builder
+
+
 def read_records(path: str | Path, cache_dir: str | Path):
     """One local file as a `datasets.Dataset` of records (JSONL/JSON, Parquet, Arrow, or a text file = one record)."""
     import datasets
 
     p = Path(path)
-    if p.is_dir() and (p / "dataset_info.json").is_file():
+    builder = check_source(p)
+    if builder is None:
         ds = datasets.load_from_disk(str(p))
         return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-    if p.is_dir():
-        raise DataError(f"data path {p} is a directory but not a dataset saved with save_to_disk")
-    if not p.is_file():
-        raise DataError(f"data file {p} does not exist")
-    builder = _BUILDERS.get(p.suffix.lower())
-    if builder is None:
-        raise DataError(f"data file {p}: unknown type {p.suffix!r}; use one of {', '.join(sorted(_BUILDERS))}")
     kw = {"sample_by": "document"} if builder == "text" else {}
     try:
         return datasets.load_dataset(

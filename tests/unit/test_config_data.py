@@ -34,7 +34,10 @@ def test_file_then_overrides(tmp_path):
 def test_config_errors(tmp_path, capsys):
     f = tmp_path / "c.toml"
     f.write_text("[a]\nlearning_rate = 1\n")
-    with pytest.raises(ConfigError, match=r"unknown key a.learning_rate; keys of \[a\]: flag, lr, name, steps"):
+    with pytest.raises(ConfigError, match=r"unknown key a.learning_rate; keys of \[a\]: flag, lr, name, steps$"):
+        parse_config(Cfg, ["--config", str(f)])
+    f.write_text("[a]\nstpes = 1\n")
+    with pytest.raises(ConfigError, match=r"c.toml: unknown key a.stpes; did you mean a.steps\?$"):
         parse_config(Cfg, ["--config", str(f)])
     f.write_text("[b]\nx = 1\n")
     with pytest.raises(ConfigError, match=r"unknown table \[b\]; known tables: a"):
@@ -44,14 +47,66 @@ def test_config_errors(tmp_path, capsys):
         parse_config(Cfg, ["--config", str(f)])
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(Cfg, ["--config", str(tmp_path / "missing.toml")])
-    with pytest.raises(ConfigError, match=r"a.steps='many' is not a valid int"):
+    with pytest.raises(ConfigError, match=r"^a.steps = 'many' \(from the command line\): not a valid int$"):
         parse_config(Cfg, ["--a.steps", "many"])
-    with pytest.raises(ConfigError, match=r"a.steps=1.5 is not a valid int"):
-        f.write_text("[a]\nsteps = 1.5\n")
+    f.write_text("[a]\nsteps = 1.5\n")
+    with pytest.raises(ConfigError, match=rf"^a.steps = 1.5 \(from {f}\): not a valid int$"):
         parse_config(Cfg, ["--config", str(f)])
-    with pytest.raises(SystemExit):
+    # argparse's own errors are ConfigErrors too, not its usage text on stderr
+    with pytest.raises(ConfigError, match=r"^unknown option --a.nope; did you mean --a.name\?$"):
         parse_config(Cfg, ["--a.nope", "1"])
-    assert "unrecognized arguments: --a.nope" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^unknown option --quiet; see --help for the options$"):
+        parse_config(Cfg, ["--quiet"])
+    with pytest.raises(ConfigError, match=r"^unknown option --a.stpes; did you mean --a.steps\?$"):
+        parse_config(Cfg, ["--a.stpes=1"])
+    with pytest.raises(ConfigError, match=r"^unknown option --a.step; did you mean --a.steps\?$"):
+        parse_config(Cfg, ["--a.step", "1"])  # no abbreviations: --a.step is not --a.steps
+    with pytest.raises(ConfigError, match=r"^unexpected argument '3' on the command line"):
+        parse_config(Cfg, ["--a.steps", "2", "3"])
+    with pytest.raises(ConfigError, match=r"^argument --a.steps: expected one argument \(see --help\)$"):
+        parse_config(Cfg, ["--a.steps"])
+    assert capsys.readouterr().err == ""
+
+
+def _even(value: int) -> int:
+    if value % 2:
+        raise ValueError("odd")
+    return value
+
+
+@dataclass
+class B:
+    mode: str = field(default="fast", metadata={"choices": ("fast", "SLOW")})
+    n: int = field(default=1, metadata={"minimum": 1})
+    even: int = field(default=2, metadata={"check": _even})
+
+
+@dataclass
+class CfgB:
+    b: B = field(default_factory=B)
+
+
+def test_field_rules_read_the_same_from_the_file_and_the_command_line(tmp_path):
+    assert parse_config(CfgB, ["--b.mode", "slow"]).b.mode == "SLOW"  # any case, stored as the choice spells it
+    f = tmp_path / "c.toml"
+    f.write_text('[b]\nmode = "slwo"\n')
+    why = r"b.mode = 'slwo' \(from {}\): expected one of fast, SLOW; did you mean SLOW\?$"
+    with pytest.raises(ConfigError, match="^" + why.format(f)):
+        parse_config(CfgB, ["--config", str(f)])
+    with pytest.raises(ConfigError, match="^" + why.format("the command line")):
+        parse_config(CfgB, ["--b.mode", "slwo"])
+    with pytest.raises(ConfigError, match=r"^b.n = '0' \(from the command line\): must be >= 1$"):
+        parse_config(CfgB, ["--b.n", "0"])
+    with pytest.raises(ConfigError, match=r"^b.even = 3 \(from .*c.toml\): odd$"):
+        f.write_text("[b]\neven = 3\n")
+        parse_config(CfgB, ["--config", str(f)])
+
+
+def test_help_and_argparse_errors_come_from_rank_0_only(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        parse_config(Cfg, ["--help"])
+    assert capsys.readouterr().out == ""
 
 
 def test_help_lists_every_key_with_its_default(capsys):
