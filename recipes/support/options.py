@@ -109,6 +109,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     every: int = opt(10, "log every N steps")
+    verbose: bool = opt(False, "print the full memory plan and ShardPlan at start-up (always in the JSONL start event)")
     jsonl: str = opt("outputs/train.jsonl", "JSONL metrics file (rank 0); empty: none")
     progress: bool = opt(True, "a progress bar on rank 0")
     trackers: str = opt("", "comma-separated: tensorboard, wandb (offline), mlflow (local files); empty: none")
