@@ -61,9 +61,14 @@ def device_memory(device: torch.device) -> str:
 def summary(cfg: Config, plan: fk.ShardPlan, memory: MemoryPlan | str, device: torch.device) -> str:
     """The start-up lines (rank 0): what runs where, in which dtypes, whether it should fit, where it writes."""
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
+    trainable = sum(plan.master_numel.values())
+    lora = ""
+    if cfg.lora.r:
+        lora = f", {'QLoRA' if cfg.lora.qlora else 'LoRA'} r={cfg.lora.r} on {cfg.lora.targets}"
     lines = [
-        f"model {cfg.model.name}: {fmt_count(plan.n_params)} parameters in {len(plan.units)} FSDP units, "
-        f"mesh ({mesh}), {plan.strategy}" + (", CPU offload" if plan.cpu_offload else ""),
+        f"model {cfg.model.name}: {fmt_count(plan.n_params)} parameters ({fmt_count(trainable)} trained{lora}) "
+        f"in {len(plan.units)} FSDP units, mesh ({mesh}), {plan.strategy}"
+        + (", CPU offload" if plan.cpu_offload else ""),
         f"precision: {plan.precision_line}",
     ]
     if isinstance(memory, MemoryPlan):
