@@ -396,5 +396,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+    with quiet_imports(), warnings.catch_warnings():  # torchao's import-time lines: this script owns the process
+        # peft's get_peft_model reads transformers' deprecated `is_gradient_checkpointing` once per rank: peft's
+        # code, nothing a user of this recipe can change (transformers 5.23, peft as pinned).
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         main()

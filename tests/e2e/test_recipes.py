@@ -125,6 +125,10 @@ def test_help_lists_every_option(tmp_path):
     _, out = run(["--help"], tmp_path, nproc=None)
     assert "--train.warmup INT" in out and "cosine decay to 10% of lr" in out and "(default: 30)" in out
     assert "--parallel.activation_checkpointing STR" in out and "--checkpoint.async_save BOOL" in out
+    words = " ".join(out.split())  # argparse wraps at the terminal's width
+    assert "--export.merge BOOL with [lora]: true writes the base with the adapters merged in" in words
+    assert "false writes a PEFT adapter directory" in words and "<checkpoint.dir>.smoke, removed" in words
+    assert "--log.verbose BOOL print the full memory plan and ShardPlan at start-up" in words
 
 
 @pytest.mark.timeout(120)
