@@ -34,20 +34,22 @@ from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.diagnostics import RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
+from fsdp2kit.planner.api import plan_shards
 from fsdp2kit.weights.adapters import peft_init_fn
 from support.config import config_to_dict, parse_config
 from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
 from support.errors import ConfigError, UsageError, run_recipe
 from support.evaluate import evaluate
 from support.export import export_model
-from support.lora import apply_lora_table
+from support.lora import apply_lora_table, split_targets
 from support.loss import answer_loss_sum, backward_global_mean
-from support.metrics import LivePeak, Timer, peak_memory_bytes
+from support.metrics import LivePeak, Timer, peak_memory_bytes, peak_memory_key
 from support.options import Config
 from support.positions import seq_len_problem
 from support.preemption import stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
 from support.rows import check_source
+from support.startup import memory_plan, summary
 from support.tracking import RunLog
 
 
@@ -112,13 +114,16 @@ def main(argv: list[str] | None = None) -> None:
         # The model on the meta device (no memory), planned for the configured mesh: "does it fit?"
         positions = cfg.model.max_position_embeddings or None
         model = build_causal_lm(cfg.model.name, max_position_embeddings=positions, meta=True)
-        if cfg.lora.r > 0:  # QLoRA too: quantize_nf4 on the meta device leaves NF4 placeholders
-            model = apply_lora_table(
-                model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, targets=cfg.lora.targets,
-                qlora=cfg.lora.qlora, dtype=lora_base_dtype,
-            )  # fmt: skip
+        # The model the run would train, planned for GPUs: the adapters as [lora] puts them
+        # (QLoRA too: quantize_nf4 on the meta device leaves NF4 placeholders).
+        lora = {}
+        if cfg.lora.r > 0:
+            targets = split_targets(cfg.lora.targets)
+            targets = targets if isinstance(targets, str) else tuple(targets)
+            lora = {"lora": cfg.lora.r, "qlora": cfg.lora.qlora, "lora_targets": targets}
+        print(memory_plan(model, cfg, shard=p.shard, replicate=p.replicate, device="cuda", **lora))
         print(
-            fk.estimate_plan(
+            plan_shards(
                 model,
                 shard=p.shard,
                 replicate=p.replicate,
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                 strategy=p.strategy,
                 mixed_precision=p.mixed_precision,
                 cpu_offload=p.cpu_offload,
+                **lora,
             )
         )
         return
@@ -167,30 +173,14 @@ def main(argv: list[str] | None = None) -> None:
         model.to(info.device)
 
     # Will it fit? The planner's prediction for this rank, logged beside the measured peak below: the
-    # model as it trains (LoRA targets and dtypes), so its figures are the ShardPlan's printed below.
-    predicted = None
+    # model as it trains (LoRA targets and dtypes), so its figures are the ShardPlan's (support/startup.py).
+    memory = predicted = None
     if info.is_main:
-        ac = p.activation_checkpointing
-        try:
-            memory_plan = fk.plan_memory(
-                model,
-                shard=mesh["shard"].size(),
-                replicate=mesh["replicate"].size() if "replicate" in mesh.mesh_dim_names else 1,
-                tp=p.tp,
-                batch=cfg.data.batch_size,
-                seq=cfg.data.seq_len,
-                activation_checkpointing=int(ac) if ac and ac.isdigit() else ac,
-                mixed_precision=p.mixed_precision,
-                cpu_offload=p.cpu_offload,
-                prefetch=p.prefetch,
-                strategy=p.strategy,
-                device=info.device.type if info.device.type == "cuda" else "cpu",
-                name=cfg.model.name,
-            )
-            print(memory_plan, flush=True)
-            predicted = memory_plan.peak_bytes - memory_plan.parts["margin"]  # what max_memory_allocated sees
-        except Exception as e:  # a plan is advice: a model the planner cannot trace still trains
-            print(f"memory plan unavailable: {type(e).__name__}: {e}", flush=True)
+        dp = {"shard": mesh["shard"].size()}
+        dp["replicate"] = mesh["replicate"].size() if "replicate" in mesh.mesh_dim_names else 1
+        memory = memory_plan(model, cfg, **dp, device="cuda" if info.device.type == "cuda" else "cpu")
+        if not isinstance(memory, str):
+            predicted = memory.peak_bytes - memory.parts["margin"]  # what max_memory_allocated sees
 
     # 3. wrappers that change modules must come before sharding
     if p.float8:
@@ -211,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         model, mesh, strategy=p.strategy, mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload
     )
     if info.is_main:
-        print(plan, flush=True)
+        if cfg.log.verbose:
+            print(f"{memory}\n{plan}", flush=True)
+        print(summary(cfg, plan, memory, info.device), flush=True)
     if cfg.model.pretrained and not quantize_first:
         fk.load_pretrained(model, cfg.model.name)  # a peft model: the base only, adapters keep their init
     elif cfg.model.meta_init and not quantize_first:
@@ -233,10 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
     if t.smoke:
-        from support.smoke import run_smoke
+        from support.smoke import run_smoke, smoke_dir
 
-        smoke_dir = Path(cfg.checkpoint.dir) / "smoke"
-        ok = run_smoke(model, optimizer, scheduler, loader, plan, mean_answer_loss, info, smoke_dir)
+        where = smoke_dir(cfg.checkpoint.dir)  # beside the checkpoints, never in them; removed afterwards
+        ok = run_smoke(model, optimizer, scheduler, loader, plan, mean_answer_loss, info, where)
         dist.destroy_process_group()
         sys.exit(0 if ok else 1)
 
@@ -273,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
             "world_size": info.world_size,
             "master_dtype": plan.master_dtype,  # also the second line of the printed ShardPlan
             "optimizer_state_dtype": plan.state_dtype,  # torch AdamW: like the parameters
+            # The full plans, which the console shows only with --log.verbose (support/startup.py).
+            "memory_plan": str(memory),
+            "shard_plan": str(plan),
         }
     )
     bar = None
@@ -286,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     first_loss = last_loss = float("nan")
     skipped = 0
     live_peak = LivePeak(info.device, at_step=start + 1)  # CPU: live tensor bytes, beside the prediction
+    mem_key = peak_memory_key(info.device)
     for step in range(start, t.steps):
         if step == t.fail_at_step and info.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash with no chance to clean up, as in real life
@@ -332,11 +328,14 @@ def main(argv: list[str] | None = None) -> None:
                 "loss": loss_sum.item() / max(1.0, answer_count.item()),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_per_step / dt,
-                "peak_mem_gib": mem.max().item() / 2**30,  # CUDA: max allocated; CPU: process RSS
-                "peak_mem_gib_per_rank": [m / 2**30 for m in mem.tolist()],
                 "grad_norm": grad_norm.item(),
                 "skipped_steps": skipped,
             }
+            if peak:
+                record["mfu"] = flops_per_token * tokens_per_step / dt / (peak * info.world_size)
+            # named for what each device measures (support/metrics.py): CUDA max allocated, CPU process RSS
+            record[mem_key] = mem.max().item() / 2**30
+            record[f"{mem_key}_per_rank"] = [m / 2**30 for m in mem.tolist()]
             if cfg.log.resources:
                 record.update({f"{k}_per_rank": res[:, i].tolist() for i, k in enumerate(RESOURCE_KEYS)})
             if predicted is not None:
@@ -344,13 +343,14 @@ def main(argv: list[str] | None = None) -> None:
             if live_peak.peak is not None:  # CPU: rank 0's live tensor bytes in one step, the figure predicted
                 record["peak_live_gib"] = live_peak.peak / 2**30
                 record["peak_live_step_s"] = live_peak.seconds
-            if peak:
-                record["mfu"] = flops_per_token * tokens_per_step / dt / (peak * info.world_size)
             first_loss = record["loss"] if math.isnan(first_loss) else first_loss
             last_loss = record["loss"]
             log.log(record)
             if info.is_main:
                 shown = {k: v for k, v in record.items() if not isinstance(v, list)}
+                if info.device.type == "cpu" and "peak_live_gib" not in record:
+                    # On CPU the prediction is shown only beside the live bytes it predicts, never alone beside RSS.
+                    shown.pop("predicted_peak_gib", None)
                 text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
                 if bar:
                     bar.write(text)

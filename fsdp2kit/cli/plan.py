@@ -88,9 +88,6 @@ def add_plan(subparsers) -> None:
 
 def run_plan(args) -> int:
     from fsdp2kit.models import build_causal_lm
-    from fsdp2kit.planner.adapt import lora_model
-    from fsdp2kit.planner.api import check_lora
-    from fsdp2kit.precision import resolve_mixed_precision
 
     targets = parse_targets(args.lora_targets)
     memory = args.batch is not None or args.seq is not None
@@ -104,24 +101,22 @@ def run_plan(args) -> int:
         ]
         if given:
             raise ValueError(f"{', '.join(given)}: only a training step's memory plan uses it; give --batch and --seq")
-        from fsdp2kit.shard import estimate_plan
+        from fsdp2kit.planner.api import plan_shards
 
-        check_lora(args.lora, args.qlora, targets, args.tp)
-        compute_dtype = resolve_mixed_precision(args.mixed_precision).param_dtype
         model = build_causal_lm(args.model, meta=True)
-        if args.lora is not None:  # the model the run trains: the planner's and the memory plan's LoRA model
-            model = lora_model(model, r=args.lora, qlora=args.qlora, targets=targets, compute_dtype=compute_dtype)
-        print(
-            estimate_plan(
-                model,
-                shard=args.shard,
-                replicate=args.replicate,
-                tp=args.tp,
-                strategy=args.strategy,
-                mixed_precision=args.mixed_precision,
-                cpu_offload=args.cpu_offload,
-            )
+        plan = plan_shards(
+            model,
+            shard=args.shard,
+            replicate=args.replicate,
+            tp=args.tp,
+            strategy=args.strategy,
+            mixed_precision=args.mixed_precision,
+            cpu_offload=args.cpu_offload,
+            lora=args.lora,
+            qlora=args.qlora,
+            lora_targets=targets,
         )
+        print(plan)  # the recipe's --train.plan_only prints the same plan (fsdp2kit.planner.api.plan_shards)
         return 0
 
     from fsdp2kit.planner.api import Settings, plan_settings

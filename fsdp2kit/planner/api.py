@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.models import max_positions
+from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
 from fsdp2kit.planner.report import MemoryPlan
@@ -23,7 +24,7 @@ from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
 
-__all__ = ["Settings", "check_lora", "plan_memory", "plan_settings"]
+__all__ = ["Settings", "check_lora", "plan_memory", "plan_settings", "plan_shards"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,40 @@ def check_lora(lora: int | None, qlora: bool, targets: str | tuple[str, ...], tp
             f"lora={lora} with tp={tp}: the planner does not model LoRA adapters under tensor "
             "parallelism (plan them apart: tp=1 with LoRA, or tp without)"
         )
+
+
+def plan_shards(
+    model: nn.Module,
+    *,
+    shard: int,
+    replicate: int = 1,
+    tp: int = 1,
+    strategy: str | None = None,
+    mixed_precision: str | None = None,
+    cpu_offload: bool = False,
+    lora: int | None = None,
+    qlora: bool = False,
+    lora_targets: str | tuple[str, ...] = "all-linear",
+) -> ShardPlan:
+    """The `ShardPlan` of ``model`` as the run trains it, without a process group: `fsdp2kit.estimate_plan`
+    of the model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model).
+
+    What ``fsdp2kit plan`` prints without ``--batch/--seq`` and the recipe's ``--train.plan_only`` prints
+    beside the memory plan.
+    """
+    check_lora(lora, qlora, lora_targets, tp)
+    if lora is not None:
+        compute = resolve_precision(mixed_precision).compute_dtype
+        model = lora_model(model, r=lora, qlora=qlora, targets=lora_targets, compute_dtype=compute)
+    return estimate_plan(
+        model,
+        shard=shard,
+        replicate=replicate,
+        tp=tp,
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+    )
 
 
 def plan_memory(

@@ -1,11 +1,12 @@
 """The recipe's measurements: timing, peak memory and JSONL logging (FLOPs and MFU: `fsdp2kit.mfu`).
 
-Peak memory is what the device reports: on CUDA the allocator's high-water mark
-(``torch.cuda.max_memory_allocated``); on CPU the process's resident-set high-water mark
-(``ru_maxrss``), which includes the interpreter and libraries (~0.5 GiB with torch and
+Peak memory is what the device reports, logged under a name that says which figure it is
+(`peak_memory_key`): on CUDA the allocator's high-water mark (``torch.cuda.max_memory_allocated``,
+``peak_alloc_gib``); on CPU the process's resident-set high-water mark (``ru_maxrss``,
+``peak_rss_gib``), which includes the interpreter and libraries (~0.5 GiB with torch and
 transformers imported), so compare CPU figures with each other, not with a GPU's.
 
-Neither CPU figure is what `fsdp2kit.plan_memory` predicts there (live tensor bytes), so on CPU
+RSS is not what `fsdp2kit.plan_memory` predicts on CPU (live tensor bytes), so on CPU
 `LivePeak` also measures one step's peak of live tensor bytes with the planner's own tracker:
 that one sits beside the prediction (``peak_live_gib`` vs ``predicted_peak_gib``).
 """
@@ -28,6 +29,7 @@ __all__ = [
     "LivePeak",
     "Timer",
     "peak_memory_bytes",
+    "peak_memory_key",
     "reset_peak_memory",
 ]
 
@@ -35,6 +37,11 @@ __all__ = [
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_key(device: torch.device) -> str:
+    """The log key of `peak_memory_bytes` in GiB: ``peak_alloc_gib`` (CUDA) or ``peak_rss_gib`` (CPU)."""
+    return "peak_alloc_gib" if device.type == "cuda" else "peak_rss_gib"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -87,7 +87,11 @@ class EvalConfig:
 @dataclass
 class ExportConfig:
     hf_dir: str = opt("", "at the end, write a Hugging Face model (and its tokenizer) here; empty: no export")
-    merge: bool = opt(True, "with [lora]: the adapters merged into the base (false: a PEFT adapter directory)")
+    merge: bool = opt(
+        True,
+        "with [lora]: true writes the base with the adapters merged in (a plain model for from_pretrained); "
+        "false writes a PEFT adapter directory (for PeftModel.from_pretrained)",
+    )
 
 
 @dataclass
@@ -128,8 +132,12 @@ class TrainConfig:
     grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)", minimum=1)
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)")
     seed: int = opt(0, "seed for weights and data order")
-    smoke: bool = opt(False, "run the pre-flight self-check instead of training")
-    plan_only: bool = opt(False, "print the ShardPlan for the configured mesh and exit (no process group, no GPU)")
+    smoke: bool = opt(
+        False, "run the pre-flight self-check instead of training (its checkpoint: <checkpoint.dir>.smoke, removed)"
+    )
+    plan_only: bool = opt(
+        False, "print the memory plan and ShardPlan for the configured mesh and exit (no process group, no GPU)"
+    )
     fail_at_step: int = opt(-1, "testing aid: rank 1 kills itself at this step on its first attempt")
     skip_micro_at: int = opt(-1, "testing aid: rank 1 skips micro-step 0 of step N (counted from 1)")
     on_nonfinite: str = opt(
@@ -156,6 +164,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     every: int = opt(10, "log every N steps", minimum=1)
+    verbose: bool = opt(False, "print the full memory plan and ShardPlan at start-up (always in the jsonl start event)")
     jsonl: str = opt("outputs/train.jsonl", "JSONL metrics file (rank 0); empty: none")
     progress: bool = opt(True, "a progress bar on rank 0")
     trackers: str = opt(

@@ -3,7 +3,9 @@
 Each check prints PASS or FAIL on rank 0:
 - loss finite and falling over a few steps;
 - the same loss on every rank for the same batch (the shards really form one model);
-- a checkpoint save/load round-trip after which training continues with bitwise-equal losses;
+- a checkpoint save/load round-trip after which training continues with bitwise-equal losses,
+  in `smoke_dir`: ``<checkpoint.dir>.smoke`` beside the checkpoint directory (the same file
+  system, which every rank must see, and never the run's own checkpoints), removed afterwards;
 - the measured peak memory per rank against the ShardPlan's floor (parameters + gradients +
   Adam state): the difference is activations and runtime overhead.
 """
@@ -26,7 +28,13 @@ from fsdp2kit.grads import clip_grad_norm_
 from fsdp2kit.plan import ShardPlan
 from support.metrics import peak_memory_bytes
 
-__all__ = ["run_smoke"]
+__all__ = ["run_smoke", "smoke_dir"]
+
+
+def smoke_dir(checkpoint_dir: str | Path) -> Path:
+    """Where the round-trip checkpoint goes: ``outputs/ckpt`` -> ``outputs/ckpt.smoke``."""
+    root = Path(checkpoint_dir).resolve()
+    return root.with_name(root.name + ".smoke")
 
 
 def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -93,7 +101,16 @@ def run_smoke(
     ck.load(model, optimizer=optimizer, extra=extra)
     batches = iter(loader)
     again = [_step(model, optimizer, scheduler, batches, loss_fn, info.device) for _ in range(3)]
-    results.append(("save/load round-trip continues the loss exactly", after == again, f"{after} vs {again}"))
+    results.append(
+        (
+            "save/load round-trip continues the loss exactly",
+            after == again,
+            f"{after} vs {again} (in {ckpt_dir}, now removed)",
+        )
+    )
+    dist.barrier()  # every rank has read it back
+    if info.is_main:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
 
     peak = torch.tensor([peak_memory_bytes(info.device)], dtype=torch.float64, device=info.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)

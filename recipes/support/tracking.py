@@ -4,7 +4,8 @@ Each tracker is an optional extra (``pip install 'fsdp2kit[tensorboard]'``, ``[w
 ``[mlflow]``) chosen by ``[log] trackers = "tensorboard,wandb,mlflow"``. `RunLog.log` takes the
 same records the JSONL file gets: the start record's ``config`` becomes the run's configuration;
 every other number (loss, eval loss, lr, grad norm, tokens/s, MFU, peak memory) is a scalar at
-the record's ``step``; a list (``peak_mem_gib_per_rank``) becomes one scalar per rank.
+the record's ``step``; a list (``peak_rss_gib_per_rank``) becomes one scalar per rank; text
+(the start event's ``memory_plan`` and ``shard_plan``) stays in the JSONL file only.
 Nothing here talks to a network: W&B runs in offline mode (``wandb sync`` uploads later) unless
 ``WANDB_MODE`` says otherwise, and MLflow writes to a local file store (``MLFLOW_TRACKING_URI``
 overrides it).

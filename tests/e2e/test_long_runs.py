@@ -81,8 +81,8 @@ def test_a_signal_to_one_rank_saves_requeues_and_the_next_launch_resumes_bitwise
     acc = EventAccumulator(str(trk / "tensorboard" / "run"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    expected = {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gib", "peak_mem_gib_per_rank/rank_0"}
-    assert expected | {"peak_mem_gib_per_rank/rank_1"} <= tags, tags
+    expected = {"loss", "lr", "grad_norm", "tokens_per_s", "peak_rss_gib", "peak_rss_gib_per_rank/rank_0"}
+    assert expected | {"peak_rss_gib_per_rank/rank_1"} <= tags, tags
     tb_loss = {e.step: e.value for e in acc.Scalars("loss")}
     assert set(tb_loss) == set(ref) and all(abs(tb_loss[s] - ref[s]) <= 1e-6 * abs(ref[s]) for s in ref)
     assert "config/text_summary" in acc.Tags()["tensors"]

@@ -31,7 +31,7 @@ def test_lora_recipe_trains_and_resumes(tmp_path):
         return proc.stdout + proc.stderr
 
     out = run(10)
-    assert "done: steps 0 -> 10" in out and "PeftModel" in out
+    assert "done: steps 0 -> 10" in out and "LoRA r=8 on q_proj,v_proj,down_proj) in 6 FSDP units" in out
     info = json.loads((tmp_path / "ckpt" / "step_00000010" / "fsdp2kit.json").read_text())
     assert info["trainable_only"] is True  # the frozen base is not in the checkpoint
     out = run(15)

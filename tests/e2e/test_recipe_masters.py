@@ -36,10 +36,11 @@ def test_bf16_checkpoint_fine_tunes_fp32_masters(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     args = [*common, "--parallel.mixed_precision", "bf16", "--train.steps", "2", "--train.lr", "2e-5"]
     _, out = run([*args, "--checkpoint.dir", str(tmp_path / "ck"), "--log.jsonl", str(log)], tmp_path)
-    assert "master weights fp32, optimizer state fp32" in out  # the memory plan, first
-    assert "master weights fp32 (cast from bf16 at sharding), gradients fp32, AdamW state fp32" in out
+    # the start-up summary says it; the memory plan (in the log's start event) too
+    assert "precision: master weights fp32 (cast from bf16 at sharding), gradients fp32, AdamW state fp32" in out
     assert "trains the parameters as built" not in out
     start = next(r for r in map(json.loads, log.read_text().splitlines()) if r.get("event") == "start")
+    assert "\nmaster weights fp32, optimizer state fp32\n" in start["memory_plan"]
     assert start["master_dtype"] == start["optimizer_state_dtype"] == "fp32"
     # what the checkpoint holds: fp32 weights and fp32 AdamW moments
     assert cli(["inspect", str(tmp_path / "ck")]) == 0

@@ -62,12 +62,16 @@ def test_lora_plans_agree_and_the_export_has_its_tokenizer(tmp_path):
         "--model.name", str(base), "--data.seq_len", "512", "--model.max_position_embeddings", "512",
         "--data.batch_size", "2", "--parallel.mixed_precision", "bf16", "--lora.r", "8",
         "--lora.targets", "q_proj,k_proj,v_proj,o_proj", "--train.steps", "1", "--checkpoint.dir", str(tmp_path / "ck"),
-        "--export.hf_dir", str(tmp_path / "hf"),
+        "--export.hf_dir", str(tmp_path / "hf"), "--log.verbose", "true",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
+    # --log.verbose prints both plans, before the start-up summary that every launch prints.
+    assert out.index("Memory plan: ") < out.index("ShardPlan: ") < out.index("\nmodel ") < out.index("\nstep 1 ")
+    assert "LoRA r=8 on q_proj,k_proj,v_proj,o_proj" in out
+    assert "is_gradient_checkpointing" not in out  # peft's deprecation warning, filtered in the recipe's scope
     # Adapters on q/k/v/o only: 2 blocks x 4 targets x r=8 x (64 + 64) = 8192 fp32 values, half a rank: 16 KiB.
     assert plans_agree(out)[1] == "16.0 KiB"
     assert AutoConfig.from_pretrained(tmp_path / "hf").max_position_embeddings == 512  # the raised limit, exported

@@ -36,7 +36,7 @@ def test_qlora_recipe_from_pretrained_dir(tmp_path):
         "--model.name", str(tmp_path / "base"), "--model.pretrained", "true", "--lora.r", "8", "--lora.alpha", "16",
         "--lora.qlora", "true", "--parallel.mixed_precision", "bf16", "--train.steps", "4", "--data.seq_len", "64",
         "--log.every", "1", "--log.progress", "false", "--checkpoint.dir", str(tmp_path / "ckpt"), "--log.jsonl", "",
-        "--export.hf_dir", "",
+        "--export.hf_dir", "", "--log.verbose", "true",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
