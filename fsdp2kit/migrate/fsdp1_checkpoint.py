@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.agree import all_ranks_or_none
-from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.migrate.full_state import ImportResult, allocate_for_load, load_full_state_dict, torch_load_safely
 from fsdp2kit.weights.hf_layout import clean_fqn
 
@@ -77,16 +77,12 @@ def _load_dcp_model(model: nn.Module, path: Path) -> int:
         stored = _dcp_keys(path)
         state = get_model_state_dict(model)
         prefix = next((p for p in ("model.", "") if all(p + k in stored for k in state)), None)
-        if prefix is None:
-            best = "model." if any(k.startswith("model.") for k in stored) else ""
-            missing = sorted(k for k in state if best + k not in stored)
-            raise ValueError(
-                f"{path} lacks keys the model has: {fmt_list(missing)}; it holds: {fmt_list(sorted(stored))}"
-            )
-        if prefix:
-            extra = sorted(k[len(prefix) :] for k in stored if k.startswith(prefix) and k[len(prefix) :] not in state)
-            if extra:
-                raise ValueError(f"{path} holds tensors the model does not have: {fmt_list(extra)}")
+        best = prefix if prefix is not None else "model." if any(k.startswith("model.") for k in stored) else ""
+        missing = sorted(k for k in state if best + k not in stored)
+        extra = sorted(k[len(best) :] for k in stored if best and k.startswith(best) and k[len(best) :] not in state)
+        problems = key_problems(missing, extra)
+        if problems:
+            raise ValueError(f"{path}: " + "; ".join(problems))
     dcp.load({"model": state} if prefix else state, storage_reader=dcp.FileSystemReader(str(path)))
     set_model_state_dict(model, state)
     return len(state)
