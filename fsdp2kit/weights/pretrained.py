@@ -46,13 +46,11 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     full model; a checkpoint whose layout differs from the model's adds one converted tensor at
     a time.
 
-    Every shard is a copy: the rows are read with plain file reads straight into the shard (CPU)
-    or through one tensor's rows in host memory (CUDA, or when the file's dtype differs), so a
-    rank's memory is its shards plus at most one tensor's rows (benchmarks/results/load_pretrained.md).
-    Nothing of the model refers to the files once this returns: overwriting, truncating or
-    deleting them while the model trains changes nothing (tests/dist/test_weights.py). Each
-    file's header is checked against the file's size first (a truncated or padded file is a
-    ``ValueError`` naming it), before any rank reads a tensor.
+    Every shard is a copy (safetensors' ``get_slice`` of the rank's box, copied at once, see
+    docs/loading.md): nothing of the model refers to the files once this returns, so overwriting,
+    truncating or deleting them while the model trains changes nothing. Each file's header is
+    checked against the file's size first (a truncated or padded file is a ``ValueError`` naming
+    it), before any rank reads a tensor.
 
     Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
     one per key but held fused) are mapped with transformers' own renamings and weight
