@@ -1,13 +1,6 @@
 """ShardPlan: what each FSDP unit holds per rank, computed from shapes alone.
 
-The figures are analytic (from parameter shapes, the shard size and dtypes), so a plan can be
-printed for a model built on the meta device without allocating anything. They are the largest
-rank's figures: FSDP2 pads an uneven dim-0 to a multiple of the shard size, so rank 0 holds
-``ceil(dim0 / shard)`` rows. With tensor parallelism a parameter is first split over the TP
-ranks and FSDP then shards each rank's TP slice: the figures start from that slice.
-
-Trainable parameters are counted in their master dtype (`fsdp2kit.precision`): under ``"bf16"`` a
-model built in bf16 is planned with the fp32 shards `shard_model` will cast it to.
+How it works and why: docs/internals.md, section fsdp2kit/plan.py.
 """
 
 from __future__ import annotations

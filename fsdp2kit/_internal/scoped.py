@@ -1,19 +1,6 @@
 """The one place fsdp2kit changes other code's functions: only for its own call, only on its own thread.
 
-Some library code has no hook for what fsdp2kit needs during one of its calls: ``torch.nn.init``
-must not spend time on meta tensors while a model is constructed, a sharded parameter must be
-initialised through a full-size stand-in (`fsdp2kit.materialize`), a constructor must register
-its parameters on the meta device (the buffers' twin), transformers must not build a causal mask
-on meta tensors (the planner). `divert` swaps such a function for the duration of a ``with``
-block, and the swap is seen only by calls made from the thread that opened the block: any other
-thread calling the same function meanwhile reaches the original, and on exit the original object
-is back in place (so ``torch.nn.init.normal_ is normal_`` holds again). A reference to the
-stand-in taken meanwhile (``from torch.nn.init import normal_`` in another thread) keeps calling
-the original once no block is open.
-
-A ``torch.overrides.TorchFunctionMode`` is scoped by nature and serves where it suffices (materialize's
-check on writes to sharded parameters), but no mode is active while autograd runs backward, so it
-cannot stand in for a function that activation checkpointing calls again when it recomputes.
+How it works and why: docs/internals.md, section fsdp2kit/_internal/scoped.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """`load_fsdp1_checkpoint`: FSDP1 / Accelerate checkpoints (sharded DCP or full files) into an FSDP2 model.
 
-FSDP1 keeps each unit's parameters in one flat tensor, but its state-dict APIs (and so Accelerate's
-``save_state``) write per-parameter names: SHARDED_STATE_DICT goes through DCP, keyed
-``model.<name>`` in ``pytorch_model_fsdp_0/`` and ``optimizer.state.<name>.<exp_avg|...>`` in
-``optimizer_0/``; FULL_STATE_DICT is a ``torch.save`` of the whole state dict
-(``pytorch_model_fsdp.bin``) and of ``FSDP.optim_state_dict`` (``optimizer.bin``), with parameter
-names as optimizer keys. Both are what torch's ``get_/set_model_state_dict`` and
-``get_/set_optimizer_state_dict`` speak for FSDP2's per-parameter DTensors, so the world size and
-the mesh at load need not be those of the save: DCP reshards, and full tensors are split here.
+How it works and why: docs/internals.md, section fsdp2kit/migrate/fsdp1_checkpoint.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Consolidated state dicts (one ``torch.save`` file or safetensors files) read into each rank's shards.
 
-FSDP1's FULL_STATE_DICT file, DeepSpeed's ``zero_to_fp32`` output and a plain
-``torch.save(model.state_dict())`` are all the same thing: every tensor of the model, whole, under
-its module name. ``.bin`` / ``.pt`` files are opened with ``torch.load(weights_only=True, mmap=True)``
-(no pickled code runs, and only the pages of the rows a rank copies are read); safetensors files
-through fsdp2kit's row reader. Each rank copies only its own rows into its shards, so no
-collective is needed beyond the agreement that every rank's checks passed.
+How it works and why: docs/internals.md, section fsdp2kit/migrate/full_state.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Buffers of a meta-built model recomputed by its own construction code (rotary inv_freq and the like).
 
-Buffers are the trap of meta-device initialisation: parameters get initialised by an init
-function, but buffers (rotary ``inv_freq``, Gemma's ``embed_scale``, attention masks) are computed
-in ``__init__`` and nothing recomputes them: after ``to_empty`` they hold whatever was in memory.
-We take every buffer from a construction of its owner on CPU whose parameters are put on the meta
-device as they are registered, so the buffers come out of the model's own code and the parameters
-cost nothing.
+How it works and why: docs/internals.md, section fsdp2kit/weights/buffers.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Back to Hugging Face: a sharded model, or a DCP checkpoint of one, as safetensors + config.
 
-`export_hf` gathers a live sharded model one tensor at a time and has its first rank write;
-`dcp_to_hf` turns a checkpoint directory written by `fsdp2kit.Checkpointer` into the same files
-in one process, without a process group (on a laptop, after the job). Both write what
-``save_pretrained`` writes: the model's usual on-disk layout (transformers' weight conversions
-reversed, e.g. fused MoE experts split back into one tensor per expert), tied weights once,
-``model.safetensors`` or numbered shards with ``model.safetensors.index.json``, and the config;
-and beside them the tokenizer (given, or the one in the directory the model came from), so the
-directory is all that ``from_pretrained`` and a generate script need.
-
-Output appears complete or not at all: files are written into a hidden sibling directory that
-is renamed into place at the end.
+How it works and why: docs/internals.md, section fsdp2kit/weights/export.py.
 """
 
 from __future__ import annotations

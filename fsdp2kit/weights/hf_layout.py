@@ -1,14 +1,6 @@
 """What fsdp2kit asks of transformers: module identity, clean names, and the on-disk layout.
 
-A Hugging Face checkpoint does not always hold a model's parameters under the model's own names
-and shapes: transformers 5 keeps MoE experts fused in one tensor per layer but stores them one
-tensor per expert, renames keys of older checkpoints, and so on. transformers describes each of
-these as a `WeightRenaming` or `WeightConverter` (transformers/conversion_mapping.py) and applies
-them in `from_pretrained`; we use the very same objects, in both directions, so that no table of
-model-specific rules lives here.
-
-transformers is imported lazily, and only when a model is one of its models, so a plain PyTorch
-model never pays for the import.
+How it works and why: docs/internals.md, section fsdp2kit/weights/hf_layout.py.
 """
 
 from __future__ import annotations

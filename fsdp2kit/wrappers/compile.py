@@ -1,17 +1,6 @@
 """Per-block ("regional") torch.compile.
 
-Compiling the whole model traces every block and every FSDP hook into one program: compile time
-grows with depth, and FSDP2's hooks and collectives end up inside the graph. Compiling each
-block's forward instead gives one graph per block class, reused by every block of that class
-(dynamo treats the block as an input, so its parameters are graph inputs and its identity is not
-guarded on): compile time stays flat in depth, and the hooks that FSDP2 puts around each block
-(all-gather before, reshard after) run in eager outside the graph.
-
-Tensor parallelism: the TP layers inside a block (colwise / rowwise Linear, their all-reduces)
-are traced with it. A TP layer that runs in eager just before a block (the vocabulary-parallel
-embedding) hands it an ``AsyncCollectiveTensor`` (its all-reduce is launched asynchronously);
-those are waited for here, keeping their gradient, before the compiled graph sees them (see
-`wait_async_inputs` for the torch bug this avoids).
+How it works and why: docs/internals.md, section fsdp2kit/wrappers/compile.py.
 """
 
 from __future__ import annotations
