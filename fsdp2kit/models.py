@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.quiet import quiet_imports
-from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = ["NAMED_CONFIGS", "build_causal_lm", "causal_lm_config", "llama_config", "max_positions"]
 
@@ -116,5 +115,5 @@ def build_causal_lm(
     if not meta:
         with torch.device(device), quiet_imports():
             return AutoModelForCausalLM.from_config(config)
-    with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing, costs time
+    with torch.device("meta"), quiet_imports():
         return AutoModelForCausalLM.from_config(config)

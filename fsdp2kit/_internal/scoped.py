@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["divert", "divert_init_functions", "skipping_meta_init"]
+__all__ = ["divert", "divert_init_functions"]
 
 _lock = threading.Lock()
 _TABLE = "_fsdp2kit_diverted"  # on a stand-in: {thread id: [replacements, innermost last]}
@@ -108,22 +108,3 @@ def divert_init_functions(replacement: Callable[..., Any]) -> Iterator[None]:
         for owner, name in owners:
             stack.enter_context(divert(owner, name, replacement))
         yield
-
-
-def _skip_meta(original: Callable, tensor: Any, *args, **kwargs) -> Any:
-    if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-        return tensor
-    return original(tensor, *args, **kwargs)
-
-
-def skipping_meta_init() -> contextlib.AbstractContextManager:
-    """Inside (this thread): initialising a meta tensor returns it at once.
-
-    On the meta device an init function computes nothing, yet it is not free: transformers'
-    ``post_init`` runs ``_init_weights`` over every module and each ``nn.Linear`` runs
-    ``reset_parameters``, every call going through torch's Python code. For a 34M-parameter
-    Llama on one CPU core that was about a third of `load_pretrained`'s time, which builds such
-    models twice (benchmarks/results/peers.md). Real tensors (buffers computed on CPU, such as
-    rotary ``inv_freq``) are initialised as usual.
-    """
-    return divert_init_functions(_skip_meta)

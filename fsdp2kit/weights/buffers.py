@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.quiet import quiet_imports
-from fsdp2kit._internal.scoped import divert, skipping_meta_init
+from fsdp2kit._internal.scoped import divert
 from fsdp2kit.weights.hf_layout import clean_fqn, is_pretrained, original_class
 
 
@@ -31,8 +31,7 @@ def parameters_on_meta() -> Iterator[None]:
 
     The constructor's own code computes the buffers; ``torch.empty`` for a parameter reserves
     address space without touching it, and the meta copy costs nothing, so this is cheap even
-    for a very large model. Initialising those meta parameters is skipped (it computes nothing,
-    and cost a third of a small model's `load_pretrained`). Construction runs in the caller's
+    for a very large model. Construction runs in the caller's
     default dtype (the buffers are cast to the model's afterwards) and draws, if it draws, from a
     fork of the random state: the caller's stream is untouched.
     """
@@ -40,7 +39,6 @@ def parameters_on_meta() -> Iterator[None]:
         torch.random.fork_rng(devices=[]),
         torch.device("cpu"),
         divert(nn.Module, "register_parameter", _to_meta),
-        skipping_meta_init(),
         quiet_imports(),
     ):
         yield

@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.quiet import quiet_imports
-from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = [
     "Group",
@@ -78,7 +77,7 @@ def _as_built(model: nn.Module) -> nn.Module:
     """
     if all(type(m) is original_class(m) for m in model.modules()):
         return model
-    with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing
+    with torch.device("meta"), quiet_imports():
         twin = original_class(model)(copy.deepcopy(model.config))
     if getattr(model, "_weight_conversions", None) is not None:  # set by from_pretrained
         twin._weight_conversions = model._weight_conversions
