@@ -5,7 +5,6 @@ How it works and why: docs/internals.md, section fsdp2kit/migrate/full_state.py.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import fill_buffers
 from fsdp2kit.weights.hf_layout import clean_fqn, model_tensors
-from fsdp2kit.weights.safetensors import SafetensorsReader
+from fsdp2kit.weights.safetensors import SafetensorsReader, index_files
 
 __all__ = ["ImportResult", "allocate_for_load", "full_state_files", "load_full_state_dict", "torch_load_safely"]
 
@@ -67,16 +66,7 @@ def full_state_files(path: Path) -> list[Path]:
         candidate = path / name
         if not candidate.is_file():
             continue
-        if name.endswith(".index.json"):
-            weight_map = json.loads(candidate.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{candidate} has no weight_map")
-            files = sorted({path / f for f in weight_map.values()})
-            absent = [str(f) for f in files if not f.is_file()]
-            if absent:
-                raise FileNotFoundError(f"{candidate} names files that are not there: {fmt_list(absent)}")
-            return files
-        return [candidate]
+        return sorted(set(index_files(candidate).values())) if name.endswith(".index.json") else [candidate]
     shards = sorted(path.glob("*.safetensors"))
     if shards:
         return shards

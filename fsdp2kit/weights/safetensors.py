@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from fsdp2kit._internal.fmt import fmt_list
+
 
 def checkpoint_files(hf_dir: Path) -> dict[str, Path]:
     """checkpoint key -> file, from the index of a sharded checkpoint or the single file."""
@@ -15,14 +17,7 @@ def checkpoint_files(hf_dir: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"load_pretrained: {hf_dir} is not a directory")
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"load_pretrained: {index} has no weight_map")
-        files = {k: hf_dir / v for k, v in weight_map.items()}
-        absent = sorted({str(f) for f in files.values() if not f.is_file()})
-        if absent:
-            raise FileNotFoundError(f"load_pretrained: {index} names files that are not there: {absent}")
-        return files
+        return index_files(index)
     single = hf_dir / "model.safetensors"
     candidates = [single] if single.is_file() else sorted(hf_dir.glob("*.safetensors"))
     if not candidates:
@@ -32,6 +27,18 @@ def checkpoint_files(hf_dir: Path) -> dict[str, Path]:
             f"(found {found}); .bin / .pt checkpoints are not read (they unpickle code): convert them first"
         )
     return SafetensorsReader.of(candidates).files
+
+
+def index_files(index: Path) -> dict[str, Path]:
+    """key -> file, from a sharded checkpoint's ``*.index.json``; every file it names must be there."""
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map")
+    files = {k: index.parent / v for k, v in weight_map.items()}
+    absent = sorted({str(f) for f in files.values() if not f.is_file()})
+    if absent:
+        raise FileNotFoundError(f"{index} names files that are not there: {fmt_list(absent)}")
+    return files
 
 
 def check_file(path: Path) -> list[str]:
