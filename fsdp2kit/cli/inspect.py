@@ -14,7 +14,8 @@ def describe_step(path: Path) -> dict:
     """What a step directory holds, from DCP metadata alone: no process group, no tensor read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fsdp2kit.checkpoint import INFO_FILE, read_metadata
+    from fsdp2kit.checkpoint import read_metadata
+    from fsdp2kit.weights.adapter_checkpoint import read_info
 
     metadata = read_metadata(path)
     stored: dict[str, int] = {}
@@ -29,8 +30,7 @@ def describe_step(path: Path) -> dict:
             entries.append(dict(key=key, shape=list(md.size), dtype=name, numel=numel, bytes=numel * dtype.itemsize))
         else:  # a small pickled value (an optimizer hyper-parameter): its size on disk
             entries.append({"key": key, "shape": None, "dtype": "object", "numel": None, "bytes": stored.get(key, 0)})
-    info_file = path / INFO_FILE
-    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    info = read_info(path)
     files = sorted(p for p in path.iterdir() if p.suffix == ".distcp")
     return {
         "path": str(path),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,7 @@ from fsdp2kit._internal.agree import raise_agreed
 from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
 from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
-from fsdp2kit.checkpoint.unpickler import SafeReader
-from fsdp2kit.weights.adapter_checkpoint import peft_model_from_checkpoint, read_info
+from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
 from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
@@ -305,8 +303,6 @@ def dcp_to_hf(
     ``tokenizer`` as for `export_hf`; by default the one in ``base``, else in the ``config``
     directory, else in the step directory (the directory the model's config comes from).
     """
-    import torch.distributed.checkpoint as dcp
-
     step_dir = resolve_step_dir(checkpoint)
     if read_info(step_dir).get("trainable_only"):
         if base is None:
@@ -363,14 +359,11 @@ def dcp_to_hf(
         (stored[source[n]].properties.dtype for n in names if stored[source[n]].properties.dtype.is_floating_point),
         None,
     )
-    reader_path = step_dir
 
     def read(batch: list[str]) -> dict[str, torch.Tensor]:
         want = {source[n]: torch.empty(stored[source[n]].size, dtype=stored[source[n]].properties.dtype) for n in batch}
         state = {prefix: dict(want)}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(state, storage_reader=SafeReader(reader_path), no_dist=True)
+        load_alone(state, step_dir)
         return {n: state[prefix][source[n]] for n in batch}
 
     layout = SaveLayout(model)
