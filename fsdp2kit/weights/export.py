@@ -48,19 +48,16 @@ def parse_size(size: int | str) -> int:
 # Writing
 
 
-def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> list[str]:
-    """The keys to write: each tensor once (a tied weight under its source name), minus ignored ones."""
+def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, list[str]]:
+    """The keys to write, each with every name of its tensor: each tensor once (a tied weight under
+    its source name), minus ignored ones."""
     tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
     groups: dict[str, list[str]] = {}
     for name in tensors:
         groups.setdefault(aliases.get(name, name), []).append(name)
     skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    names = []
-    for members in groups.values():
-        kept = next((n for n in members if n not in tied_targets), members[0])
-        if kept not in skip:
-            names.append(kept)
-    return names
+    kept = {next((n for n in members if n not in tied_targets), members[0]): members for members in groups.values()}
+    return {name: members for name, members in kept.items() if name not in skip}
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
@@ -215,7 +212,7 @@ def export_hf(
     # other ranks would wait in one forever: it stops writing and reports at the end.
     layout = SaveLayout(model)
     with torch.no_grad():
-        for group in layout.groups(names):
+        for group in layout.groups(list(names)):
             fulls = {n: full_of(n) for n in group}
             if writer is None or error is not None:
                 continue
@@ -336,13 +333,10 @@ def dcp_to_hf(
         )
     tensors, aliases = model_tensors(model)
     names = _export_names(model, tensors, aliases)
-    by_root: dict[str, list[str]] = {}
-    for n in tensors:
-        by_root.setdefault(aliases.get(n, n), []).append(n)
     source: dict[str, str] = {}  # name to write -> key to read (any of its tied names)
     missing, mismatched = [], []
-    for name in names:
-        found = next((n for n in by_root[aliases.get(name, name)] if n in stored), None)
+    for name, members in names.items():
+        found = next((n for n in members if n in stored), None)
         if found is None:
             missing.append(name)
             continue
@@ -383,7 +377,7 @@ def dcp_to_hf(
                 for name, t in converted.items():
                     writer.add(name, t)
 
-        for group in layout.groups(names):
+        for group in layout.groups(list(names)):
             size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
             if batch and batch_bytes + size > max_bytes:
                 drain()
