@@ -243,10 +243,10 @@ def _load_config(config: Any, step_dir: Path):
     if isinstance(config, PretrainedConfig):
         return config
     if config is not None:
-        return AutoConfig.from_pretrained(str(config))
+        return AutoConfig.from_pretrained(str(config), local_files_only=True)
     for where in (step_dir, step_dir.parent):
         if (where / "config.json").is_file():
-            return AutoConfig.from_pretrained(str(where))
+            return AutoConfig.from_pretrained(str(where), local_files_only=True)
     raise FileNotFoundError(
         f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
         "directory / file holding config.json)"
