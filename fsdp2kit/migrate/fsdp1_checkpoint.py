@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.fmt import fmt_list, key_problems
-from fsdp2kit.migrate.full_state import ImportResult, allocate_for_load, load_full_state_dict, torch_load_safely
+from fsdp2kit.migrate.full_state import ImportResult, load_full_state_dict, torch_load_safely
+from fsdp2kit.weights.allocate import allocate_for_load
 from fsdp2kit.weights.hf_layout import clean_fqn
 
 __all__ = ["load_fsdp1_checkpoint"]

@@ -15,12 +15,11 @@ import torch.nn as nn
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
 from fsdp2kit._internal.fmt import fmt_list, key_problems
-from fsdp2kit.weights.allocate import allocate, target_device
-from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.allocate import allocate_for_load
 from fsdp2kit.weights.hf_layout import clean_fqn, model_tensors
 from fsdp2kit.weights.safetensors import SafetensorsReader, index_files
 
-__all__ = ["ImportResult", "allocate_for_load", "full_state_files", "load_full_state_dict", "torch_load_safely"]
+__all__ = ["ImportResult", "full_state_files", "load_full_state_dict", "torch_load_safely"]
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Tried in this order in a directory: Accelerate's FULL_STATE_DICT name, then what zero_to_fp32
@@ -129,19 +128,6 @@ def _non_persistent(model: nn.Module) -> set[str]:
         for mn, m in model.named_modules(remove_duplicate=False)
         for bn in m._non_persistent_buffers_set
     }
-
-
-def allocate_for_load(model: nn.Module) -> None:
-    """Storage for a meta-built model whose values all come from a checkpoint (no init is run).
-
-    Non-persistent buffers are in no checkpoint: they are recomputed by the model's own
-    construction code, and a model whose buffers cannot be recomputed that way is an error.
-    """
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return
-    with all_ranks_or_none(model, "allocating the meta-built model"):
-        _, buffers = allocate(model, target_device(model, None))
-        fill_buffers(model, buffers, missing_ok=False)
 
 
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import model_meshes, reshard_all
 from fsdp2kit.blocks import tied_slots
 from fsdp2kit.dist import mesh_device
+from fsdp2kit.weights.buffers import fill_buffers
 
 
 def target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -47,3 +49,16 @@ def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]
         for _, other, other_name in slots[1:]:
             other._parameters[other_name] = shared
     return params, buffers
+
+
+def allocate_for_load(model: nn.Module, what: str = "allocating the meta-built model") -> None:
+    """Storage for a meta-built model whose values all come from a checkpoint (no init is run).
+
+    Non-persistent buffers are in no checkpoint: they are recomputed by the model's own
+    construction code, and a model whose buffers cannot be recomputed that way is an error.
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    with all_ranks_or_none(model, what):
+        _, buffers = allocate(model, target_device(model, None))
+        fill_buffers(model, buffers, missing_ok=False)

@@ -14,8 +14,7 @@ from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
 from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.weights.adapters import base_name, is_peft_model, peft_init_fn, peft_view
-from fsdp2kit.weights.allocate import allocate, target_device
-from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.allocate import allocate_for_load, target_device
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.nf4 import is_nf4
@@ -99,10 +98,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     elif plan.missing and any(t.is_meta for t in tensors.values()):
         materialize(model)  # the parameters the checkpoint lacks get the model's own init
     else:
-        device = target_device(model, None)
-        with all_ranks_or_none(model, "load_pretrained"):
-            _, buffers = allocate(model, device)
-            fill_buffers(model, buffers, missing_ok=False)
+        allocate_for_load(model, "load_pretrained")
     _, tensors, _ = _load_targets(model)  # allocation may have replaced plain (unsharded) tensors
 
     result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected, files=len(set(files.values())))
