@@ -129,3 +129,13 @@ def shared_parameters(model: nn.Module) -> dict[int, list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
     return {pid: ns for pid, ns in names.items() if len(ns) > 1}
+
+
+def tied_slots(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Slots (module name, module, parameter name) that share one parameter, for every shared parameter."""
+    slots: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is not None and all(m is not module or n != pname for _, m, n in slots[id(p)]):
+                slots[id(p)].append((mname, module, pname))
+    return [group for group in slots.values() if len(group) > 1]

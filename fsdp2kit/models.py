@@ -12,84 +12,27 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.quiet import quiet_imports
-from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = ["NAMED_CONFIGS", "build_causal_lm", "causal_lm_config", "llama_config", "max_positions"]
 
-# name -> LlamaConfig arguments.
+_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+_LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+_BENCH = dict(vocab_size=8192, max_position_embeddings=2048)
+# name -> LlamaConfig arguments: hidden, intermediate, layers, heads, kv heads, then the rest.
 NAMED_CONFIGS: dict[str, dict] = {
-    # A few hundred thousand parameters: trains visibly on a CPU in a minute (`make demo`).
-    "demo": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=256,
-        max_position_embeddings=512,
-    ),
-    # Benchmark sizes (issue: FSDP1 vs FSDP2): hidden x layers.
-    "bench-256x4": dict(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=8192,
-        max_position_embeddings=2048,
-    ),
-    "bench-512x8": dict(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=8192,
-        max_position_embeddings=2048,
-    ),
-    "bench-768x6": dict(
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        vocab_size=8192,
-        max_position_embeddings=2048,
-    ),
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
-    "llama3-70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
-    # Llama 3.1 405B's shapes (its rope scaling left out: it changes no tensor size).
-    "llama3-405b": dict(
-        hidden_size=16384,
-        intermediate_size=53248,
-        num_hidden_layers=126,
-        num_attention_heads=128,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
+    name: {**dict(zip(_FIELDS, shape)), **rest}
+    for name, shape, rest in [
+        # A few hundred thousand parameters: trains visibly on a CPU in a minute (`make demo`).
+        ("demo", (128, 352, 4, 4, 4), dict(vocab_size=256, max_position_embeddings=512)),
+        # Benchmark sizes (issue: FSDP1 vs FSDP2): hidden x layers.
+        ("bench-256x4", (256, 688, 4, 4, 4), _BENCH),
+        ("bench-512x8", (512, 1376, 8, 8, 8), _BENCH),
+        ("bench-768x6", (768, 2048, 6, 12, 12), _BENCH),
+        ("llama3-8b", (4096, 14336, 32, 32, 8), _LLAMA3),
+        ("llama3-70b", (8192, 28672, 80, 64, 8), _LLAMA3),
+        # Llama 3.1 405B's shapes (its rope scaling left out: it changes no tensor size).
+        ("llama3-405b", (16384, 53248, 126, 128, 8), _LLAMA3),
+    ]
 }
 
 
@@ -172,5 +115,5 @@ def build_causal_lm(
     if not meta:
         with torch.device(device), quiet_imports():
             return AutoModelForCausalLM.from_config(config)
-    with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing, costs time
+    with torch.device("meta"), quiet_imports():
         return AutoModelForCausalLM.from_config(config)

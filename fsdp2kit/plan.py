@@ -1,13 +1,6 @@
 """ShardPlan: what each FSDP unit holds per rank, computed from shapes alone.
 
-The figures are analytic (from parameter shapes, the shard size and dtypes), so a plan can be
-printed for a model built on the meta device without allocating anything. They are the largest
-rank's figures: FSDP2 pads an uneven dim-0 to a multiple of the shard size, so rank 0 holds
-``ceil(dim0 / shard)`` rows. With tensor parallelism a parameter is first split over the TP
-ranks and FSDP then shards each rank's TP slice: the figures start from that slice.
-
-Trainable parameters are counted in their master dtype (`fsdp2kit.precision`): under ``"bf16"`` a
-model built in bf16 is planned with the fp32 shards `shard_model` will cast it to.
+How it works and why: docs/internals.md, section fsdp2kit/plan.py.
 """
 
 from __future__ import annotations
@@ -20,9 +13,9 @@ import torch
 
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
 from fsdp2kit.precision import PRECISIONS, Precision, dtype_name, resolve_precision
-from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS as NF4_SHARDED  # the NF4Tensor inner tensors FSDP2 splits by rows
+from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
-__all__ = ["NF4_SHARDED", "ShardPlan", "UnitPlan"]
+__all__ = ["ShardPlan", "UnitPlan"]
 
 
 def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) -> torch.Size:
@@ -49,12 +42,12 @@ def _sharded_bytes(
     """Bytes of the largest shard of ``p`` (stored in ``dtype``, default its own). A tensor subclass that
     stores other tensors (torchao's NF4Tensor: packed 4-bit data plus scalers) is split in
     proportion, so it counts what it stores."""
-    if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
+    if is_nf4(p):
         total = 0
         for attr in p.__tensor_flatten__()[0]:
             t = getattr(p, attr)
             # the packed data and both scaler levels are split by rows; the mean and the 16-entry table are copied
-            parts = shard if attr in NF4_SHARDED else 1
+            parts = shard if attr in NF4_ROW_TENSORS else 1
             total += math.ceil(t.numel() / parts) * t.element_size()
         return total
     return _sharded_numel(_tp_shape(p, tp_shapes), shard) * (dtype or p.dtype).itemsize
@@ -63,7 +56,7 @@ def _sharded_bytes(
 def _gathered_bytes(p: torch.Tensor, precision: Precision, tp_shapes: Mapping[int, torch.Size] | None) -> int:
     """Bytes of ``p`` all-gathered for compute: an NF4 weight travels and stays packed (each Linear
     dequantizes it in its own forward), anything floating is cast to the policy's compute dtype."""
-    if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
+    if is_nf4(p):
         return _sharded_bytes(p, 1)
     cast = precision.policy.param_dtype if p.is_floating_point() else None
     return math.prod(_tp_shape(p, tp_shapes)) * (cast or precision.master(p)).itemsize

@@ -1,24 +1,6 @@
 """Mixed-precision policies by name, and the dtype of the master weights.
 
-FSDP2 casts parameters when it all-gathers them, so the compute dtype is chosen per unit at
-sharding time; the sharded parameters are what the optimizer steps, the master weights, and
-gradients and AdamW state take their dtype. That dtype is chosen here by name, never inherited
-from the checkpoint: a Llama checkpoint stored in bf16 and built as stored would otherwise train
-bf16 master weights, where an update smaller than half a bf16 step (about 2^-9 of the weight;
-lr 2e-5 on a weight of 0.02) rounds away.
-
-- ``"bf16"`` / ``"fp16"``: compute in that dtype over fp32 master weights, whatever dtype the
-  model was built or stored in. `shard_model` casts the trainable floating-point parameters to
-  fp32 after sharding (`cast_masters`), so the cost is one fp32 shard per rank, never the whole
-  model: 2 bytes a parameter more than bf16 masters for the weights, 8 more with AdamW's state.
-- ``"pure_bf16"``: bf16 parameters, gradients and optimizer state: half the memory of the
-  weights, gradients and AdamW state, on purpose. Small updates round away unless the optimizer
-  rounds stochastically or keeps compensation.
-- ``"fp32"``: fp32 master weights and fp32 compute.
-- ``None`` or a ``MixedPrecisionPolicy``: parameters are trained as built; `shard_model` warns when
-  that leaves trainable parameters in 16 bits, and the `ShardPlan` says so.
-
-A frozen parameter (a LoRA/QLoRA base, NF4 weights) is never cast: it has no update to lose.
+How it works and why: docs/internals.md, section fsdp2kit/precision.py.
 """
 
 from __future__ import annotations

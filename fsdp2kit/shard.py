@@ -1,16 +1,6 @@
 """shard_model: FSDP2 on every block, then on the embeddings, then on the root.
 
-Units, bottom-up (FSDP2 requires children before parents):
-1. every block `find_blocks` returns: one all-gather and one reduce-scatter each, so memory
-   holds one unsharded block at a time (two with prefetch);
-2. every embedding table outside the blocks, with whatever module shares its weight (a tied
-   output head) in the same unit: a large-vocabulary embedding is the biggest single tensor of
-   a model, and in the root it would stay unsharded for the whole step;
-3. the root, which keeps what is left (final norm, an untied head): used last in forward and
-   first in backward, so it does not reshard in between.
-
-An embedding unit of one ``nn.Embedding`` (no tied head) is not all-gathered again in backward:
-the gradient of a lookup needs the indices, not the table (``set_unshard_in_backward(False)``).
+How it works and why: docs/internals.md, section fsdp2kit/shard.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Run a function on a real multi-process group (gloo on CPU, NCCL on GPUs), from a test or a notebook.
 
-Multi-process code is only tested for real when several processes talk over a real backend,
-and such tests fail in two annoying ways: one rank raises and the others hang in a collective
-forever, or the error that matters is printed by a rank nobody reads. `run_world` spawns the
-ranks, hands back every rank's return value, and turns both failures into one exception that
-quotes every rank's traceback, within a hard deadline.
-
-Starting processes is the slow part (each imports torch), so run many cases in one call.
+How it works and why: docs/internals.md, section fsdp2kit/testing.py.
 """
 
 from __future__ import annotations

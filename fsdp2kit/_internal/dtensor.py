@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -14,62 +14,19 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _dim_indices(t: DTensor) -> dict[int, torch.Tensor]:
-    """For each sharded tensor dim, the global indices this rank's shard holds, in order.
-
-    Placements apply left to right over the mesh dims, each splitting what the previous left;
-    a ``_StridedShard`` (FSDP over a tensor-parallel dim: FSDP's dim is outer on the mesh but
-    splits the TP slice) yields its rows as torch computes them. The same walk as torch's
-    ``compute_local_shape_and_global_offset``, keeping every index instead of the first.
-    """
-    coordinate = t.device_mesh.get_coordinate()
-    if coordinate is None:
-        raise RuntimeError("this rank is not part of the tensor's mesh")
-    indices: dict[int, torch.Tensor] = {}
-    for mesh_dim, p in enumerate(t.placements):
-        if isinstance(p, Replicate) or not hasattr(p, "dim"):
-            if not isinstance(p, Replicate):
-                raise NotImplementedError(f"fsdp2kit reads and writes shards, not {t.placements}")
-            continue
-        dim = p.dim if p.dim >= 0 else p.dim + t.ndim
-        current = indices.get(dim, torch.arange(t.shape[dim]))
-        n, rank = t.device_mesh.size(mesh_dim), coordinate[mesh_dim]
-        if isinstance(p, _StridedShard):
-            size, offsets = p.local_shard_size_and_offset(len(current), n, rank, _StridedShardOffsetMode.ALL)
-            picked = torch.tensor(offsets, dtype=torch.long) if size else torch.zeros(0, dtype=torch.long)
-        elif isinstance(p, Shard):
-            size, offset = Shard.local_shard_size_and_offset(len(current), n, rank)
-            picked = torch.arange(offset, offset + size)
-        else:
-            raise NotImplementedError(
-                f"fsdp2kit reads and writes shards placed as Shard, _StridedShard or Replicate; got {t.placements}"
-            )
-        indices[dim] = current[picked]
-    return indices
-
-
 def local_index(t: torch.Tensor) -> tuple[slice, ...]:
-    """The index of this rank's shard in the full tensor, one slice per dim, read from the DTensor's placements.
+    """The index of this rank's shard in the full tensor, one slice per dim, from the DTensor's placements.
 
-    Works for FSDP's Shard(0), HSDP, and FSDP over tensor parallelism (``_StridedShard``), as
-    long as each rank's part is one box of the full tensor (it is whenever the TP-split dims
-    divide by the TP size, which apply_tensor_parallel checks); a scattered one raises.
+    torch's own ``compute_local_shape_and_global_offset`` (what DCP uses): FSDP's Shard(0), HSDP,
+    and FSDP over tensor parallelism (``_StridedShard``), whose part is one box of the full tensor
+    whenever the TP-split dims divide by the TP size, which apply_tensor_parallel checks.
     """
     if not isinstance(t, DTensor):
         return tuple(slice(None) for _ in t.shape)
-    index = [slice(None)] * t.ndim
-    for dim, rows in _dim_indices(t).items():
-        if rows.numel() == 0:
-            index[dim] = slice(0, 0)
-            continue
-        first = int(rows[0])
-        if not torch.equal(rows, torch.arange(first, first + rows.numel())):
-            raise NotImplementedError(
-                f"this rank's shard of a tensor placed {t.placements} is not one contiguous block along dim {dim}; "
-                "fsdp2kit cannot read or write it piecewise"
-            )
-        index[dim] = slice(first, first + rows.numel())
-    return tuple(index)
+    if t.device_mesh.get_coordinate() is None:
+        raise RuntimeError("this rank is not part of the tensor's mesh")
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def model_meshes(model: nn.Module) -> list:

@@ -19,13 +19,13 @@ def fmt_list(items: list[str], limit: int = 12) -> str:
     return f"{shown}, ... ({len(items)} in all)" if len(items) > limit else shown
 
 
-def key_problems(missing=(), unexpected=(), mismatched=(), *, source: str = "the checkpoint") -> list[str]:
+def key_problems(missing=(), unexpected=(), mismatched=(), *, source="the checkpoint", holder="the model") -> list[str]:
     """How a model's keys and a file's differ, one phrase per kind that occurs, each naming the keys."""
-    problems = [f"shapes differ: {fmt_list(list(mismatched), 6)}"] if mismatched else []
+    problems = [f"shape mismatch: {fmt_list(list(mismatched), 8)}"] if mismatched else []
     if missing:
-        problems.append(f"missing from {source}: {fmt_list(list(missing))}")
+        problems.append(f"{len(missing)} key(s) missing from {source}: {fmt_list(list(missing))}")
     if unexpected:
-        problems.append(f"in {source} but not in the model: {fmt_list(list(unexpected))}")
+        problems.append(f"{len(unexpected)} key(s) in {source} that {holder} lacks: {fmt_list(list(unexpected))}")
     return problems
 
 

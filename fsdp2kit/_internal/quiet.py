@@ -1,14 +1,6 @@
 """Keep two known-harmless import-time warnings out of the output of fsdp2kit's own calls and scripts.
 
-- torchao (imported by transformers) tries to load its CUDA-only kernels and logs one
-  "Failed to load ..._C_*.so" line per library on a CPU build.
-- torchao registers Enum classes with torch's pytree, which logs a deprecation per class.
-
-Both are printed on every rank at every start and bury the lines that matter. The filters match
-those messages exactly, and only inside `quiet_imports()`, and only records logged by the thread
-that opened it: the loggers belong to other libraries, so outside fsdp2kit's own calls (a model
-built by the user's own transformers call, which imports torchao) they are left as they are.
-Scripts that own their process (recipes, benchmarks) open the block around their whole run.
+How it works and why: docs/internals.md, section fsdp2kit/_internal/quiet.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """The one place fsdp2kit changes other code's functions: only for its own call, only on its own thread.
 
-Some library code has no hook for what fsdp2kit needs during one of its calls: ``torch.nn.init``
-must not spend time on meta tensors while a model is constructed, a sharded parameter must be
-initialised through a full-size stand-in (`fsdp2kit.materialize`), a constructor must register
-its parameters on the meta device (the buffers' twin), transformers must not build a causal mask
-on meta tensors (the planner). `divert` swaps such a function for the duration of a ``with``
-block, and the swap is seen only by calls made from the thread that opened the block: any other
-thread calling the same function meanwhile reaches the original, and on exit the original object
-is back in place (so ``torch.nn.init.normal_ is normal_`` holds again). A reference to the
-stand-in taken meanwhile (``from torch.nn.init import normal_`` in another thread) keeps calling
-the original once no block is open.
-
-A ``torch.overrides.TorchFunctionMode`` is scoped by nature and serves where it suffices (materialize's
-check on writes to sharded parameters), but no mode is active while autograd runs backward, so it
-cannot stand in for a function that activation checkpointing calls again when it recomputes.
+How it works and why: docs/internals.md, section fsdp2kit/_internal/scoped.py.
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["divert", "divert_init_functions", "skipping_meta_init"]
+__all__ = ["divert", "divert_init_functions"]
 
 _lock = threading.Lock()
 _TABLE = "_fsdp2kit_diverted"  # on a stand-in: {thread id: [replacements, innermost last]}
@@ -121,22 +108,3 @@ def divert_init_functions(replacement: Callable[..., Any]) -> Iterator[None]:
         for owner, name in owners:
             stack.enter_context(divert(owner, name, replacement))
         yield
-
-
-def _skip_meta(original: Callable, tensor: Any, *args, **kwargs) -> Any:
-    if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-        return tensor
-    return original(tensor, *args, **kwargs)
-
-
-def skipping_meta_init() -> contextlib.AbstractContextManager:
-    """Inside (this thread): initialising a meta tensor returns it at once.
-
-    On the meta device an init function computes nothing, yet it is not free: transformers'
-    ``post_init`` runs ``_init_weights`` over every module and each ``nn.Linear`` runs
-    ``reset_parameters``, every call going through torch's Python code. For a 34M-parameter
-    Llama on one CPU core that was about a third of `load_pretrained`'s time, which builds such
-    models twice (benchmarks/results/peers.md). Real tensors (buffers computed on CPU, such as
-    rotary ``inv_freq``) are initialised as usual.
-    """
-    return divert_init_functions(_skip_meta)

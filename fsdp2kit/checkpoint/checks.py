@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from fsdp2kit._internal.fmt import fmt_list
+from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, metadata_paths
 
 MAX_LISTED = 8
@@ -41,15 +41,7 @@ def check_against(state: dict, metadata: Metadata, path: Path, with_optimizer: b
             f"{path.name} was saved without optimizer state: load it with optimizer=None to start the optimizer afresh"
         )
         missing = [k for k in missing if not k.startswith("optimizer.")]
-    if missing:
-        problems.append(f"{len(missing)} key(s) missing from the checkpoint: {fmt_list(missing, MAX_LISTED)}")
-    if unexpected:
-        problems.append(
-            f"{len(unexpected)} key(s) in the checkpoint that this model/optimizer lacks: "
-            f"{fmt_list(unexpected, MAX_LISTED)}"
-        )
-    if shape:
-        problems.append(f"shape mismatch: {fmt_list(shape, MAX_LISTED)}")
+    problems += key_problems(missing, unexpected, shape, holder="this model/optimizer")
     if dtype:
         problems.append(f"dtype mismatch: {fmt_list(dtype, MAX_LISTED)}")
     if kind:

@@ -49,16 +49,11 @@ def run_export_hf(args) -> int:
     from fsdp2kit.weights.export import dcp_to_hf, has_tokenizer
 
     source = resolve_step_dir(args.ckpt_dir, args.step)
-    config = None
-    if args.config:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(args.config, local_files_only=True)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     out = dcp_to_hf(
         source,
         args.out_dir,
-        config=config,
+        config=args.config,
         dtype=dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ def describe_step(path: Path) -> dict:
     """What a step directory holds, from DCP metadata alone: no process group, no tensor read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fsdp2kit.checkpoint import INFO_FILE, read_metadata
+    from fsdp2kit.checkpoint import read_metadata
+    from fsdp2kit.weights.adapter_checkpoint import read_info
 
     metadata = read_metadata(path)
     stored: dict[str, int] = {}
@@ -23,23 +25,12 @@ def describe_step(path: Path) -> dict:
     entries = []
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
-            numel = 1
-            for d in md.size:
-                numel *= d
-            dtype = md.properties.dtype
-            entries.append(
-                {
-                    "key": key,
-                    "shape": list(md.size),
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "numel": numel,
-                    "bytes": numel * dtype.itemsize,
-                }
-            )
+            numel, dtype = math.prod(md.size), md.properties.dtype
+            name = str(dtype).removeprefix("torch.")
+            entries.append(dict(key=key, shape=list(md.size), dtype=name, numel=numel, bytes=numel * dtype.itemsize))
         else:  # a small pickled value (an optimizer hyper-parameter): its size on disk
             entries.append({"key": key, "shape": None, "dtype": "object", "numel": None, "bytes": stored.get(key, 0)})
-    info_file = path / INFO_FILE
-    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    info = read_info(path)
     files = sorted(p for p in path.iterdir() if p.suffix == ".distcp")
     return {
         "path": str(path),
@@ -62,26 +53,11 @@ def inspect(ckpt_dir: str | Path, step: int | None = None) -> dict:
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
     if (root / ".metadata").is_file():  # a step directory itself
-        return {
-            "root": str(root.parent),
-            "steps": None,
-            "incomplete": [],
-            "step": None,
-            "contents": describe_step(root),
-        }
-    steps = list_steps(root)
-    report = {
-        "root": str(root),
-        "steps": steps,
-        "incomplete": [p.name for p in incomplete_dirs(root)],
-        "step": None,
-        "contents": None,
-    }
-    chosen = resolve_step(root, step)
-    if chosen is not None:
-        report["step"] = chosen
-        report["contents"] = describe_step(step_dir(root, chosen))
-    return report
+        return dict(root=str(root.parent), steps=None, incomplete=[], step=None, contents=describe_step(root))
+    steps, chosen = list_steps(root), resolve_step(root, step)
+    incomplete = [p.name for p in incomplete_dirs(root)]
+    contents = describe_step(step_dir(root, chosen)) if chosen is not None else None
+    return dict(root=str(root), steps=steps, incomplete=incomplete, step=chosen, contents=contents)
 
 
 def _print_inspect(report: dict, out) -> None:

@@ -1,13 +1,6 @@
 """`load_fsdp1_checkpoint`: FSDP1 / Accelerate checkpoints (sharded DCP or full files) into an FSDP2 model.
 
-FSDP1 keeps each unit's parameters in one flat tensor, but its state-dict APIs (and so Accelerate's
-``save_state``) write per-parameter names: SHARDED_STATE_DICT goes through DCP, keyed
-``model.<name>`` in ``pytorch_model_fsdp_0/`` and ``optimizer.state.<name>.<exp_avg|...>`` in
-``optimizer_0/``; FULL_STATE_DICT is a ``torch.save`` of the whole state dict
-(``pytorch_model_fsdp.bin``) and of ``FSDP.optim_state_dict`` (``optimizer.bin``), with parameter
-names as optimizer keys. Both are what torch's ``get_/set_model_state_dict`` and
-``get_/set_optimizer_state_dict`` speak for FSDP2's per-parameter DTensors, so the world size and
-the mesh at load need not be those of the save: DCP reshards, and full tensors are split here.
+How it works and why: docs/internals.md, section fsdp2kit/migrate/fsdp1_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -19,8 +12,9 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.agree import all_ranks_or_none
-from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.migrate.full_state import ImportResult, allocate_for_load, load_full_state_dict, torch_load_safely
+from fsdp2kit._internal.fmt import fmt_list, key_problems
+from fsdp2kit.migrate.full_state import ImportResult, load_full_state_dict, torch_load_safely
+from fsdp2kit.weights.allocate import allocate_for_load
 from fsdp2kit.weights.hf_layout import clean_fqn
 
 __all__ = ["load_fsdp1_checkpoint"]
@@ -77,16 +71,12 @@ def _load_dcp_model(model: nn.Module, path: Path) -> int:
         stored = _dcp_keys(path)
         state = get_model_state_dict(model)
         prefix = next((p for p in ("model.", "") if all(p + k in stored for k in state)), None)
-        if prefix is None:
-            best = "model." if any(k.startswith("model.") for k in stored) else ""
-            missing = sorted(k for k in state if best + k not in stored)
-            raise ValueError(
-                f"{path} lacks keys the model has: {fmt_list(missing)}; it holds: {fmt_list(sorted(stored))}"
-            )
-        if prefix:
-            extra = sorted(k[len(prefix) :] for k in stored if k.startswith(prefix) and k[len(prefix) :] not in state)
-            if extra:
-                raise ValueError(f"{path} holds tensors the model does not have: {fmt_list(extra)}")
+        best = prefix if prefix is not None else "model." if any(k.startswith("model.") for k in stored) else ""
+        missing = sorted(k for k in state if best + k not in stored)
+        extra = sorted(k[len(best) :] for k in stored if best and k.startswith(best) and k[len(best) :] not in state)
+        problems = key_problems(missing, extra)
+        if problems:
+            raise ValueError(f"{path}: " + "; ".join(problems))
     dcp.load({"model": state} if prefix else state, storage_reader=dcp.FileSystemReader(str(path)))
     set_model_state_dict(model, state)
     return len(state)

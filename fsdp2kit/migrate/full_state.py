@@ -1,16 +1,10 @@
 """Consolidated state dicts (one ``torch.save`` file or safetensors files) read into each rank's shards.
 
-FSDP1's FULL_STATE_DICT file, DeepSpeed's ``zero_to_fp32`` output and a plain
-``torch.save(model.state_dict())`` are all the same thing: every tensor of the model, whole, under
-its module name. ``.bin`` / ``.pt`` files are opened with ``torch.load(weights_only=True, mmap=True)``
-(no pickled code runs, and only the pages of the rows a rank copies are read); safetensors files
-through fsdp2kit's row reader. Each rank copies only its own rows into its shards, so no
-collective is needed beyond the agreement that every rank's checks passed.
+How it works and why: docs/internals.md, section fsdp2kit/migrate/full_state.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +15,11 @@ import torch.nn as nn
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
 from fsdp2kit._internal.fmt import fmt_list, key_problems
-from fsdp2kit.weights.allocate import allocate, target_device
-from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.allocate import allocate_for_load
 from fsdp2kit.weights.hf_layout import clean_fqn, model_tensors
-from fsdp2kit.weights.safetensors import SafetensorsReader
+from fsdp2kit.weights.safetensors import SafetensorsReader, index_files
 
-__all__ = ["ImportResult", "allocate_for_load", "full_state_files", "load_full_state_dict", "torch_load_safely"]
+__all__ = ["ImportResult", "full_state_files", "load_full_state_dict", "torch_load_safely"]
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Tried in this order in a directory: Accelerate's FULL_STATE_DICT name, then what zero_to_fp32
@@ -72,16 +65,7 @@ def full_state_files(path: Path) -> list[Path]:
         candidate = path / name
         if not candidate.is_file():
             continue
-        if name.endswith(".index.json"):
-            weight_map = json.loads(candidate.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{candidate} has no weight_map")
-            files = sorted({path / f for f in weight_map.values()})
-            absent = [str(f) for f in files if not f.is_file()]
-            if absent:
-                raise FileNotFoundError(f"{candidate} names files that are not there: {fmt_list(absent)}")
-            return files
-        return [candidate]
+        return sorted(set(index_files(candidate).values())) if name.endswith(".index.json") else [candidate]
     shards = sorted(path.glob("*.safetensors"))
     if shards:
         return shards
@@ -144,19 +128,6 @@ def _non_persistent(model: nn.Module) -> set[str]:
         for mn, m in model.named_modules(remove_duplicate=False)
         for bn in m._non_persistent_buffers_set
     }
-
-
-def allocate_for_load(model: nn.Module) -> None:
-    """Storage for a meta-built model whose values all come from a checkpoint (no init is run).
-
-    Non-persistent buffers are in no checkpoint: they are recomputed by the model's own
-    construction code, and a model whose buffers cannot be recomputed that way is an error.
-    """
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return
-    with all_ranks_or_none(model, "allocating the meta-built model"):
-        _, buffers = allocate(model, target_device(model, None))
-        fill_buffers(model, buffers, missing_ok=False)
 
 
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, pa
 
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, TENSOR_PARALLEL
+from fsdp2kit.blocks import tied_slots
 from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
@@ -181,16 +182,6 @@ def _check_modules(model: nn.Module, styles: dict[str, ParallelStyle | None]) ->
         )
 
 
-def _tied_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
-    """Slots (module name, module, parameter name) that share one parameter, for every shared parameter."""
-    slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module._parameters.items():
-            if p is not None and all(m is not module or n != pname for _, m, n in slots.get(id(p), [])):
-                slots.setdefault(id(p), []).append((mname, module, pname))
-    return [group for group in slots.values() if len(group) > 1]
-
-
 def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
     """A weight shared by several modules (a tied head) must be split the same way by each of them."""
     for group in groups:
@@ -316,7 +307,7 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     _check_modules(model, styles)
     _check_divisible(model, styles, tp)
-    groups = _tied_groups(model)
+    groups = tied_slots(model)
     _check_ties(groups, styles)
 
     modules = dict(model.named_modules())

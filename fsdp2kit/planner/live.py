@@ -1,11 +1,6 @@
 """LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (meta tensors too).
 
-It counts storages, not tensors (views are free) and not the allocator (no caching, no
-fragmentation): on CPU that is the figure the planner predicts, and on CUDA it is what
-``torch.cuda.max_memory_allocated`` reports minus the allocator's rounding. A storage is counted
-from the op that first returns it (or from `track`, for tensors made before the mode) until it
-is freed; a storage resized in place (FSDP2 frees unsharded parameters with ``resize_(0)``) is
-counted at its current size, re-read at every op.
+How it works and why: docs/internals.md, section fsdp2kit/planner/live.py.
 """
 
 from __future__ import annotations

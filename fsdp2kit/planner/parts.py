@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fsdp2kit.plan import NF4_SHARDED, ShardPlan
+from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.timeline import Unit
+from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "unit_params", "units_for"]
 
@@ -29,10 +30,9 @@ def _gathered_bytes(p: torch.Tensor, shard: int, compute_dtype: torch.dtype) -> 
     """Bytes FSDP2 all-gathers for ``p``: dim 0 padded to a multiple of the shard size, in
     ``compute_dtype``; an NF4Tensor gathers its packed codes and scalers as they are (torchao's
     ``fsdp_pre_all_gather``), padded alike, and keeps its mean and table from the shard."""
-    if type(p).__name__ == "NF4Tensor" and hasattr(p, "__tensor_flatten__"):
-        return sum(
-            math.ceil(t.numel() / shard) * shard * t.element_size() for t in (getattr(p, a) for a in NF4_SHARDED)
-        )
+    if is_nf4(p):
+        inner = [getattr(p, a) for a in NF4_ROW_TENSORS]
+        return sum(math.ceil(t.numel() / shard) * shard * t.element_size() for t in inner)
     return _padded(p.shape, shard) * compute_dtype.itemsize
 
 

@@ -1,18 +1,6 @@
 """The cheapest change that makes a plan fit: try each knob, keep what fits, rank by its cost in throughput.
 
-Costs are rough fractions of step time added (or, for more GPUs, of money), from the trade-offs
-each knob is known for; they order the list, they are not predictions:
-
-- bf16 mixed precision instead of fp32: none (it is faster).
-- activation checkpointing: selective ~10% (recomputes cheap ops), every N-th block ~33%/N,
-  full ~33% (one more forward of every block; a forward is about a third of a step).
-- 8-bit AdamW state (torchao): ~5% (quantizing in the optimizer step), and a small accuracy risk.
-- a smaller micro-batch with more accumulation: ~10% a halving (smaller matmuls, and FSDP
-  gathers every block again for every micro-batch).
-- fewer replica groups, larger shard groups (HSDP, same GPUs): ~10% (all-gathers leave the node).
-- CPU offload: ~50% or worse (the optimizer step on CPU, host-device copies every step).
-- twice the GPUs: no slower, but twice the machines: ranked after the same-hardware changes.
-- LoRA / QLoRA: trains adapters instead of the model; listed last because it changes the job.
+How it works and why: docs/internals.md, section fsdp2kit/planner/search.py.
 """
 
 from __future__ import annotations

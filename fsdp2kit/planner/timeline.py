@@ -1,29 +1,6 @@
 """The step's memory timeline: FSDP2's allocations replayed over a recorded step, at any mesh size.
 
-`FsdpTimeline` mirrors what ``fully_shard`` allocates and frees (read from
-torch/distributed/fsdp/_fully_shard, torch 2.13); `replay` drives it with the events that
-`trace.record_step` recorded, block by block, and returns the peak with its parts:
-
-- all-gather: a flat output buffer of the unit's padded size in the compute dtype, then a
-  copy-out into per-parameter unsharded storage. In forward the flat buffer of the last unit
-  stays alive until the next unit's copy-out or the end of the root's forward
-  (``comm_ctx.all_gather_state``, kept so the next all-gather can overlap); explicit prefetch and
-  backward free it at copy-out.
-- reshard after forward frees the unsharded parameters, except units built with
-  ``reshard_after_forward=False`` (`shard_model` keeps the last block and the root that way).
-- backward: pre-backward gathers the unit if it was resharded and prefetches the previous one
-  in forward order (FSDP2's default backward prefetch); gradients of the unsharded parameters
-  (compute dtype) accumulate until post-backward, which reshards, copies them into a flat
-  reduce-scatter input (reduce dtype), frees them, and reduces into the sharded gradient
-  (the master dtype). One reduce-scatter input stays alive until the next unit's
-  post-backward (``reduce_scatter_states``, capped at one buffer). Units whose post-backward
-  autograd did not run (inputs without gradients: the root, embeddings) reduce in the final
-  callback, in ``final_order`` (``FSDPState._root_post_backward_final_callback``).
-- an embedding unit that is one plain ``nn.Embedding`` is not gathered in backward
-  (`shard_model` sets ``set_unshard_in_backward(False)``).
-- on CPU (``clone_reduce_input``): gloo has no reduce-scatter; ``ProcessGroupGloo`` clones the
-  whole input, all-reduces it and copies this rank's chunk out, so for the call a second
-  reduce-scatter input is alive beside the first and the output (a temporary, not FSDP's).
+How it works and why: docs/internals.md, section fsdp2kit/planner/timeline.py.
 """
 
 from __future__ import annotations
@@ -77,7 +54,7 @@ class FsdpTimeline:
     world: int  # ranks in the shard group (1: no all-gather buffers at all)
     prefetch: int = 0  # explicit forward/backward prefetch depth (fk.set_prefetch); 0: FSDP2's implicit
     blocks: list[int] = field(default_factory=list)  # unit indices of the blocks, forward order
-    clone_reduce_input: bool = False  # gloo: the reduce-scatter clones its input (module docstring)
+    clone_reduce_input: bool = False  # gloo: the reduce-scatter clones its input (docs/internals.md)
     final_order: list[int] = field(default_factory=list)  # end of backward; empty: index order
     gathered: int = 0  # unsharded parameters alive
     buffers: int = 0  # all-gather and reduce-scatter flat buffers alive

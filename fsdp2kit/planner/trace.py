@@ -1,17 +1,6 @@
 """One training step run on the meta device (shapes only, no memory), recorded as a sequence of memory events.
 
-The model is copied onto meta tensors in the compute dtype, activation checkpointing is applied with
-fsdp2kit's own wrapper, and one forward, loss (the recipe's: logits upcast to fp32, then cross
-entropy) and backward run for real on shapes. `LiveBytes` counts every storage the ops create and
-free, so what autograd saves, what a checkpointed block recomputes and every temporary are the
-ones the real step has, for any block type. The same module hooks FSDP2 uses (pre/post forward,
-pre/post backward, gradient accumulation) are recorded as events; `timeline.replay` turns the
-events into FSDP2's allocations at any world size, so one recording serves every mesh.
-
-Only five blocks run when the middle ones are all alike (same class, same parameter shapes):
-the first three, the fourth standing for the middle ones, and the last. `timeline.replay`
-repeats the fourth block's forward and backward events for the blocks that did not run, which
-keeps a 126-layer model's plan to seconds (every-N checkpointing runs every block).
+How it works and why: docs/internals.md, section fsdp2kit/planner/trace.py.
 """
 
 from __future__ import annotations

@@ -17,13 +17,20 @@ from fsdp2kit.checkpoint.state import model_options
 from fsdp2kit.checkpoint.unpickler import SafeReader
 from fsdp2kit.weights.nf4 import quantize_nf4
 
-__all__ = ["peft_model_from_checkpoint", "read_info"]
+__all__ = ["load_alone", "peft_model_from_checkpoint", "read_info"]
 
 
 def read_info(step_dir: Path) -> dict:
     """The ``fsdp2kit.json`` the Checkpointer writes beside a step's DCP files ({} if there is none)."""
     path = step_dir / INFO_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_alone(state: dict, step_dir: Path) -> None:
+    """``dcp.load`` without a process group (DCP's warning that it assumes one process silenced: it does)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
 
 
 def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Module:
@@ -68,8 +75,6 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
     # DCP without a process group: this runs alone, even beside a live one (e.g. on rank 0 only).
     options = model_options(trainable_only=True)
     state = {"model": get_model_state_dict(model, options=options)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
+    load_alone(state, step_dir)
     set_model_state_dict(model, state["model"], options=options)
     return model

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import model_meshes, reshard_all
+from fsdp2kit.blocks import tied_slots
 from fsdp2kit.dist import mesh_device
+from fsdp2kit.weights.buffers import fill_buffers
 
 
 def target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -27,15 +28,6 @@ def target_device(model: nn.Module, device: torch.device | str | None) -> torch.
     return mesh_device(kind)
 
 
-def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    slots: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                slots[id(p)].append((module, name))
-    return [s for s in slots.values() if len(s) > 1]
-
-
 def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]]:
     """Give every meta tensor storage on ``device``; returns the names of those that were meta.
 
@@ -47,13 +39,26 @@ def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]
     buffers = {n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
     if not params and not buffers:
         return params, buffers
-    ties = _tied_slots(model)
+    ties = tied_slots(model)
     reshard_all(model)
 
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     for slots in ties:
-        module, name = slots[0]
+        _, module, name = slots[0]
         shared = module._parameters[name]
-        for other, other_name in slots[1:]:
+        for _, other, other_name in slots[1:]:
             other._parameters[other_name] = shared
     return params, buffers
+
+
+def allocate_for_load(model: nn.Module, what: str = "allocating the meta-built model") -> None:
+    """Storage for a meta-built model whose values all come from a checkpoint (no init is run).
+
+    Non-persistent buffers are in no checkpoint: they are recomputed by the model's own
+    construction code, and a model whose buffers cannot be recomputed that way is an error.
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    with all_ranks_or_none(model, what):
+        _, buffers = allocate(model, target_device(model, None))
+        fill_buffers(model, buffers, missing_ok=False)

@@ -1,11 +1,6 @@
 """Buffers of a meta-built model recomputed by its own construction code (rotary inv_freq and the like).
 
-Buffers are the trap of meta-device initialisation: parameters get initialised by an init
-function, but buffers (rotary ``inv_freq``, Gemma's ``embed_scale``, attention masks) are computed
-in ``__init__`` and nothing recomputes them: after ``to_empty`` they hold whatever was in memory.
-We take every buffer from a construction of its owner on CPU whose parameters are put on the meta
-device as they are registered, so the buffers come out of the model's own code and the parameters
-cost nothing.
+How it works and why: docs/internals.md, section fsdp2kit/weights/buffers.py.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.quiet import quiet_imports
-from fsdp2kit._internal.scoped import divert, skipping_meta_init
+from fsdp2kit._internal.scoped import divert
 from fsdp2kit.weights.hf_layout import clean_fqn, is_pretrained, original_class
 
 
@@ -36,8 +31,7 @@ def parameters_on_meta() -> Iterator[None]:
 
     The constructor's own code computes the buffers; ``torch.empty`` for a parameter reserves
     address space without touching it, and the meta copy costs nothing, so this is cheap even
-    for a very large model. Initialising those meta parameters is skipped (it computes nothing,
-    and cost a third of a small model's `load_pretrained`). Construction runs in the caller's
+    for a very large model. Construction runs in the caller's
     default dtype (the buffers are cast to the model's afterwards) and draws, if it draws, from a
     fork of the random state: the caller's stream is untouched.
     """
@@ -45,7 +39,6 @@ def parameters_on_meta() -> Iterator[None]:
         torch.random.fork_rng(devices=[]),
         torch.device("cpu"),
         divert(nn.Module, "register_parameter", _to_meta),
-        skipping_meta_init(),
         quiet_imports(),
     ):
         yield

@@ -1,23 +1,12 @@
 """Back to Hugging Face: a sharded model, or a DCP checkpoint of one, as safetensors + config.
 
-`export_hf` gathers a live sharded model one tensor at a time and has its first rank write;
-`dcp_to_hf` turns a checkpoint directory written by `fsdp2kit.Checkpointer` into the same files
-in one process, without a process group (on a laptop, after the job). Both write what
-``save_pretrained`` writes: the model's usual on-disk layout (transformers' weight conversions
-reversed, e.g. fused MoE experts split back into one tensor per expert), tied weights once,
-``model.safetensors`` or numbered shards with ``model.safetensors.index.json``, and the config;
-and beside them the tokenizer (given, or the one in the directory the model came from), so the
-directory is all that ``from_pretrained`` and a generate script need.
-
-Output appears complete or not at all: files are written into a hidden sibling directory that
-is renamed into place at the end.
+How it works and why: docs/internals.md, section fsdp2kit/weights/export.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +17,7 @@ from fsdp2kit._internal.agree import raise_agreed
 from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
 from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
-from fsdp2kit.checkpoint.unpickler import SafeReader
-from fsdp2kit.weights.adapter_checkpoint import peft_model_from_checkpoint, read_info
+from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
 from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
@@ -60,19 +48,16 @@ def parse_size(size: int | str) -> int:
 # Writing
 
 
-def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> list[str]:
-    """The keys to write: each tensor once (a tied weight under its source name), minus ignored ones."""
+def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, list[str]]:
+    """The keys to write, each with every name of its tensor: each tensor once (a tied weight under
+    its source name), minus ignored ones."""
     tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
     groups: dict[str, list[str]] = {}
     for name in tensors:
         groups.setdefault(aliases.get(name, name), []).append(name)
     skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    names = []
-    for members in groups.values():
-        kept = next((n for n in members if n not in tied_targets), members[0])
-        if kept not in skip:
-            names.append(kept)
-    return names
+    kept = {next((n for n in members if n not in tied_targets), members[0]): members for members in groups.values()}
+    return {name: members for name, members in kept.items() if name not in skip}
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
@@ -227,7 +212,7 @@ def export_hf(
     # other ranks would wait in one forever: it stops writing and reports at the end.
     layout = SaveLayout(model)
     with torch.no_grad():
-        for group in layout.groups(names):
+        for group in layout.groups(list(names)):
             fulls = {n: full_of(n) for n in group}
             if writer is None or error is not None:
                 continue
@@ -258,10 +243,10 @@ def _load_config(config: Any, step_dir: Path):
     if isinstance(config, PretrainedConfig):
         return config
     if config is not None:
-        return AutoConfig.from_pretrained(str(config))
+        return AutoConfig.from_pretrained(str(config), local_files_only=True)
     for where in (step_dir, step_dir.parent):
         if (where / "config.json").is_file():
-            return AutoConfig.from_pretrained(str(where))
+            return AutoConfig.from_pretrained(str(where), local_files_only=True)
     raise FileNotFoundError(
         f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
         "directory / file holding config.json)"
@@ -315,8 +300,6 @@ def dcp_to_hf(
     ``tokenizer`` as for `export_hf`; by default the one in ``base``, else in the ``config``
     directory, else in the step directory (the directory the model's config comes from).
     """
-    import torch.distributed.checkpoint as dcp
-
     step_dir = resolve_step_dir(checkpoint)
     if read_info(step_dir).get("trainable_only"):
         if base is None:
@@ -350,13 +333,10 @@ def dcp_to_hf(
         )
     tensors, aliases = model_tensors(model)
     names = _export_names(model, tensors, aliases)
-    by_root: dict[str, list[str]] = {}
-    for n in tensors:
-        by_root.setdefault(aliases.get(n, n), []).append(n)
     source: dict[str, str] = {}  # name to write -> key to read (any of its tied names)
     missing, mismatched = [], []
-    for name in names:
-        found = next((n for n in by_root[aliases.get(name, name)] if n in stored), None)
+    for name, members in names.items():
+        found = next((n for n in members if n in stored), None)
         if found is None:
             missing.append(name)
             continue
@@ -373,14 +353,11 @@ def dcp_to_hf(
         (stored[source[n]].properties.dtype for n in names if stored[source[n]].properties.dtype.is_floating_point),
         None,
     )
-    reader_path = step_dir
 
     def read(batch: list[str]) -> dict[str, torch.Tensor]:
         want = {source[n]: torch.empty(stored[source[n]].size, dtype=stored[source[n]].properties.dtype) for n in batch}
         state = {prefix: dict(want)}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(state, storage_reader=SafeReader(reader_path), no_dist=True)
+        load_alone(state, step_dir)
         return {n: state[prefix][source[n]] for n in batch}
 
     layout = SaveLayout(model)
@@ -400,7 +377,7 @@ def dcp_to_hf(
                 for name, t in converted.items():
                     writer.add(name, t)
 
-        for group in layout.groups(names):
+        for group in layout.groups(list(names)):
             size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
             if batch and batch_bytes + size > max_bytes:
                 drain()

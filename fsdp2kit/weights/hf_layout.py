@@ -1,14 +1,6 @@
 """What fsdp2kit asks of transformers: module identity, clean names, and the on-disk layout.
 
-A Hugging Face checkpoint does not always hold a model's parameters under the model's own names
-and shapes: transformers 5 keeps MoE experts fused in one tensor per layer but stores them one
-tensor per expert, renames keys of older checkpoints, and so on. transformers describes each of
-these as a `WeightRenaming` or `WeightConverter` (transformers/conversion_mapping.py) and applies
-them in `from_pretrained`; we use the very same objects, in both directions, so that no table of
-model-specific rules lives here.
-
-transformers is imported lazily, and only when a model is one of its models, so a plain PyTorch
-model never pays for the import.
+How it works and why: docs/internals.md, section fsdp2kit/weights/hf_layout.py.
 """
 
 from __future__ import annotations
@@ -24,7 +16,6 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.quiet import quiet_imports
-from fsdp2kit._internal.scoped import skipping_meta_init
 
 __all__ = [
     "Group",
@@ -86,7 +77,7 @@ def _as_built(model: nn.Module) -> nn.Module:
     """
     if all(type(m) is original_class(m) for m in model.modules()):
         return model
-    with torch.device("meta"), skipping_meta_init(), quiet_imports():  # init on meta computes nothing
+    with torch.device("meta"), quiet_imports():
         twin = original_class(model)(copy.deepcopy(model.config))
     if getattr(model, "_weight_conversions", None) is not None:  # set by from_pretrained
         twin._weight_conversions = model._weight_conversions

@@ -14,8 +14,7 @@ from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
 from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.weights.adapters import base_name, is_peft_model, peft_init_fn, peft_view
-from fsdp2kit.weights.allocate import allocate, target_device
-from fsdp2kit.weights.buffers import fill_buffers
+from fsdp2kit.weights.allocate import allocate_for_load, target_device
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.nf4 import is_nf4
@@ -46,13 +45,11 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     full model; a checkpoint whose layout differs from the model's adds one converted tensor at
     a time.
 
-    Every shard is a copy: the rows are read with plain file reads straight into the shard (CPU)
-    or through one tensor's rows in host memory (CUDA, or when the file's dtype differs), so a
-    rank's memory is its shards plus at most one tensor's rows (benchmarks/results/load_pretrained.md).
-    Nothing of the model refers to the files once this returns: overwriting, truncating or
-    deleting them while the model trains changes nothing (tests/dist/test_weights.py). Each
-    file's header is checked against the file's size first (a truncated or padded file is a
-    ``ValueError`` naming it), before any rank reads a tensor.
+    Every shard is a copy (safetensors' ``get_slice`` of the rank's box, copied at once, see
+    docs/loading.md): nothing of the model refers to the files once this returns, so overwriting,
+    truncating or deleting them while the model trains changes nothing. Each file's header is
+    checked against the file's size first (a truncated or padded file is a ``ValueError`` naming
+    it), before any rank reads a tensor.
 
     Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
     one per key but held fused) are mapped with transformers' own renamings and weight
@@ -101,10 +98,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     elif plan.missing and any(t.is_meta for t in tensors.values()):
         materialize(model)  # the parameters the checkpoint lacks get the model's own init
     else:
-        device = target_device(model, None)
-        with all_ranks_or_none(model, "load_pretrained"):
-            _, buffers = allocate(model, device)
-            fill_buffers(model, buffers, missing_ok=False)
+        allocate_for_load(model, "load_pretrained")
     _, tensors, _ = _load_targets(model)  # allocation may have replaced plain (unsharded) tensors
 
     result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected, files=len(set(files.values())))

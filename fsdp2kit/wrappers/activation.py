@@ -1,31 +1,6 @@
 """Activation checkpointing: full, every N-th block, or selective by op.
 
-A block's activations are what backward needs from its forward: every intermediate tensor an
-op saved for its gradient. Checkpointing a block keeps only its inputs and runs its forward a
-second time during backward to get the rest back. Memory: one block's activations at a time
-instead of all of them. Time: about one extra forward of every checkpointed block (roughly +30%
-of a step for "full").
-
-- ``"full"``: every block. The least memory.
-- ``N`` (an int): every N-th block, starting with the first (``1`` is ``"full"``). Memory and
-  recompute both scale with 1/N.
-- ``"selective"``: every block, but op by op (`SELECTIVE_SAVE` is the policy): the outputs of
-  the expensive ops, whose recompute would cost real FLOPs (matrix multiplies, attention), are
-  kept; everything else (norms, activations, element-wise ops, casts, reshapes) is recomputed.
-  The bulk of a transformer block's activations are those cheap ops' outputs (the MLP's 4x-wide
-  activation, the norms' outputs), so this saves much of "full"'s memory for a small fraction of
-  its recompute.
-
-Only non-reentrant checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``): it
-works with keyword arguments, with inputs that do not require grad, and with torch.compile, and
-it is the only kind that composes with FSDP2.
-
-Parameter names do not change: the block keeps its place in the module tree and only its
-forward is replaced (see `fsdp2kit.wrappers.forward`). Blocks from Hugging Face transformers
-(``GradientCheckpointingLayer``) are checkpointed through their own switch instead, because
-they know which of their arguments are a KV cache that a recompute must not update twice; they
-drop it, and say so once ("Caching is incompatible with gradient checkpointing"). Train with
-``model.config.use_cache = False`` and no cache is built in the first place.
+How it works and why: docs/internals.md, section fsdp2kit/wrappers/activation.py.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Per-block ("regional") torch.compile.
 
-Compiling the whole model traces every block and every FSDP hook into one program: compile time
-grows with depth, and FSDP2's hooks and collectives end up inside the graph. Compiling each
-block's forward instead gives one graph per block class, reused by every block of that class
-(dynamo treats the block as an input, so its parameters are graph inputs and its identity is not
-guarded on): compile time stays flat in depth, and the hooks that FSDP2 puts around each block
-(all-gather before, reshard after) run in eager outside the graph.
-
-Tensor parallelism: the TP layers inside a block (colwise / rowwise Linear, their all-reduces)
-are traced with it. A TP layer that runs in eager just before a block (the vocabulary-parallel
-embedding) hands it an ``AsyncCollectiveTensor`` (its all-reduce is launched asynchronously);
-those are waited for here, keeping their gradient, before the compiled graph sees them (see
-`wait_async_inputs` for the torch bug this avoids).
+How it works and why: docs/internals.md, section fsdp2kit/wrappers/compile.py.
 """
 
 from __future__ import annotations
@@ -56,23 +45,12 @@ def _wait(t: AsyncCollectiveTensor) -> torch.Tensor:
 def wait_async_inputs(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(module, *args, **kwargs)`` with every ``AsyncCollectiveTensor`` argument waited for first.
 
-    Why: a TP layer run in eager returns its output as an ``AsyncCollectiveTensor`` (torch's
-    functional all-reduce, launched asynchronously; ``to_local()`` hands back that wrapper). In
-    torch 2.13, AOTAutograd unwraps such a graph input with ``trigger_wait()``, which returns the
-    inner tensor *without* ``requires_grad`` (pytorch/pytorch#179849), so the compiled graph is
-    traced as if the input needed no gradient and its backward returns none: the gradient of
-    everything before the block is lost (with a Llama under TP, the vocabulary-parallel
-    embedding's: a 3-layer Llama at TP 2 ended 4.2e-2 from the eager reference after 3 AdamW
-    steps, 7.5e-2 with a tied head; with some losses its ``Redistribute`` backward is instead
-    handed a zero plain tensor and raises). Fixed upstream by pytorch/pytorch#191113 (preserve
-    requires_grad when unwrapping ACT inputs). Waiting here, in eager, through an identity
-    autograd function gives the graph a plain tensor that keeps its autograd edge; it costs no
-    copy, the wait happens where the graph would have waited anyway (on entry), and the first
-    block no longer gets a graph of its own (its input type differed from the other blocks').
-
-    Only top-level tensor arguments are waited for: an ``AsyncCollectiveTensor`` nested in a
-    DTensor argument (an eager style with ``use_local_output=False`` in front of a block; no
-    transformers plan does that) is left to torch (pytorch/pytorch#180614).
+    In torch 2.13 AOTAutograd unwraps such a graph input without ``requires_grad``
+    (pytorch/pytorch#179849, fixed by #191113), which silently drops the gradient of everything
+    before the block (the vocabulary-parallel embedding under TP). Waiting here, in eager,
+    through an identity autograd function keeps the autograd edge at no copy. Only top-level
+    arguments are waited for (nested in a DTensor: pytorch/pytorch#180614). The measured
+    effect: docs/internals.md, section wait_async_inputs.
     """
 
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

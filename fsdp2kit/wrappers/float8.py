@@ -1,29 +1,6 @@
 """Float8 training through torchao, with float8 all-gather of weights under FSDP2.
 
-torchao's ``Float8Linear`` casts a Linear's input, weight and output gradient to float8 with one
-dynamic scale per tensor (``amax`` -> scale) and multiplies with ``torch._scaled_mm``: e4m3 (3
-mantissa bits) forward, e5m2 for gradients. The master weights stay in fp32 (or whatever the
-model holds); only the matmuls run in float8.
-
-With ``fsdp_all_gather=True`` the weight is cast to float8 *before* FSDP2's all-gather, so each
-rank sends a quarter of the fp32 bytes (half of bf16). The cast needs the amax of the whole
-weight, not of the local shard: torchao's ``precompute_float8_dynamic_scale_for_fsdp`` computes
-every weight's amax in one all-reduce, and must run after every change to the weights, or the
-all-gather casts with stale scales (values past the old amax saturate, silently). Here it runs
-by itself: `enable_float8` registers a forward pre-hook on the model that reruns it whenever
-any float8 weight's version counter moved since the last run, i.e. after an optimizer step, a
-checkpoint load or any other in-place write. Gradient-accumulation micro-steps and eval passes
-do not pay for it. (An optimizer-step hook would miss loads and writes outside the optimizer,
-and a returned callable is one more thing to forget.) The one write it cannot see is through
-``param.data``, which has its own version counter: call
-``torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model)`` yourself after such a write.
-
-Which layers: the Linear layers inside the blocks (`find_blocks`) whose in and out features
-are both multiples of 16 (``torch._scaled_mm`` rejects other shapes). Layers outside the blocks
--- the output head above all, whose logits are the most precision-sensitive matmul of the
-model, and any small projection -- stay in high precision, as do Linear layers whose weight is
-shared with another module (float8 all-gather replaces the weight parameter, which would untie
-it).
+How it works and why: docs/internals.md, section fsdp2kit/wrappers/float8.py.
 """
 
 from __future__ import annotations
@@ -110,7 +87,7 @@ def enable_float8(
     Args:
         model: the unsharded model.
         fsdp_all_gather: cast weights to float8 before FSDP2's all-gather (a quarter of fp32's
-            bytes) and keep their scales up to date automatically (see the module docstring).
+            bytes) and keep their scales up to date automatically (docs/internals.md).
         blocks: which modules are blocks, as for `shard_model`; only Linear layers inside them
             are converted.
         filter_fn: ``fn(linear, qualified_name) -> bool`` to narrow the choice further.

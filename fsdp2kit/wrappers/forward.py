@@ -1,22 +1,6 @@
 """How the speed and memory wrappers change a block in place, and the order they must come in.
 
-The wrappers (`enable_float8`, `apply_activation_checkpointing`, `compile_blocks`) never put a
-block inside a new module. A wrapper module would add a level to every parameter name
-(``layers.0._checkpoint_wrapped_module.mlp.weight``, ``layers.0._orig_mod.mlp.weight``), which
-then leaks into optimizer state, checkpoints and `find_blocks`, and needs state-dict hooks to
-hide again. Instead a block keeps its class, its children and its names, and only its
-``forward`` is replaced by an instance attribute (`BlockForward`). ``nn.Module.__call__`` runs
-hooks around ``self.forward``, so FSDP2's all-gather and reshard hooks stay outside whatever
-the new forward does: outside the checkpointed region (no all-gather is replayed on
-recompute) and outside the compiled graph.
-
-The order, and why (also in docs/design.md):
-float8 (swaps Linear modules, so it must see them first) -> tensor parallelism (turns the
-Linear weights into TP DTensors and hooks their inputs and outputs; the checkpointed and
-compiled forwards then run the TP layers) -> activation checkpointing (wraps the
-forward that runs float8) -> compile (compiles the checkpointed forward, so the checkpoint
-becomes part of the graph) -> shard_model (FSDP2 hooks go around all of it) -> set_prefetch
-(needs the FSDP units).
+How it works and why: docs/internals.md, section fsdp2kit/wrappers/forward.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Explicit forward and backward prefetch of the blocks' all-gathers.
 
-By default FSDP2 starts a block's all-gather when the block is about to run in forward, and in
-backward prefetches one block ahead in reverse forward order. With explicit prefetch, a block
-issues the all-gathers of the next ``forward`` blocks (in forward) or the previous ``backward``
-blocks (in backward) as soon as its own parameters are ready, so communication is queued earlier
-and can overlap more compute; each extra block in flight costs one unsharded block of memory.
-
-The order comes from `shard_model`, which records the blocks in forward order as
-an attribute of the model (`fsdp2kit._internal.markers.BLOCK_ORDER`).
+How it works and why: docs/internals.md, section fsdp2kit/wrappers/prefetch.py.
 """
 
 from __future__ import annotations

@@ -327,7 +327,7 @@ def test_full_state_dict_errors_name_the_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"missing from the file: b\.bias"):
         fk.load_full_state_dict(model, tmp_path / "missing.bin")
     torch.save({**sd, "a.weight": torch.zeros(5, 3), "c.extra": torch.zeros(1)}, tmp_path / "bad.bin")
-    with pytest.raises(ValueError, match=r"shapes differ: a\.weight \[5, 3\].*not in the model: c\.extra"):
+    with pytest.raises(ValueError, match=r"shape mismatch: a\.weight \[5, 3\].*the model lacks: c\.extra"):
         fk.load_full_state_dict(model, tmp_path / "bad.bin")
     torch.save({"model": sd, "step": 3}, tmp_path / "wrapped.pt")  # torch.save({"model": ...}) layouts unwrap
     fk.load_full_state_dict(model, tmp_path / "wrapped.pt")

@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fsdp2kit.weights.safetensors import SafetensorsReader, read_header
+from fsdp2kit.weights.safetensors import SafetensorsReader, check_file
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -44,7 +44,7 @@ def _damaged(path, how: str):
 def test_damaged_file_is_refused_naming_it_as_safetensors_does(tmp_path, how):
     good = tmp_path / "good.safetensors"
     save_file(_tensors(), good)
-    read_header(good)  # a file safetensors wrote passes
+    check_file(good)  # a file safetensors wrote passes
     bad = tmp_path / f"{how.replace(' ', '-')}.safetensors"
     bad.write_bytes(_damaged(good, how))
     with pytest.raises(SafetensorError), safe_open(bad, framework="pt"):

@@ -1,12 +1,8 @@
 """Scoped patching (fsdp2kit._internal.scoped): seen by the library's own call on its own thread only.
 
-`build_causal_lm(meta=True)`, the buffers' twin and the conversions' twin construct models
-whose parameters are on the meta device; initialising them computed nothing and cost a third of
-`load_pretrained`'s time (benchmarks/results/peers.md). The guarantees: real tensors are still
-initialised, buffers keep their constructed values, the weights later initialised equal
-transformers' own, another thread sees torch's own functions meanwhile, and nothing outlives
-the block.
-"""
+`materialize` diverts torch.nn.init (and transformers' references to it) while it replays a
+model's init. The guarantees: another thread sees torch's own functions meanwhile, diverts
+nest, and nothing outlives the block."""
 
 from __future__ import annotations
 
@@ -17,21 +13,14 @@ import torch
 import torch.nn as nn
 
 import fsdp2kit as fk
-from fsdp2kit._internal.scoped import divert, skipping_meta_init
+from fsdp2kit._internal.scoped import divert, divert_init_functions
 from fsdp2kit.models import build_causal_lm
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_torch_init_skips_meta_tensors_only(monkeypatch):
-    seen = []
-    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", lambda t, *a, **k: seen.append(t.device.type) or t)
-    with skipping_meta_init():
-        nn.Linear(4, 4, device="meta")
-        nn.Linear(4, 4)  # a real tensor: still initialised
-    assert seen == ["cpu"]
-    nn.Linear(4, 4, device="meta")  # outside: torch's own behaviour again
-    assert seen == ["cpu", "meta"]
+def _skip_meta(original, tensor, *args, **kwargs):
+    return tensor if tensor.is_meta else original(tensor, *args, **kwargs)
 
 
 def test_other_threads_see_torch_and_everything_is_undone():
@@ -41,7 +30,7 @@ def test_other_threads_see_torch_and_everything_is_undone():
     hf_before = dict(hf_normal)
     seen = []
     other = threading.Thread(target=lambda: seen.append(torch.nn.init.normal_(torch.zeros(64)).std().item()))
-    with skipping_meta_init():
+    with divert_init_functions(_skip_meta):
         assert torch.nn.init.normal_ is not normal  # the stand-in: this thread's calls skip meta tensors
         weight = torch.zeros(3, device="meta")
         assert torch.nn.init.normal_(weight) is weight
