@@ -39,7 +39,7 @@ from fsdp2kit.weights.adapters import peft_init_fn
 from support.config import ConfigError, config_to_dict, parse_config
 from support.data import DataError, ResumableLoader, check_vocab, describe, setup_data, setup_tokenizer
 from support.evaluate import evaluate
-from support.export import export_model
+from support.export import EXPORT_DTYPES, export_model
 from support.lora import apply_lora_table
 from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import LivePeak, Timer, peak_memory_bytes
@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if cfg.train.on_nonfinite not in ON_NONFINITE:
         sys.exit(f"config error: train.on_nonfinite={cfg.train.on_nonfinite!r}; one of {', '.join(ON_NONFINITE)}")
+    if cfg.export.dtype not in EXPORT_DTYPES:
+        sys.exit(f"config error: export.dtype={cfg.export.dtype!r}; one of {', '.join(EXPORT_DTYPES)}")
     try:
         parse_signals(cfg.train.stop_signals)
         parse_trackers(cfg.log.trackers)
@@ -385,7 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     if bar:
         bar.close()
     if cfg.export.hf_dir:
-        export_model(model, tokenizer, cfg.export.hf_dir, is_main=info.is_main, merge=cfg.export.merge)
+        export_model(
+            model, tokenizer, cfg.export.hf_dir, is_main=info.is_main, merge=cfg.export.merge, dtype=cfg.export.dtype
+        )
     if info.is_main:
         print(
             f"done: steps {start} -> {t.steps}, loss {first_loss:.4f} -> {last_loss:.4f}, "

@@ -48,6 +48,7 @@ class EvalConfig:
 class ExportConfig:
     hf_dir: str = opt("", "at the end, write a Hugging Face model (and its tokenizer) here; empty: no export")
     merge: bool = opt(True, "with [lora]: the adapters merged into the base (false: a PEFT adapter directory)")
+    dtype: str = opt("auto", "weights' dtype: auto (the pretrained checkpoint's, else as trained) | fp32 | bf16 | fp16")
 
 
 @dataclass
