@@ -201,13 +201,25 @@ def summarize(ranks: list[dict]) -> dict:
                 "memory_MB": {k.removesuffix("_bytes"): round(v / 1e6, 1) for k, v in r["memory"].items()},
             }
         )
-    for p in per_rank:
+    for p, r in zip(per_rank, ranks):
         s = p["MBps"]
         p["ratio_vs_torch"] = {
             "save": round(s["ck_save"] / s["torch_save"], 2),
             "load": round(s["ck_load"] / s["torch_load"], 2),
             "load_unverified": round(s["ck_load_unverified"] / s["torch_load"], 2),
         }
+        p["min_median_max_s"] = {k: [round(f(v), 3) for f in (min, med, max)] for k, v in r["times"].items()}
+        # the same ratios per repeat (both timed in that repeat, a few seconds apart): their spread
+        # says how much of a ratio is the machine's load rather than the method
+        scale = (r["bytes"]["dcp"] / r["bytes"]["torch_save"]) if r["bytes"]["torch_save"] else 1.0
+        paired = {
+            "save": [b / a * scale for a, b in zip(r["times"]["ck_save"], r["times"]["torch_save"])],
+            "load": [b / a * scale for a, b in zip(r["times"]["ck_load"], r["times"]["torch_load"])],
+            "load_unverified": [
+                b / a * scale for a, b in zip(r["times"]["ck_load_unverified"], r["times"]["torch_load"])
+            ],
+        }
+        p["paired_ratio_min_median_max"] = {k: [round(f(v), 2) for f in (min, med, max)] for k, v in paired.items()}
 
     # The loop is lock-step (FSDP collectives), so a step lasts as long as its slowest rank.
     def steps_of(mode: str) -> list[list[float]]:
@@ -264,6 +276,22 @@ def write_markdown(result: dict, path: Path) -> None:
         )
     lines += [
         "",
+        "Per repeat (the ratio of the two times of the same repeat; min / median / max over the repeats):",
+        "",
+        "| rank | save ratio | load ratio (verify) | load ratio (verify=False) | seconds min / median / max |",
+        "|---|---|---|---|---|",
+    ]
+    for p in result["throughput_per_rank"]:
+        q, t = p["paired_ratio_min_median_max"], p["min_median_max_s"]
+        lines.append(
+            f"| {p['rank']} | "
+            + " | ".join(" / ".join(map(str, q[k])) for k in ("save", "load", "load_unverified"))
+            + " | "
+            + "; ".join(f"{k} " + " / ".join(map(str, v)) for k, v in t.items())
+            + " |"
+        )
+    lines += [
+        "",
         "Both saves keep torch.save's CRC-32 (torch's default; the Checkpointer's load verifies it). "
         "Checkpointer.save includes building the state dict, DCP's planning (collectives), writing and fsyncing one "
         "archive per record and `.metadata`, and the atomic publish; Checkpointer.load includes reading and checking "
@@ -316,7 +344,15 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help="small: ~32 MB per rank; large: ~1.3 GB")
     parser.add_argument("--no-stall", action="store_true", help="skip the training-loop stall runs (slow at large)")
+    parser.add_argument("--render", metavar="JSON", help="rewrite the tables of a saved result from its raw times")
     args = parser.parse_args(argv)
+    if args.render:
+        saved = Path(args.render)
+        result = json.loads(saved.read_text())
+        result.update(summarize(result["raw"]))
+        saved.write_text(json.dumps(result, indent=1) + "\n")
+        write_markdown(result, saved.with_suffix(".md"))
+        return
     MODEL.clear()
     MODEL.update(SIZES[args.size])
     from fsdp2kit.testing import run_world
