@@ -133,12 +133,13 @@ def verify_files(
     for name in sorted(records, key=lambda n: (len(n), n))[rank::world]:
         ordered = sorted(records[name])
         # runs of about equal bytes, one per thread, so a file's first bad record is in its first bad run
-        total, run, runs = sum(length for _, length in ordered), [], []
+        total, run, runs, in_run = sum(length for _, length in ordered), [], [], 0
         for record in ordered:
             run.append(record)
-            if sum(length for _, length in run) * threads >= total and len(runs) < threads - 1:
+            in_run += record[1]
+            if in_run * threads >= total and len(runs) < threads - 1:
                 runs.append(run)
-                run = []
+                run, in_run = [], 0
         jobs += [(path / name, r) for r in [*runs, run] if r]
     if threads == 1 or len(jobs) == 1:
         found = [_check_records(*job) for job in jobs]
