@@ -18,7 +18,10 @@ alternating between repeats), medians kept, per rank:
     python benchmarks/checkpoint_bench.py                        # ~32 MB per rank
     python benchmarks/checkpoint_bench.py --size large --no-stall  # ~1.3 GB per rank
 
-Writes benchmarks/results/checkpoint.json and .md (``--size large``: checkpoint-large.*).
+    python benchmarks/checkpoint_bench.py --size large --no-stall --ranks 1  # one rank, 2 verify threads
+
+Writes benchmarks/results/checkpoint.json and .md (``--size large``: checkpoint-large.*; ``--ranks 1``:
+``-1rank``).
 """
 
 from __future__ import annotations
@@ -344,6 +347,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help="small: ~32 MB per rank; large: ~1.3 GB")
     parser.add_argument("--no-stall", action="store_true", help="skip the training-loop stall runs (slow at large)")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="1: one rank with both cores, so the load's check runs on 2 threads (integrity.verify_threads), "
+        "as a GPU host's rank with cores of its own would",
+    )
     parser.add_argument("--render", metavar="JSON", help="rewrite the tables of a saved result from its raw times")
     args = parser.parse_args(argv)
     if args.render:
@@ -360,21 +370,25 @@ def main(argv=None) -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     loadavg_before = os.getloadavg()
     try:
-        ranks = run_world(bench_rank, 2, str(workdir), args.repeats, args.size, not args.no_stall, timeout=3600)
+        ranks = run_world(
+            bench_rank, args.ranks, str(workdir), args.repeats, args.size, not args.no_stall, timeout=3600
+        )
         disk = subprocess.run(["df", "-hT", str(workdir)], capture_output=True, text=True).stdout.splitlines()[-1]
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    machine = common_machine(world_size=2)
+    machine = common_machine(world_size=args.ranks)
     machine["loadavg_before"] = [round(x, 2) for x in loadavg_before]
     machine["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     command = (f" --size {args.size}" if args.size != "small" else "") + (" --no-stall" if args.no_stall else "")
     command += f" --repeats {args.repeats}" if args.repeats != 5 else ""
-    setup = {"ranks": 2, "model": MODEL, "repeats": args.repeats, "command_args": command}
+    command += f" --ranks {args.ranks}" if args.ranks != 2 else ""
+    setup = {"ranks": args.ranks, "model": MODEL, "repeats": args.repeats, "command_args": command}
     result = {"machine": machine, "workdir_filesystem": disk, "setup": setup, **summarize(ranks), "raw": ranks}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "checkpoint" if args.size == "small" else f"checkpoint-{args.size}"
+    stem += f"-{args.ranks}rank" if args.ranks != 2 else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     write_markdown(result, out / f"{stem}.md")
     print((out / f"{stem}.md").read_text())
