@@ -18,7 +18,10 @@ alternating between repeats), medians kept, per rank:
     python benchmarks/checkpoint_bench.py                        # ~32 MB per rank
     python benchmarks/checkpoint_bench.py --size large --no-stall  # ~1.3 GB per rank
 
-Writes benchmarks/results/checkpoint.json and .md (``--size large``: checkpoint-large.*).
+    python benchmarks/checkpoint_bench.py --size large --no-stall --ranks 1  # one rank, 2 verify threads
+
+Writes benchmarks/results/checkpoint.json and .md (``--size large``: checkpoint-large.*; ``--ranks 1``:
+``-1rank``).
 """
 
 from __future__ import annotations
@@ -201,13 +204,25 @@ def summarize(ranks: list[dict]) -> dict:
                 "memory_MB": {k.removesuffix("_bytes"): round(v / 1e6, 1) for k, v in r["memory"].items()},
             }
         )
-    for p in per_rank:
+    for p, r in zip(per_rank, ranks):
         s = p["MBps"]
         p["ratio_vs_torch"] = {
             "save": round(s["ck_save"] / s["torch_save"], 2),
             "load": round(s["ck_load"] / s["torch_load"], 2),
             "load_unverified": round(s["ck_load_unverified"] / s["torch_load"], 2),
         }
+        p["min_median_max_s"] = {k: [round(f(v), 3) for f in (min, med, max)] for k, v in r["times"].items()}
+        # the same ratios per repeat (both timed in that repeat, a few seconds apart): their spread
+        # says how much of a ratio is the machine's load rather than the method
+        scale = (r["bytes"]["dcp"] / r["bytes"]["torch_save"]) if r["bytes"]["torch_save"] else 1.0
+        paired = {
+            "save": [b / a * scale for a, b in zip(r["times"]["ck_save"], r["times"]["torch_save"])],
+            "load": [b / a * scale for a, b in zip(r["times"]["ck_load"], r["times"]["torch_load"])],
+            "load_unverified": [
+                b / a * scale for a, b in zip(r["times"]["ck_load_unverified"], r["times"]["torch_load"])
+            ],
+        }
+        p["paired_ratio_min_median_max"] = {k: [round(f(v), 2) for f in (min, med, max)] for k, v in paired.items()}
 
     # The loop is lock-step (FSDP collectives), so a step lasts as long as its slowest rank.
     def steps_of(mode: str) -> list[list[float]]:
@@ -264,6 +279,22 @@ def write_markdown(result: dict, path: Path) -> None:
         )
     lines += [
         "",
+        "Per repeat (the ratio of the two times of the same repeat; min / median / max over the repeats):",
+        "",
+        "| rank | save ratio | load ratio (verify) | load ratio (verify=False) | seconds min / median / max |",
+        "|---|---|---|---|---|",
+    ]
+    for p in result["throughput_per_rank"]:
+        q, t = p["paired_ratio_min_median_max"], p["min_median_max_s"]
+        lines.append(
+            f"| {p['rank']} | "
+            + " | ".join(" / ".join(map(str, q[k])) for k in ("save", "load", "load_unverified"))
+            + " | "
+            + "; ".join(f"{k} " + " / ".join(map(str, v)) for k, v in t.items())
+            + " |"
+        )
+    lines += [
+        "",
         "Both saves keep torch.save's CRC-32 (torch's default; the Checkpointer's load verifies it). "
         "Checkpointer.save includes building the state dict, DCP's planning (collectives), writing and fsyncing one "
         "archive per record and `.metadata`, and the atomic publish; Checkpointer.load includes reading and checking "
@@ -316,7 +347,22 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help="small: ~32 MB per rank; large: ~1.3 GB")
     parser.add_argument("--no-stall", action="store_true", help="skip the training-loop stall runs (slow at large)")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="1: one rank with both cores, so the load's check runs on 2 threads (integrity.verify_threads), "
+        "as a GPU host's rank with cores of its own would",
+    )
+    parser.add_argument("--render", metavar="JSON", help="rewrite the tables of a saved result from its raw times")
     args = parser.parse_args(argv)
+    if args.render:
+        saved = Path(args.render)
+        result = json.loads(saved.read_text())
+        result.update(summarize(result["raw"]))
+        saved.write_text(json.dumps(result, indent=1) + "\n")
+        write_markdown(result, saved.with_suffix(".md"))
+        return
     MODEL.clear()
     MODEL.update(SIZES[args.size])
     from fsdp2kit.testing import run_world
@@ -324,21 +370,25 @@ def main(argv=None) -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     loadavg_before = os.getloadavg()
     try:
-        ranks = run_world(bench_rank, 2, str(workdir), args.repeats, args.size, not args.no_stall, timeout=3600)
+        ranks = run_world(
+            bench_rank, args.ranks, str(workdir), args.repeats, args.size, not args.no_stall, timeout=3600
+        )
         disk = subprocess.run(["df", "-hT", str(workdir)], capture_output=True, text=True).stdout.splitlines()[-1]
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    machine = common_machine(world_size=2)
+    machine = common_machine(world_size=args.ranks)
     machine["loadavg_before"] = [round(x, 2) for x in loadavg_before]
     machine["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     command = (f" --size {args.size}" if args.size != "small" else "") + (" --no-stall" if args.no_stall else "")
     command += f" --repeats {args.repeats}" if args.repeats != 5 else ""
-    setup = {"ranks": 2, "model": MODEL, "repeats": args.repeats, "command_args": command}
+    command += f" --ranks {args.ranks}" if args.ranks != 2 else ""
+    setup = {"ranks": args.ranks, "model": MODEL, "repeats": args.repeats, "command_args": command}
     result = {"machine": machine, "workdir_filesystem": disk, "setup": setup, **summarize(ranks), "raw": ranks}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "checkpoint" if args.size == "small" else f"checkpoint-{args.size}"
+    stem += f"-{args.ranks}rank" if args.ranks != 2 else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     write_markdown(result, out / f"{stem}.md")
     print((out / f"{stem}.md").read_text())

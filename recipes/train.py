@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     if bar:
         bar.close()
     if cfg.export.hf_dir:
-        export_model(model, tokenizer, cfg.export.hf_dir, is_main=info.is_main, merge=cfg.export.merge)
+        export_model(
+            model, tokenizer, cfg.export.hf_dir, is_main=info.is_main, merge=cfg.export.merge, dtype=cfg.export.dtype
+        )
     if info.is_main:
         print(
             f"done: steps {start} -> {t.steps}, loss {first_loss:.4f} -> {last_loss:.4f}, "

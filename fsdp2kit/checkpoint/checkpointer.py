@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
 from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_dcp
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
@@ -122,7 +124,8 @@ class Checkpointer:
             against the CRC-32 ``torch.save`` stored with it (each rank checks a share of the
             files; integrity.py), so a flipped byte or a torn file is a `CheckpointError` naming
             the file on every rank, with the model and optimizer untouched. It reads every byte
-            of the step once more (about a CRC-32 pass: ~3 GB/s per core with zlib). Steps saved
+            of the step once more (a CRC-32 pass: ~2 GB/s per core with zlib here), on as many
+            threads as the rank has cores of its own (`integrity.verify_threads`). Steps saved
             before fsdp2kit recorded checksums (no ``"checksums"`` in their ``fsdp2kit.json``)
             are loaded unchecked. ``False`` skips the check.
     """
@@ -399,18 +402,25 @@ class Checkpointer:
         path = step_dir(self.root, choice)
 
         problems: list[str] = []
+        upcast: list[str] = []
         state: dict[str, Any] = {}
         try:
             metadata = read_metadata(path)
             trainable_only = resolve_trainable_only(model, self.trainable_only)
             state = state_to_load(model, optimizer, metadata, rank=comm.rank, trainable_only=trainable_only)
-            problems = check_against(state, metadata, path, optimizer is not None) + check_files(metadata, path)
+            problems = check_against(state, metadata, path, optimizer is not None, upcast) + check_files(metadata, path)
             problems += check_extra_keys(extra, metadata)
             if not problems and self.verify and _has_checksums(path):
                 problems = verify_files(metadata, path, comm.rank, comm.world)
         except Exception as e:
             problems = [describe(e)]
         comm.agree(problems, f"cannot load {path}")
+        if upcast and comm.rank == 0:
+            warnings.warn(
+                f"{path} stores {len(upcast)} tensor(s) in a narrower dtype than this model and optimizer keep "
+                f"them in (a run with bf16 master weights?); loading them upcast: {fmt_list(upcast, 4)}",
+                stacklevel=2,
+            )
 
         error = None
         try:

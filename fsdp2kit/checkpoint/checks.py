@@ -12,10 +12,18 @@ from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, metadata_paths
 
 MAX_LISTED = 8
+# Checkpoint dtype -> the dtypes it loads into without a word but a note: the bf16 (or fp16) masters
+# and optimizer states of runs before fp32 masters were the rule, read into fp32 ones (exact). Every
+# other difference, a narrowing one above all, stays an error.
+UPCASTS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
-def check_against(state: dict, metadata: Metadata, path: Path, with_optimizer: bool) -> list[str]:
-    """What stands between this state dict and the checkpoint, in sentences that name the keys."""
+def check_against(
+    state: dict, metadata: Metadata, path: Path, with_optimizer: bool, upcast: list[str] | None = None
+) -> list[str]:
+    """What stands between this state dict and the checkpoint, in sentences that name the keys.
+    Tensors stored in a dtype of `UPCASTS` and wanted in its wider one are no problem (DCP's reader
+    copies each record into the model's tensor, converting it): their keys go to ``upcast``."""
     saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict({k: v for k, v in state.items() if k != "extra"})
     missing, kind, shape, dtype = [], [], [], []
@@ -29,6 +37,9 @@ def check_against(state: dict, metadata: Metadata, path: Path, with_optimizer: b
             elif tuple(md.size) != tuple(value.shape):
                 shape.append(f"{key}: checkpoint {tuple(md.size)}, here {tuple(value.shape)}")
             elif md.properties.dtype != value.dtype:
+                if UPCASTS.get(md.properties.dtype) == value.dtype and upcast is not None:
+                    upcast.append(f"{key} ({md.properties.dtype} -> {value.dtype})")
+                    continue
                 dtype.append(f"{key}: checkpoint {md.properties.dtype}, here {value.dtype}")
         elif not isinstance(md, BytesStorageMetadata):
             kind.append(f"{key} (checkpoint: a tensor, here a {type(value).__name__})")

@@ -9,6 +9,7 @@ from fsdp2kit.diagnostics import ON_NONFINITE
 from fsdp2kit.precision import PRECISIONS
 from fsdp2kit.shard import STRATEGIES
 from fsdp2kit.stop import parse_signals
+from support.export import EXPORT_DTYPES
 from support.formats import FORMATS
 from support.tracking import TRACKERS
 
@@ -91,6 +92,11 @@ class ExportConfig:
         True,
         "with [lora]: true writes the base with the adapters merged in (a plain model for from_pretrained); "
         "false writes a PEFT adapter directory (for PeftModel.from_pretrained)",
+    )
+    dtype: str = opt(
+        "auto",
+        "weights' dtype: auto (the pretrained checkpoint's, else as trained) | fp32 | bf16 | fp16",
+        choices=tuple(EXPORT_DTYPES),
     )
 
 

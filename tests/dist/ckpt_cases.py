@@ -399,6 +399,7 @@ def world2(root: str) -> dict:
     out["err_extra_key"] = error_of(ck.load, model, extra={"scheduler": None})
     # Metadata checks need no sharding: plain models are cheaper to build.
     out["err_dtype"] = error_of(ck.load, build("tinygpt").double())
+    out.update(_bf16_masters_resume(root / "bf16_masters"))
 
     class WithScale(TinyGPT):
         def __init__(self):
@@ -440,6 +441,44 @@ def world2(root: str) -> dict:
     except Exception as e:
         out["agree_phase"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _bf16_masters_resume(root: Path) -> dict:
+    """A step of a run with bf16 master weights and AdamW moments (what fsdp2kit did with a bf16
+    checkpoint before fp32 masters were the rule; pure_bf16 now) resumes into fp32 masters: every
+    value upcast exactly, one warning (rank 0) naming it. A narrowing load stays an error."""
+    old = build("tinygpt", seed=3)
+    fk.shard_model(old, fk.make_mesh(), mixed_precision="pure_bf16")
+    old_opt = adamw(old)
+    train(old, old_opt, 2, gen_seed=3)
+    Checkpointer(root).save(1, old, optimizer=old_opt)
+    before = snapshot(old, old_opt)
+    new = build("tinygpt", seed=4)
+    fk.shard_model(new, fk.make_mesh(), mixed_precision="bf16")
+    new_opt = adamw(new)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = Checkpointer(root).load(new, optimizer=new_opt)
+    after = snapshot(new, new_opt)
+    exact = all(
+        v.dtype == torch.float32 and torch.equal(v, before[part][k].float())
+        for part in ("model", "optim")
+        for k, v in after[part].items()
+        if isinstance(v, torch.Tensor) and before[part][k].dtype == torch.bfloat16
+    )
+    Checkpointer(root / "fp32").save(1, new, optimizer=new_opt)
+    return {
+        "bf16_resume_step": step,
+        "bf16_resume_exact": exact,
+        "bf16_resume_upcast_count": sum(
+            isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16
+            for p in ("model", "optim")
+            for v in before[p].values()
+        ),
+        "bf16_resume_warnings": [str(w.message) for w in caught if "upcast" in str(w.message)],
+        "bf16_resume_losses": train(new, new_opt, 1, gen_seed=5),  # it trains on from there
+        "err_fp32_into_bf16": error_of(Checkpointer(root / "fp32").load, old, optimizer=old_opt),
+    }
 
 
 def _largest_record(step: Path, file: str) -> tuple[int, int]:

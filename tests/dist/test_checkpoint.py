@@ -9,6 +9,7 @@ Each case is asserted on its own.
 from __future__ import annotations
 
 import json
+import math
 
 import ckpt_cases
 import pytest
@@ -241,6 +242,7 @@ ERRORS_2 = {
     "err_no_optimizer_saved": ["saved without optimizer state"],
     "err_extra_key": ["extra key(s) ['scheduler'] not in the checkpoint", "sched"],
     "err_dtype": ["dtype mismatch", "model.tok.weight: checkpoint torch.float32, here torch.float64"],
+    "err_fp32_into_bf16": ["dtype mismatch", "checkpoint torch.float32, here torch.bfloat16"],
     "err_missing_key": ["1 key(s) missing from the checkpoint: model.scale"],
     "err_garbage_metadata": [".metadata is corrupt or not DCP metadata"],
     "err_evil_metadata": ["refusing to load posix.system"],
@@ -254,6 +256,15 @@ def test_bad_input_world2(w2, case):
     msg = _same_on_every_rank(w2, case)
     for fragment in ERRORS_2[case]:
         assert fragment in msg, f"{case}: {fragment!r} not in:\n{msg}"
+
+
+def test_bf16_masters_step_resumes_into_fp32_masters(w2):
+    for r in w2:
+        assert r["bf16_resume_step"] == 1 and r["bf16_resume_exact"]
+        assert r["bf16_resume_upcast_count"] > 0 and all(map(math.isfinite, r["bf16_resume_losses"]))
+    warned = w2[0]["bf16_resume_warnings"]
+    assert len(warned) == 1 and "torch.bfloat16 -> torch.float32" in warned[0], warned
+    assert w2[1]["bf16_resume_warnings"] == []  # one note per load, from rank 0
 
 
 def test_one_agreement_for_the_weight_loaders(w2):

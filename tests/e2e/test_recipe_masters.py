@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from safetensors import safe_open
 from test_recipes import DEMO, FAST, run
 
 from fsdp2kit.cli import main as cli
@@ -31,10 +32,12 @@ def test_bf16_checkpoint_fine_tunes_fp32_masters(tmp_path, capsys):
     _bf16_checkpoint(base)
     assert json.loads((base / "config.json").read_text())["dtype"] == "bfloat16"
     common = ["--config", DEMO, *FAST, "--model.name", str(base), "--model.pretrained", "true"]
-    common += ["--data.tokenizer", str(base), "--export.hf_dir", ""]
+    common += ["--data.tokenizer", str(base)]
 
     log = tmp_path / "log.jsonl"
     args = [*common, "--parallel.mixed_precision", "bf16", "--train.steps", "2", "--train.lr", "2e-5"]
+    export = tmp_path / "export"  # [export] dtype = "auto" (the default): the checkpoint's bf16 again
+    args += ["--export.hf_dir", str(export)]
     _, out = run([*args, "--checkpoint.dir", str(tmp_path / "ck"), "--log.jsonl", str(log)], tmp_path)
     # the start-up summary says it; the memory plan (in the log's start event) too
     assert "precision: master weights fp32 (cast from bf16 at sharding), gradients fp32, AdamW state fp32" in out
@@ -47,6 +50,11 @@ def test_bf16_checkpoint_fine_tunes_fp32_masters(tmp_path, capsys):
     text = capsys.readouterr().out
     dtypes = set(re.findall(r"\b(float32|bfloat16|fp32|bf16)\b", text))
     assert dtypes and dtypes <= {"float32", "fp32"}, text[-3000:]
+
+    assert "exported a Hugging Face model (bfloat16)" in out
+    with safe_open(export / "model.safetensors", "pt") as f:
+        stored = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    assert stored == {"BF16"} and json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
 
     # the other choice, said as loudly: planned without a launch (without mixed_precision the plan
     # says "bf16 masters as built": tests/unit/test_precision.py)

@@ -116,3 +116,20 @@ def test_generate_names_a_missing_tokenizer_in_one_line(tok, tmp_path, capsys):
     fk.export_hf(model, tmp_path / "full", tokenizer=tok)
     generate.main([str(tmp_path / "full"), TEXT, "--max-new-tokens", "2"])
     assert f"user:      {TEXT}\nassistant:" in capsys.readouterr().out
+
+
+def test_recipe_export_dtype(tok, tmp_path):
+    """`[export] dtype`: "auto" is the dtype the config says the checkpoint was stored in (bf16 here,
+    the model held in fp32 as fp32 masters are), as held without one; a name casts; a typo is refused."""
+    from support.export import export_dtype, export_model
+
+    model = tiny(tok)
+    model.config.dtype = torch.bfloat16  # as from_pretrained of a bf16 checkpoint leaves it
+    assert next(model.parameters()).dtype == torch.float32
+    assert export_dtype("auto", model) == torch.bfloat16 and export_dtype("fp32", model) == torch.float32
+    assert export_dtype("auto", model, adapters=True) is None and export_dtype("auto", torch.nn.Linear(2, 2)) is None
+    with pytest.raises(ValueError, match="export.dtype='float32'; one of auto, fp32, bf16, fp16"):
+        export_dtype("float32", model)
+    export_model(model, tok, tmp_path / "auto", is_main=True)  # the recipe's default: "auto"
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "auto", local_files_only=True, dtype="auto")
+    assert {p.dtype for p in again.parameters()} == {torch.bfloat16}
