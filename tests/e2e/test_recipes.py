@@ -80,6 +80,11 @@ def test_train_resume_and_survive_a_killed_worker(tmp_path):
     assert start["event"] == "start" and start["memory_plan"].startswith("Memory plan: demo on shard=2, batch 8 x")
     assert start["shard_plan"].startswith("ShardPlan: 6 FSDP units over mesh (shard=2)"), start["shard_plan"]
     assert plans_agree(start["memory_plan"] + "\n" + start["shard_plan"])
+    summary = [sys.executable, str(ROOT / "recipes" / "summary.py"), str(log)]
+    shown = subprocess.run([*summary, "--plans"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert shown == f"{start['memory_plan']}\n{start['shard_plan']}\n"
+    shown = subprocess.run(summary, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "GiB per rank (max; process RSS)" in shown, shown
     # CPU memory figures named for what they are; the prediction is shown only beside the live bytes it predicts.
     assert {"peak_rss_gib", "peak_rss_gib_per_rank"} <= set(full[1]) and "peak_mem_gib" not in full[1]
     steps = [line for line in out.splitlines() if line.startswith("step ")]
