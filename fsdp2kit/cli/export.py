@@ -19,7 +19,13 @@ def add_export_hf(subparsers) -> None:
     p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
     p.add_argument("out_dir", help="where to write model*.safetensors and config.json")
     p.add_argument("--step", type=int, default=None, help="the step to export (default: the newest complete one)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast on export (default: as saved)")
+    p.add_argument(
+        "--dtype",
+        choices=[*sorted(_DTYPES), "auto"],
+        default=None,
+        help="cast on export; auto: the dtype the config says the pretrained model was stored in (a bf16 model "
+        "trained with fp32 masters is written in bf16 again), as saved without one (default: as saved)",
+    )
     p.add_argument("--config", default=None, help="a Hugging Face config directory, when the step has no config.json")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     p.add_argument(
@@ -54,7 +60,10 @@ def run_export_hf(args) -> int:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(args.config, local_files_only=True)
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    if args.dtype == "auto":
+        dtype = _stored_dtype(config, source) if not (args.base and not args.merge) else None  # adapters: as trained
+    else:
+        dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     out = dcp_to_hf(
         source,
         args.out_dir,
@@ -71,3 +80,19 @@ def run_export_hf(args) -> int:
     else:
         print(f"wrote {out} without a tokenizer (none in --base, --config or the step): pass --tokenizer DIR")
     return 0
+
+
+def _stored_dtype(config, source):
+    """The floating dtype ``config`` (else the step's ``config.json``) names, or None."""
+    import json
+
+    import torch
+
+    if config is not None:
+        named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    else:
+        file = source / "config.json"
+        saved = json.loads(file.read_text()) if file.is_file() else {}
+        named = saved.get("dtype") or saved.get("torch_dtype")
+    named = getattr(torch, named, None) if isinstance(named, str) else named
+    return named if isinstance(named, torch.dtype) and named.is_floating_point else None
