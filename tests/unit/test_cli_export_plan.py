@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from models import tiny_llama
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM
 
@@ -43,6 +44,13 @@ def test_export_hf_round_trips_through_from_pretrained(tmp_path, capsys):
     torch.testing.assert_close(
         loaded.model.embed_tokens.weight, old.model.embed_tokens.weight.bfloat16(), rtol=0, atol=0
     )
+
+    # auto: the dtype the step's config names (a bf16 checkpoint's, here), the weights saved in fp32
+    old.config.dtype = torch.bfloat16
+    _save_step(old, tmp_path / "ck", 3)
+    assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "hf4"), "--step", "3", "--dtype", "auto"]) == 0
+    with safe_open(tmp_path / "hf4" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 - not iterable
 
     assert main(["export-hf", str(tmp_path / "ck"), str(tmp_path / "hf2"), "--step", "7"]) == 1
     assert "step 7 is not a complete step" in capsys.readouterr().err
