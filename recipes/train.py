@@ -14,6 +14,9 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
   6. resume from the newest complete checkpoint, train, checkpoint every N steps.
 
 `--train.smoke true` proves a configuration in a minute before a long run: see support/smoke.py.
+A mistake in the config, an option, the data or the model directory stops the launch with one block
+from rank 0 (what, where, the fix), mostly before any process group starts; `--debug` (or
+FSDP2KIT_DEBUG=1) shows its Python traceback instead: see support/errors.py.
 """
 
 from __future__ import annotations
