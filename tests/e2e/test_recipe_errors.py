@@ -138,6 +138,12 @@ SLOW_CASES = [
         "data error: data.tokenizer = '{w}/notok': no such directory (a local Hugging Face tokenizer)",
     ),
     (
+        "mesh",
+        ["--parallel.shard", "3"],
+        "config error: [parallel] shard=3, replicate=1 does not fit the world size 2; sizes that work: "
+        "(shard=2, replicate=1), (shard=1, replicate=2), (shard=1, replicate=1, tp=2)",
+    ),
+    (
         "model-config",
         ["--model.name", "{w}/badmodel"],
         "model error: model.name = '{w}/badmodel': It looks like the config file at '{w}/badmodel/config.json' is "
