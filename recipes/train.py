@@ -14,6 +14,9 @@ launches. It reads top to bottom in the order fsdp2kit's pieces compose:
   6. resume from the newest complete checkpoint, train, checkpoint every N steps.
 
 `--train.smoke true` proves a configuration in a minute before a long run: see support/smoke.py.
+A mistake in the config, an option, the data or the model directory stops the launch with one block
+from rank 0 (what, where, the fix), mostly before any process group starts; `--debug` (or
+FSDP2KIT_DEBUG=1) shows its Python traceback instead: see support/errors.py.
 """
 
 from __future__ import annotations
@@ -88,9 +91,9 @@ def check_before_start(cfg: Config) -> None:
     if problem:
         raise ConfigError(problem)
     for role, files in (("data", cfg.data.files), ("eval", cfg.eval.files)):
-        for f in [f for f in files.split(",") if f]:
+        for f in [f for f in files.split(",") if f and not cfg.train.plan_only]:  # a plan reads no data
             check_source(f, role)  # exists and is of a type the data layer reads: before any process group
-    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_dir():
+    if cfg.data.tokenizer and not cfg.train.plan_only and not Path(cfg.data.tokenizer).is_dir():
         raise DataError(f"data.tokenizer = {cfg.data.tokenizer!r}: no such directory (a local Hugging Face tokenizer)")
     if lora.r > 0 and lora.targets != "all-linear":
         # The targets against the model's Linear names, on the meta device (no memory, no data yet):
@@ -138,7 +141,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # 1. process group and mesh
     info = fk.init_distributed(timeout=cfg.train.timeout)
-    mesh = fk.make_mesh(shard=p.shard, replicate=p.replicate, tp=p.tp)
+    try:
+        mesh = fk.make_mesh(shard=p.shard, replicate=p.replicate, tp=p.tp)
+    except ValueError as e:  # sizes that do not fit the world: the same answer on every rank
+        raise ConfigError(f"[parallel] {str(e).removeprefix('make_mesh: ')}") from e
     torch.manual_seed(cfg.train.seed)
     # The ranks of one TP group compute on one batch: data is split over the data-parallel groups.
     dp_info = dataclasses.replace(info, rank=info.rank // p.tp, world_size=info.world_size // p.tp)

@@ -102,7 +102,7 @@ def test_field_rules_read_the_same_from_the_file_and_the_command_line(tmp_path):
         parse_config(CfgB, ["--config", str(f)])
 
 
-def test_help_and_argparse_errors_come_from_rank_0_only(capsys, monkeypatch):
+def test_help_comes_from_rank_0_only(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit):
         parse_config(Cfg, ["--help"])
