@@ -60,6 +60,7 @@ def test_pretrain_finetune_eval_export(tmp_path):
     assert generated.shape[1] > prompt["input_ids"].shape[1]
 
 
+@pytest.mark.slow  # make test: test_recipe_errors's data-bad-record case checks the same block, line for line
 @pytest.mark.timeout(300)
 def test_a_bad_record_stops_every_rank_naming_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"

@@ -103,6 +103,12 @@ CASES = [
         "config error: data.seq_len 512 exceeds the model's max_position_embeddings 256 ({w}/pos256): lower "
         "--data.seq_len, or raise the limit explicitly with --model.max_position_embeddings 512",
     ),
+    (
+        "mesh",
+        ["--parallel.shard", "3"],
+        "config error: [parallel] shard=3, replicate=1 does not fit the world size 2; sizes that work: "
+        "(shard=2, replicate=1), (shard=1, replicate=2), (shard=1, replicate=1, tp=2)",
+    ),
 ]
 # Rarer variants of the classes above: make test-all.
 SLOW_CASES = [
@@ -136,12 +142,6 @@ SLOW_CASES = [
         "tokenizer-missing",
         ["--data.tokenizer", "{w}/notok"],
         "data error: data.tokenizer = '{w}/notok': no such directory (a local Hugging Face tokenizer)",
-    ),
-    (
-        "mesh",
-        ["--parallel.shard", "3"],
-        "config error: [parallel] shard=3, replicate=1 does not fit the world size 2; sizes that work: "
-        "(shard=2, replicate=1), (shard=1, replicate=2), (shard=1, replicate=1, tp=2)",
     ),
     (
         "model-config",
