@@ -48,5 +48,5 @@ def test_one_rank_failing_is_reported_and_the_rest_are_stopped():
 def test_a_hang_fails_within_the_deadline():
     start = time.monotonic()
     with pytest.raises(WorldError, match=r"ranks \[1\] did not finish within the deadline"):
-        run_world(_rank1_hangs, 2, timeout=25)
-    assert time.monotonic() - start < 60
+        run_world(_rank1_hangs, 2, timeout=12)  # rank 0 starts and returns in a few seconds, even in CI
+    assert time.monotonic() - start < 40
