@@ -2,7 +2,7 @@
 
 For each configuration, real gloo ranks train a tiny Llama (transformers) with fsdp2kit exactly as
 the recipe does (AC, shard_model, AdamW, the recipe's loss); after a warm-up step, one step runs
-under `fsdp2kit.planner.measure.measure_step`, which counts live tensor storage bytes at every op
+under `measure_step` (benchmarks/measure_step.py), which counts live tensor storage bytes at every op
 (not RSS) and tells parameters, gradients, optimizer state, gathered parameters and FSDP buffers
 apart. The prediction is `fsdp2kit.plan_memory(..., device="cpu")` on the same model built on the
 meta device. Writes benchmarks/results/memory_planner.{json,md}.
@@ -145,9 +145,9 @@ def lm_loss(model, batch):
 def measure_world(configs: list[dict]) -> list[dict]:
     """On every rank: each configuration's measured step (runs under fsdp2kit.testing.run_world)."""
     import torch.distributed as dist
+    from measure_step import measure_step
 
     import fsdp2kit as fk
-    from fsdp2kit.planner.measure import measure_step
 
     out = []
     for c in configs:
@@ -277,7 +277,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "fsdp2kit (the recipe's loss, AdamW unless noted; TP with `apply_tensor_parallel`'s auto plan, LoRA/QLoRA "
         "with peft adapters over a frozen base in the compute dtype, NF4 blocks for QLoRA); one step after a "
         "warm-up is measured by "
-        "`fsdp2kit.planner.measure.measure_step` (live storage bytes at every op, by category; the worst rank) "
+        "`measure_step` in benchmarks/measure_step.py (live storage bytes at every op, by category; the worst rank) "
         'and predicted by `fsdp2kit.plan_memory(..., device="cpu")` on the model built on the meta device. '
         f"MiB. torch {meta['torch']}, {meta['seconds']} s, load average {tuple(round(x, 1) for x in meta['load'])} "
         "(2 shared cores).\n\n"

@@ -98,8 +98,6 @@ def _gather_nf4(t: DTensor) -> torch.Tensor:
 
 def is_first_rank(model: nn.Module) -> bool:
     """Whether this rank is the first of the model's mesh (the one that writes files), or the only process."""
-    import torch.distributed as dist
-
     meshes = model_meshes(model)
     if meshes:
         return dist.get_rank() == int(meshes[0].mesh.flatten()[0])

@@ -97,9 +97,6 @@ def _to_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
         return {"__ndarray__": len(tensors) - 1}
     if np is not None and isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
-        # a fast path for long runs of plain ints: Python's RNG state is 625 of them, on every save
-        return list(value) if isinstance(value, list) else {"__tuple__": list(value)}
     if isinstance(value, list):
         return [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, tuple):

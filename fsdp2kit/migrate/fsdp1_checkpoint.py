@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.fmt import fmt_list, key_problems
+from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.migrate.full_state import ImportResult, load_full_state_dict, torch_load_safely
 from fsdp2kit.weights.allocate import allocate_for_load
 from fsdp2kit.weights.hf_layout import clean_fqn
@@ -57,18 +58,19 @@ def _layout(path: Path) -> tuple[str, Path, Path | None]:
     return "full", path, None
 
 
-def _dcp_keys(path: Path) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
+def _dcp_load(state: dict, path: Path, metadata) -> None:
+    """``dcp.load`` through the allow-list reader and planner: no pickled code in the directory runs."""
+    import torch.distributed.checkpoint as dcp
 
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
 
 
 def _load_dcp_model(model: nn.Module, path: Path) -> int:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
-        stored = _dcp_keys(path)
+        metadata = read_metadata(path)
+        stored = set(metadata.state_dict_metadata)
         state = get_model_state_dict(model)
         prefix = next((p for p in ("model.", "") if all(p + k in stored for k in state)), None)
         best = prefix if prefix is not None else "model." if any(k.startswith("model.") for k in stored) else ""
@@ -77,18 +79,18 @@ def _load_dcp_model(model: nn.Module, path: Path) -> int:
         problems = key_problems(missing, extra)
         if problems:
             raise ValueError(f"{path}: " + "; ".join(problems))
-    dcp.load({"model": state} if prefix else state, storage_reader=dcp.FileSystemReader(str(path)))
+    _dcp_load({"model": state} if prefix else state, path, metadata)
     set_model_state_dict(model, state)
     return len(state)
 
 
 def _load_dcp_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer)  # per-FQN, with the state the optimizer will have
     with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
-        stored = _dcp_keys(path)
+        metadata = read_metadata(path)
+        stored = set(metadata.state_dict_metadata)
         prefix = next((p for p in ("optimizer", "optim") if any(k.startswith(f"{p}.state.") for k in stored)), None)
         if prefix is None:
             raise ValueError(f"{path} holds no optimizer state (no optimizer.state.* keys)")
@@ -99,7 +101,7 @@ def _load_dcp_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path
                 f"{path} lacks optimizer state the model's optimizer has: {fmt_list(missing)} (another optimizer "
                 "type, or parameters that were frozen when it was saved?)"
             )
-    dcp.load({prefix: state}, storage_reader=dcp.FileSystemReader(str(path)))
+    _dcp_load({prefix: state}, path, metadata)
     set_optimizer_state_dict(model, optimizer, state)
 
 

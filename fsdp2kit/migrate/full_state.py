@@ -122,14 +122,6 @@ def _reader(files: list[Path]):
     return reader, list(reader.tensors)
 
 
-def _non_persistent(model: nn.Module) -> set[str]:
-    return {
-        clean_fqn(f"{mn}.{bn}" if mn else bn)
-        for mn, m in model.named_modules(remove_duplicate=False)
-        for bn in m._non_persistent_buffers_set
-    }
-
-
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:
     """Load a consolidated state dict into a model prepared with `shard_model`, on every rank.
 
@@ -163,7 +155,7 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportRes
             got, want = tuple(reader.shape(sources[first])), tuple(tensors[first].shape)
             if got != want:
                 mismatched.append(f"{first} {list(got)} in the file, {list(want)} in the model")
-        skippable = _non_persistent(model)
+        skippable = {clean_fqn(n) for n, _ in model.named_buffers(remove_duplicate=False)}  # in extra: non-persistent
         extra = sorted(n for n in by_name if n not in tensors)
         skipped = [n for n in extra if n in skippable]
         unexpected = [n for n in extra if n not in skippable]

@@ -59,31 +59,12 @@ def nf4_shard_problem(t: torch.Tensor, shard: int) -> str | None:
 
 
 def meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    """An NF4Tensor on the meta device with exactly the inner tensors ``to_nf4`` would make.
+    """An NF4Tensor on the meta device: torchao's ``to_nf4`` of a meta weight, which has the inner
+    tensors of a real one. A placeholder for a weight that `fsdp2kit.load_pretrained` quantizes
+    later: FSDP2 shards it like a real NF4Tensor, so each rank's shard has the layout the loader fills."""
+    from torchao.quantization import to_nf4
 
-    A placeholder for a weight that `fsdp2kit.load_pretrained` quantizes later: FSDP2 shards it
-    like a real NF4Tensor (torchao's split, new_zeros and copy_ work on meta inner tensors), so
-    each rank's shard already has the layout the loader fills. Inner tensors, as ``to_nf4``:
-    packed data (uint8, two weights a byte), one int8 scaler per block, one factor per scaler
-    group, the scalers' mean and the 16-value NF4 table (both in the weight's dtype).
-    """
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
-
-    numel = shape.numel()
-    n_blocks = numel // block_size
-    meta = torch.device("meta")
-    args = SubclassTensorArgs(shape, torch.empty(shape, device=meta).stride(), 0, dtype, meta, False)
-    return NF4Tensor(
-        args,
-        block_size,
-        n_blocks,
-        scaler_block_size,
-        torch.empty(n_blocks, dtype=torch.int8, device=meta),  # quantized_scalers
-        torch.empty(n_blocks // scaler_block_size, dtype=dtype, device=meta),  # quantization_factor
-        torch.empty((), dtype=dtype, device=meta),  # scaler_mean
-        torch.empty(numel // 2, dtype=torch.uint8, device=meta),  # quantized_data
-        torch.empty(16, dtype=dtype, device=meta),  # the NF4 table
-    )
+    return to_nf4(torch.empty(shape, dtype=dtype, device="meta"), block_size, scaler_block_size)
 
 
 def _has_lora(model: nn.Module) -> bool:
@@ -157,11 +138,8 @@ def quantize_nf4(
             if w.numel() % group:
                 skipped.append(f"{name} {tuple(w.shape)}")
                 continue
-            if w.is_meta:  # filled by load_pretrained, which quantizes each rank's rows
-                nf4 = meta_nf4(w.shape, dtype or w.dtype, block_size, scaler_block_size)
-            else:
-                with torch.no_grad():
-                    nf4 = to_nf4(w.detach().to(dtype or w.dtype).contiguous(), block_size, scaler_block_size)
+            with torch.no_grad():  # a meta weight gives a meta NF4 placeholder, filled by load_pretrained
+                nf4 = to_nf4(w.detach().to(dtype or w.dtype).contiguous(), block_size, scaler_block_size)
             module.weight = nn.Parameter(nf4, requires_grad=False)
             done.append(name)
     if not done:

@@ -1,7 +1,7 @@
 """The memory planner against measurement: every category it reports, on real gloo ranks (CPU).
 
 Each case trains a tiny Llama with fsdp2kit (as the recipe does) and measures one step after a
-warm-up with `fsdp2kit.planner.measure.measure_step` (live tensor storage bytes at every op, by
+warm-up with `measure_step` (benchmarks/measure_step.py) (live tensor storage bytes at every op, by
 category); `fsdp2kit.plan_memory(..., device="cpu")` predicts the same figures from the model
 built on the meta device. The planner replays what FSDP2 allocates, so on CPU it is expected to
 be exact up to the optimizer's step counters and a few small tensors: the bar is 2% (the

@@ -1,10 +1,11 @@
 """measure_step: the measured per-rank peak of live tensor bytes in one real training step, by category.
 
-The check for the planner's prediction, and what the recipe logs beside it on CPU (on CUDA the
-recipe reads ``torch.cuda.max_memory_allocated``). Categories are told apart by identity: the
-parameters' local shards, their ``.grad``, the optimizer's state, FSDP2's unsharded parameters
-and its flat all-gather / reduce-scatter buffers (read from FSDP2's private state objects, which
-is why this lives in a measuring tool and nowhere else); the rest is activations and temporaries.
+The check for the planner's prediction (this benchmark's grid and tests/dist/test_memory_measured.py);
+a measuring tool, not part of the library (users read ``torch.cuda.max_memory_allocated``).
+Categories are told apart by identity: the parameters' local shards, their ``.grad``, the
+optimizer's state, FSDP2's unsharded parameters and its flat all-gather / reduce-scatter buffers
+(read from FSDP2's private state objects, which is why this lives in a measuring tool and
+nowhere else); the rest is activations and temporaries.
 """
 
 from __future__ import annotations
