@@ -93,7 +93,9 @@ class TrainConfig:
     timeout: float = opt(600.0, "seconds a collective may wait before it fails (the process group's timeout)")
     check_every: int = opt(10, "compare step, micro-step and batch shape across ranks every N steps (0: off)")
     check_timeout: float = opt(60.0, "seconds a rank waits at a check for the others before naming who is where")
-    stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint")
+    stop_signals: str = opt(
+        "SIGTERM,SIGUSR1,SIGINT", "signals that stop after the current step with a checkpoint (a second Ctrl-C aborts)"
+    )
     requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
 
 

@@ -33,6 +33,35 @@ def test_a_signal_sets_the_flag_and_handlers_come_back():
     assert signal.getsignal(signal.SIGUSR2) is before
 
 
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_the_first_time_and_aborts_the_second_time():
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    seen = []
+    with fk.StopSignal(repeat_after=0.2, on_signal=seen.append) as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C: a stop, not a KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun forwarding the same Ctrl-C a moment later
+        assert stop.received == signal.SIGINT and seen == [signal.SIGINT]
+        assert stop.should_stop() and stop.describe().startswith("SIGINT reached rank 0")
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: KeyboardInterrupt, at once
+        assert {s: signal.getsignal(s) for s in before} == before  # put back before it raised
+    assert {s: signal.getsignal(s) for s in before} == before
+    # torchrun turns a second Ctrl-C into SIGTERM: an abort too
+    with fk.StopSignal(repeat_after=0.2) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM after SIGINT"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    # a scheduler's signals are not a user at the terminal: a repeat is only a stop
+    with fk.StopSignal(repeat_after=0.0) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGTERM
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 def test_tracker_names_and_scalars():
     assert parse_trackers(" tensorboard ,MLflow") == ["tensorboard", "mlflow"]
     with pytest.raises(TrackerError, match="unknown tracker 'neptune'"):
