@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import fsdp2kit as fk
+from fsdp2kit.diagnostics.desync import _process_end
 from fsdp2kit.stop import parse_signals
 from support.tracking import RunLog, TrackerError, parse_trackers, scalars
 
@@ -123,3 +126,17 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
             break
         time.sleep(0.5)
     assert found, data[:200]
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_process_is_named_with_its_signal_until_reaped():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert _process_end(proc.pid) is None  # running
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _process_end(proc.pid) == "was killed by SIGKILL"  # a zombie: its parent has not reaped it
+    proc.wait()
+    assert _process_end(proc.pid) == "has exited"
