@@ -80,7 +80,9 @@ def announce_stop(sig: signal.Signals) -> None:
 
 @contextlib.contextmanager
 def abort_quietly() -> Iterator[None]:
-    """Around the recipe's main: a `KeyboardInterrupt` (a second Ctrl-C, or one before training) ends the process at once, in one line.
+    """Around the recipe's main: a `KeyboardInterrupt` (a second Ctrl-C, or one before training) exits at once.
+
+    One line on rank 0, status 130.
 
     ``os._exit``: no interpreter teardown, which would wait on (or abort in) the process group's
     threads; nothing is saved, which is what a second Ctrl-C asks for.
