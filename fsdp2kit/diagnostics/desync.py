@@ -195,16 +195,24 @@ class RankMonitor(PositionTracker):
                 out[r] = (None, None)
         return out
 
-    def _ask_positions(self, wait: float) -> set[int]:
-        """Ask every rank's thread for its position now; the ranks that answered within ``wait`` seconds."""
+    def _ask_positions(self, wait: float, gone: dict[int, str]) -> set[int]:
+        """Ask every rank's thread for its position now; the ranks that answered within ``wait`` seconds.
+
+        Meanwhile the ranks that have not answered are looked for among the exited processes (into
+        ``gone``), every 20 ms: a killed one is a zombie that names its signal only until the
+        launcher reaps it (torchrun looks every 0.1 s).
+        """
         asked = self._store.add("ask", 1)
-        pending, answered = set(range(self.world)) - {self.rank}, {self.rank}
+        pending, answered = set(range(self.world)) - {self.rank} - set(gone), {self.rank}
         deadline = time.monotonic() + wait
         while pending and time.monotonic() < deadline:
             for r in sorted(pending):
                 if self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
                     pending.discard(r)
                     answered.add(r)
+            found = self._gone(sorted(pending))
+            gone.update(found)
+            pending -= set(found)
             if pending:
                 time.sleep(0.02)
         return answered
@@ -229,7 +237,7 @@ class RankMonitor(PositionTracker):
         self._publish()
         others = [r for r in range(self.world) if r != self.rank]
         gone = self._gone(others)  # first: a zombie still tells how it ended, until the launcher reaps it
-        answered = self._ask_positions(wait=2.0 if len(gone) < len(others) else 0.0)
+        answered = self._ask_positions(wait=2.0, gone=gone)
         gone.update(self._gone([r for r in others if r not in answered and r not in gone]))
         published = self._published_positions()
         positions = {r: p for r, (p, _) in published.items()}
