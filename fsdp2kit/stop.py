@@ -1,10 +1,11 @@
-"""Stop signals (a scheduler's SIGTERM, Slurm's --signal) turned into one stop all ranks agree on at a step boundary."""
+"""Stop signals (SIGTERM from a scheduler, Slurm's --signal, Ctrl-C) agreed on by all ranks at a step boundary."""
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from types import FrameType
 
 import torch
@@ -48,23 +49,46 @@ class StopSignal:
 
     ::
 
-        stop = fk.StopSignal("SIGTERM,SIGUSR1")      # installs the handlers (main thread)
-        for step in ...:
-            train_one_step()
-            if stop.should_stop():                   # collective: one tiny all-reduce
-                ck.save(step, model, optimizer=opt)  # every rank saves the same step
-                sys.exit(fk.EXIT_PREEMPTED)
+        with fk.StopSignal() as stop:                    # SIGTERM, SIGUSR1 and SIGINT (Ctrl-C)
+            for step in ...:
+                train_one_step()
+                if stop.should_stop():                   # collective: one tiny all-reduce
+                    ck.save(step, model, optimizer=opt)  # every rank saves the same step
+                    sys.exit(fk.EXIT_PREEMPTED)
 
     A scheduler may deliver the signal to one process only (a node's ranks, or just the one it
     picked); the handler only sets a flag, so the current step finishes untouched, and the flag
     reaches the other ranks through one all-reduce (MAX over one int) at the next boundary. Every
-    rank then stops after the same step and can save a complete checkpoint. The previous
-    handlers come back with `restore` (or when used as a context manager).
+    rank then stops after the same step and can save a complete checkpoint.
+
+    When the first signal is one of ``abort_on_repeat`` (SIGINT: a Ctrl-C, the user is at the
+    terminal), any further stop signal more than ``repeat_after`` seconds later aborts at once:
+    the previous handlers come back and `KeyboardInterrupt` is raised in the main thread, as
+    Python does for a Ctrl-C. Any, not only SIGINT: torchrun runs each worker in a session of its
+    own, so the terminal's Ctrl-C reaches torchrun alone; it forwards the first as SIGINT and
+    answers a second with SIGTERM (and SIGKILL ``--shutdown-timeout`` seconds, 30 by default,
+    after the first). The grace period covers launchers whose workers share the terminal's
+    process group, where one Ctrl-C arrives twice: from the terminal and forwarded.
+
+    ``on_signal`` is called inside the handler with the first signal (keep it to an ``os.write``:
+    a handler may interrupt a ``print``). The handlers are installed by the constructor, in the
+    main thread, and the previous ones come back with `close` (or at the end of a ``with``).
     """
 
-    def __init__(self, signals: str | Iterable[str | int | signal.Signals] = "SIGTERM,SIGUSR1"):
+    def __init__(
+        self,
+        signals: str | Iterable[str | int | signal.Signals] = "SIGTERM,SIGUSR1,SIGINT",
+        *,
+        abort_on_repeat: str | Iterable[str | int | signal.Signals] = "SIGINT",
+        repeat_after: float = 0.5,
+        on_signal: Callable[[signal.Signals], None] | None = None,
+    ):
         self.signals = parse_signals(signals)
+        self.abort_on_repeat = set(parse_signals(abort_on_repeat))
+        self.repeat_after = repeat_after
+        self.on_signal = on_signal
         self.received: signal.Signals | None = None
+        self.received_at: float | None = None
         self.by_rank: int | None = None
         self.agreed_signal: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
@@ -74,8 +98,15 @@ class StopSignal:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        now = time.monotonic()
         if self.received is None:
-            self.received = signal.Signals(signum)
+            self.received, self.received_at = sig, now
+            if self.on_signal is not None:
+                self.on_signal(sig)
+        elif self.received in self.abort_on_repeat and now - self.received_at > self.repeat_after:
+            self.close()
+            raise KeyboardInterrupt(f"{sig.name} after {self.received.name}: aborted")
 
     @property
     def requested(self) -> bool:
@@ -108,14 +139,17 @@ class StopSignal:
         name = self.agreed_signal.name if self.agreed_signal else "a signal"
         return f"{name} reached rank {self.by_rank}" + (" (at least)" if dist.is_initialized() else "")
 
-    def restore(self) -> None:
-        """Put back the handlers that were installed before."""
+    def close(self) -> None:
+        """Put back the handlers that were installed before (where this object's handler is still the one installed)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, handler)
         self._previous.clear()
+
+    restore = close  # the older name
 
     def __enter__(self) -> StopSignal:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.restore()
+        self.close()

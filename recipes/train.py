@@ -49,7 +49,7 @@ from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import LivePeak, Timer, peak_memory_bytes, peak_memory_key
 from support.options import Config
 from support.positions import seq_len_problem
-from support.preemption import stop_after_signal
+from support.preemption import abort_quietly, announce_stop, stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
 from support.rows import check_source
 from support.startup import memory_plan, summary
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         enabled=info.is_main,
     )
     monitor = RankMonitor(model, micro_steps=t.grad_accum, check_every=t.check_every, timeout=t.check_timeout)
-    stop = fk.StopSignal(t.stop_signals)  # from here on a signal stops after the current step, with a checkpoint
+    # from here on a signal (Ctrl-C too) stops after the current step, with a checkpoint
+    stop = fk.StopSignal(t.stop_signals, on_signal=announce_stop if info.is_main else None)
     log.log(
         {
             "event": "start",
@@ -409,5 +410,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with quiet_imports():  # torchao's import-time lines on a CPU build: this script owns the process
+    with quiet_imports(), abort_quietly():  # torchao's lines on a CPU build; a second Ctrl-C: one line, exit 130
         run_recipe(main)  # a config, data or model mistake: one block from rank 0, no traceback (support/errors.py)

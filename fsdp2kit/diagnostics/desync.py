@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import socket
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,15 +27,25 @@ __all__ = ["DesyncError", "RankMonitor"]
 _KEY = "fsdp2kit/monitor/"
 _MICRO, _END = 1, 2  # check kinds
 _DIMS = 4  # batch dimensions compared
+_POLL = 0.25  # seconds between the watcher's looks for a request for positions
 
 
 class DesyncError(RuntimeError):
     """Ranks are not at the same point of training (or one stopped answering); names the ones that diverged."""
 
-    def __init__(self, message: str, *, diverged: list[int], positions: dict[int, Position | None]):
+    def __init__(
+        self,
+        message: str,
+        *,
+        diverged: list[int],
+        positions: dict[int, Position | None],
+        gone: dict[int, str] | None = None,
+    ):
         super().__init__(message)
         self.diverged = diverged
         self.positions = positions
+        self.gone = gone or {}
+        """The ranks whose process has exited (or stopped answering), each with what is known, in words."""
 
 
 class RankMonitor(PositionTracker):
@@ -55,8 +69,10 @@ class RankMonitor(PositionTracker):
 
     - The position (step, micro-step, FSDP unit, phase) is kept by hooks (`PositionTracker`):
       attribute writes, nothing else.
-    - A background thread publishes the position in the c10d store when it changed, at most
-      every ``heartbeat`` seconds, and watches there for another rank's report.
+    - A background thread publishes the position in the c10d store every ``heartbeat`` seconds
+      (also a sign of life), and looks there four times a second for a request (one integer
+      read): a rank about to report asks every rank for its position, so a report lists where
+      each rank is at that moment, not where it was at its last heartbeat.
     - Every ``check_every`` steps, each micro-step start and the step end are compared across
       ranks (step, micro-step index and count, batch shape) with one all-gather of 9 integers on
       a gloo group of its own, whose timeout is ``timeout``: not the default group, which may be
@@ -67,6 +83,9 @@ class RankMonitor(PositionTracker):
     - A rank stuck in a collective cannot raise; its thread prints the report another rank
       published (once), so every rank's log says who was where. The launcher (torchrun) then ends
       the stuck ranks when the reporting rank exits.
+    - A rank that does not answer is named as gone when its process has exited (same host: its
+      pid is checked, and a killing signal is named when the process is still a zombie), else as
+      silent since its last heartbeat; its last published position is shown with its age.
 
     Collective to create (it makes the gloo group): every rank, same order. With no process
     group (or one rank), only the tracking is done.
@@ -94,6 +113,7 @@ class RankMonitor(PositionTracker):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._reported = False  # this rank raised or printed a report: print nothing more
+        self._answered = 0  # the last request for positions this rank answered
         self._stop = threading.Event()
         self._thread = None
         if not self.active:
@@ -104,6 +124,7 @@ class RankMonitor(PositionTracker):
         # monitor's keys apart from an earlier monitor's in the same store.
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self._store = dist.PrefixStore(f"{_KEY}{self._group.group_name}/", _get_default_store())
+        self._store.set(f"who/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         self._publish()
         dist.barrier(group=self._group)  # every rank's first position is in the store before anyone reads
         self._thread = threading.Thread(target=self._watch, name="fsdp2kit-monitor", daemon=True)
@@ -159,51 +180,119 @@ class RankMonitor(PositionTracker):
 
     def positions(self) -> dict[int, Position | None]:
         """Every rank's last published position (this rank's current one), read from the store."""
-        out: dict[int, Position | None] = {}
+        return {r: p for r, (p, _) in self._published_positions().items()}
+
+    def _published_positions(self) -> dict[int, tuple[Position | None, float | None]]:
+        out: dict[int, tuple[Position | None, float | None]] = {}
         for r in range(self.world):
             if r == self.rank:
-                out[r] = self.position
+                out[r] = (self.position, time.time())
                 continue
             try:
-                out[r] = Position.from_dict(json.loads(self._store.get(f"pos/{r}")))
+                d = json.loads(self._store.get(f"pos/{r}"))
+                out[r] = (Position.from_dict(d), d.get("at"))
             except Exception:
-                out[r] = None
+                out[r] = (None, None)
+        return out
+
+    def _ask_positions(self, wait: float, gone: dict[int, str]) -> set[int]:
+        """Ask every rank's thread for its position now; the ranks that answered within ``wait`` seconds.
+
+        Meanwhile the ranks that have not answered are looked for among the exited processes (into
+        ``gone``), every 20 ms: a killed one is a zombie that names its signal only until the
+        launcher reaps it (torchrun looks every 0.1 s).
+        """
+        asked = self._store.add("ask", 1)
+        pending, answered = set(range(self.world)) - {self.rank} - set(gone), {self.rank}
+        deadline = time.monotonic() + wait
+        while pending and time.monotonic() < deadline:
+            for r in sorted(pending):
+                if self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
+                    pending.discard(r)
+                    answered.add(r)
+            found = self._gone(sorted(pending))
+            gone.update(found)
+            pending -= set(found)
+            if pending:
+                time.sleep(0.02)
+        return answered
+
+    def _gone(self, ranks: list[int]) -> dict[int, str]:
+        """The ranks among ``ranks`` whose process is known to have exited, with how, in words."""
+        out = {}
+        here = socket.gethostname()
+        for r in ranks:
+            try:
+                who = json.loads(self._store.get(f"who/{r}"))
+            except Exception:
+                continue
+            if who.get("host") == here:
+                how = _process_end(int(who["pid"]))
+                if how is not None:
+                    out[r] = f"its process (pid {who['pid']}) {how}"
         return out
 
     def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
         self._reported = True
         self._publish()
-        time.sleep(min(self.heartbeat, 1.0))  # a moment for the others' threads to publish theirs
-        positions = self.positions()
-        diverged = _diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps)
+        others = [r for r in range(self.world) if r != self.rank]
+        gone = self._gone(others)  # first: a zombie still tells how it ended, until the launcher reaps it
+        answered = self._ask_positions(wait=2.0, gone=gone)
+        gone.update(self._gone([r for r in others if r not in answered and r not in gone]))
+        published = self._published_positions()
+        positions = {r: p for r, (p, _) in published.items()}
+        if gone:
+            diverged = sorted(gone)
+        else:
+            diverged = _diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps)
         lines = [f"rank {self.rank}: {what} at step {self.position.step}."]
+        for r, how in sorted(gone.items()):
+            lines.append(f"Rank {r} is gone: {how}.")
         if diverged:
             lines.append(f"Diverged: rank{'s' if len(diverged) > 1 else ''} {fmt_list(diverged)}.")
         else:
             lines.append("Which rank diverged cannot be told from the positions alone.")
         lines.append("Where each rank is:")
         now = time.time()
-        for r, p in positions.items():
-            where = "no position published" if p is None else p.describe(self.micro_steps)
-            age = "" if p is None else f"  ({now - p.since:.1f} s in this phase)"
+        for r, (p, at) in published.items():
+            if r in gone or r not in answered:
+                state = "gone" if r in gone else "no answer to a request for positions"
+                last = (
+                    "it published no position"
+                    if p is None
+                    else f"its last position, published {now - at:.1f} s before: {p.describe(self.micro_steps)}"
+                )
+                where = f"{state}; {last}"
+                age = ""
+            else:
+                where = "no position published" if p is None else p.describe(self.micro_steps)
+                age = "" if p is None else f"  ({now - p.since:.1f} s in this phase)"
             mark = "  <- diverged" if r in diverged else ""
             lines.append(f"  rank {r}: {where}{age}{mark}")
         message = "\n".join(lines)
         with contextlib.suppress(Exception):
             self._store.set("report", message)
-        raise DesyncError(message, diverged=diverged, positions=positions) from cause
+        raise DesyncError(message, diverged=diverged, positions=positions, gone=gone) from cause
 
     # --- the background thread ---------------------------------------------------------------
     def _publish(self) -> None:
         self._published = self.seq
-        self._store.set(f"pos/{self.rank}", json.dumps(self.position.to_dict()))
+        self._store.set(f"pos/{self.rank}", json.dumps({**self.position.to_dict(), "at": time.time()}))
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.heartbeat):
+        # Every `_POLL` s one integer read (is there a request for positions?); every heartbeat the
+        # position, changed or not: its time stamp is this rank's sign of life.
+        last_beat = time.monotonic()
+        while not self._stop.wait(min(self.heartbeat, _POLL)):
             try:
-                if self.seq != self._published:
+                asked = self._store.add("ask", 0)
+                if asked > self._answered or time.monotonic() - last_beat >= self.heartbeat:
                     self._publish()
-                if not self._reported and self._store.check(["report"]):
+                    last_beat = time.monotonic()
+                if asked > self._answered:
+                    self._answered = asked
+                    self._store.set(f"ans/{self.rank}", str(asked))
+                if not self._reported and asked and self._store.check(["report"]):
                     self._reported = True
                     report = self._store.get("report").decode()
                     print(
@@ -269,3 +358,33 @@ def _minority(rows: list) -> list[int]:
     if rest and rest[0][1] == n:
         return []  # a tie: no majority to compare with
     return [r for r, row in enumerate(rows) if row != top]
+
+
+def _process_end(pid: int) -> str | None:
+    """How process ``pid`` (on this host) ended, in words, or None while it runs.
+
+    Only its parent (the launcher) can reap it and learn its status; until then it is a zombie
+    whose exit code Linux shows in /proc/PID/stat (field 52), which names a killing signal.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        fields = None
+    if fields is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "has exited"
+        except PermissionError:
+            return None
+        return None
+    if fields[0] != "Z":
+        return None
+    if len(fields) > 49 and fields[49].lstrip("-").isdigit():
+        code = int(fields[49])
+        if code & 0x7F:
+            sig = code & 0x7F
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+            return f"was killed by {name}"
+        return f"has exited with status {code >> 8}"
+    return "has exited"

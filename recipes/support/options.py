@@ -153,7 +153,9 @@ class TrainConfig:
     check_every: int = opt(10, "compare step, micro-step and batch shape across ranks every N steps (0: off)")
     check_timeout: float = opt(60.0, "seconds a rank waits at a check for the others before naming who is where")
     stop_signals: str = opt(
-        "SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint", check=_signals
+        "SIGTERM,SIGUSR1,SIGINT",
+        "signals that stop after the current step with a checkpoint (a second Ctrl-C aborts)",
+        check=_signals,
     )
     requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
 

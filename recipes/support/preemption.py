@@ -1,17 +1,27 @@
-"""The recipe's orderly stop on a signal: checkpoint, requeue under Slurm, exit with the "run me again" status."""
+"""The recipe's orderly stop on a signal: checkpoint, requeue under Slurm, exit with the "run me again" status.
+
+Ctrl-C is a stop too: the first one saves at the step boundary and exits 0 with the command's way
+back; a second one aborts at once with one line and status 130 (see `fsdp2kit.StopSignal`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from fsdp2kit.stop import EXIT_PREEMPTED
 
-__all__ = ["EXIT_PREEMPTED", "requeue_slurm", "stop_after_signal"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "abort_quietly", "announce_stop", "requeue_slurm", "stop_after_signal"]
+
+# 128 + SIGINT, what a shell reports for a command ended by Ctrl-C.
+EXIT_INTERRUPTED = 130
 
 
 def requeue_slurm() -> str:
@@ -37,6 +47,16 @@ def stop_after_signal(ck, done: int, model, optimizer, extra: dict, *, saved: bo
     if not saved:
         ck.save(done, model, optimizer=optimizer, extra=extra)
     ck.wait()
+    if stop.agreed_signal == signal.SIGINT:
+        # Ctrl-C: the user asked for the stop, so no requeue and status 0; the way back is the same command.
+        if is_main:
+            print(
+                f"stopped at step {done} by SIGINT (Ctrl-C); checkpoint {ck.root.resolve()}/step_{done:08d}; "
+                "relaunch the same command to resume",
+                flush=True,
+            )
+        dist.destroy_process_group()
+        sys.exit(0)
     if is_main:
         note = requeue_slurm() if requeue else "requeue off"
         print(
@@ -46,3 +66,31 @@ def stop_after_signal(ck, done: int, model, optimizer, extra: dict, *, saved: bo
         )
     dist.destroy_process_group()
     sys.exit(EXIT_PREEMPTED)
+
+
+def announce_stop(sig: signal.Signals) -> None:
+    """`StopSignal`'s ``on_signal`` on rank 0: say at once that the stop is coming (a step may be long).
+
+    It runs inside the signal handler, so it writes with one ``os.write``: a ``print`` there could
+    interrupt another ``print`` on the same stream.
+    """
+    again = " (Ctrl-C again to abort without saving)" if sig == signal.SIGINT else ""
+    os.write(2, f"{sig.name}: stopping after this step and saving a checkpoint{again}\n".encode())
+
+
+@contextlib.contextmanager
+def abort_quietly() -> Iterator[None]:
+    """Around the recipe's main: a `KeyboardInterrupt` (a second Ctrl-C, or one before training) exits at once.
+
+    One line on rank 0, status 130.
+
+    ``os._exit``: no interpreter teardown, which would wait on (or abort in) the process group's
+    threads; nothing is saved, which is what a second Ctrl-C asks for.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, b"interrupted (Ctrl-C): aborted at once, nothing saved since the last checkpoint\n")
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)

@@ -123,7 +123,7 @@ def run(root: str) -> dict[str, list[str]]:
     check("RankMonitor", monitor)
 
     def stop_signal():
-        with fk.StopSignal("SIGTERM,SIGUSR1") as stop:
+        with fk.StopSignal() as stop:  # the default signals: SIGTERM, SIGUSR1 and SIGINT
             stop.should_stop()
 
     check("StopSignal", stop_signal)

@@ -120,14 +120,66 @@ def test_a_signal_to_one_rank_saves_requeues_and_the_next_launch_resumes_bitwise
     assert (tmp_path / "cut" / "ckpt" / f"step_{stopped:08d}").is_dir()
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
 
-    # The next launch resumes from that checkpoint: the same losses as the reference, bitwise.
+    # The next launch resumes from that checkpoint, and is stopped by a Ctrl-C in its terminal:
+    # SIGINT to torchrun's process group (torchrun forwards it to the workers, in sessions of their own).
+    lines, code = ctrl_c(recipe_args(tmp_path, "cut"), tmp_path, after="step ")  # its first logged step
+    out = "".join(lines)
+    assert f"resumed from {tmp_path / 'cut' / 'ckpt'}/step_{stopped:08d}" in out, out[-4000:]
+    line = next((ln for ln in lines if ln.startswith("stopped at step ")), None)
+    assert line, out[-4000:]
+    interrupted = int(line.split()[3])
+    assert line == (
+        f"stopped at step {interrupted} by SIGINT (Ctrl-C); checkpoint {tmp_path / 'cut' / 'ckpt'}/"
+        f"step_{interrupted:08d}; relaunch the same command to resume\n"
+    ), line
+    assert stopped < interrupted < STEPS and (tmp_path / "cut" / "ckpt" / f"step_{interrupted:08d}").is_dir()
+    assert "[rank" not in out and "KeyboardInterrupt" not in out, out[-4000:]  # no worker traceback
+
+    # Relaunched, it resumes from there: the same losses as the reference, bitwise.
     code, out, _ = run(recipe_args(tmp_path, "cut"), tmp_path, env=env())
-    assert code == 0 and f"resumed from {tmp_path / 'cut' / 'ckpt'}/step_{stopped:08d}" in out, out[-4000:]
+    assert code == 0 and f"resumed from {tmp_path / 'cut' / 'ckpt'}/step_{interrupted:08d}" in out, out[-4000:]
     cut = losses(tmp_path / "cut" / "log.jsonl")
-    # Both runs log every 2 steps, and the resumed one also its first step (odd when it stopped at an
+    # Every run logs every 2 steps, and a resumed one also its first step (odd when it stopped at an
     # even one): compare the steps both logged.
     after = [s for s in cut if s > stopped and s in ref]
     assert after and all(cut[s] == ref[s] for s in after), {s: (cut[s], ref[s]) for s in after}
+
+
+def ctrl_c(args: list[str], tmp: Path, after: str, again: float | None = None) -> tuple[list[str], int]:
+    """Launch, and once a line starts with ``after`` press Ctrl-C (and again ``again`` s later): lines, status."""
+    proc = subprocess.Popen(
+        [*TORCHRUN, *args],
+        cwd=tmp,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(after) and len([ln for ln in lines if ln.startswith(after)]) == 1:
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+            if again is not None:
+                time.sleep(again)
+                os.killpg(proc.pid, signal.SIGINT)
+    return lines, proc.wait(timeout=300)
+
+
+@pytest.mark.timeout(400)
+def test_a_second_ctrl_c_aborts_at_once_in_one_line(tmp_path):
+    # Long steps (32 micro-steps), so the second Ctrl-C comes before the step boundary.
+    args = recipe_args(tmp_path, "abort", "--train.grad_accum", "32")
+    start = time.monotonic()
+    lines, code = ctrl_c(args, tmp_path, after="step 2 ", again=1.0)
+    seconds = time.monotonic() - start
+    out = "".join(lines)
+    assert "interrupted (Ctrl-C): aborted at once, nothing saved since the last checkpoint\n" in lines, out[-4000:]
+    assert not any(ln.startswith("stopped at step") for ln in lines), out[-4000:]
+    assert not (tmp_path / "abort" / "ckpt").exists() or not list((tmp_path / "abort" / "ckpt").glob("step_*"))
+    assert "[rank" not in out and "KeyboardInterrupt" not in out, out[-4000:]  # no worker traceback
+    assert code != 0 and seconds < 200, (code, seconds)
 
 
 @pytest.mark.timeout(600)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,10 @@ def test_train_resume_and_survive_a_killed_worker(tmp_path):
     # tests/e2e/test_long_runs.py, after a preemption signal.)
     _, out = train(tmp_path, "killed", 40, ["--train.fail_at_step", "25"], restarts=1)
     assert "resumed from" in out and "step_00000020" in out
+    # rank 0's report names the dead rank (its signal while it is unreaped) and rank 0's own step now
+    assert re.search(r"Rank 1 is gone: its process \(pid \d+\) (was killed by SIGKILL|has exited)\.", out), out[-6000:]
+    assert "Diverged: rank 1." in out and "rank 0: step 26, " in out, out[-6000:]
+    assert re.search(r"rank 1: gone; its (last position, published [\d.]+ s before: |published no position)", out)
     killed = records(tmp_path / "killed" / "log.jsonl")
     assert [killed[s]["loss"] for s in (30, 40)] == [full[s]["loss"] for s in (30, 40)]
 

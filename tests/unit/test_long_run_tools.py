@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import fsdp2kit as fk
+from fsdp2kit.diagnostics.desync import _process_end
 from fsdp2kit.stop import parse_signals
 from support.tracking import RunLog, TrackerError, parse_trackers, scalars
 
@@ -31,6 +34,35 @@ def test_a_signal_sets_the_flag_and_handlers_come_back():
         assert stop.requested and stop.received == signal.SIGUSR2
         assert stop.should_stop() and stop.describe().startswith("SIGUSR2 reached rank 0")
     assert signal.getsignal(signal.SIGUSR2) is before
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_the_first_time_and_aborts_the_second_time():
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    seen = []
+    with fk.StopSignal(repeat_after=0.2, on_signal=seen.append) as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C: a stop, not a KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun forwarding the same Ctrl-C a moment later
+        assert stop.received == signal.SIGINT and seen == [signal.SIGINT]
+        assert stop.should_stop() and stop.describe().startswith("SIGINT reached rank 0")
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: KeyboardInterrupt, at once
+        assert {s: signal.getsignal(s) for s in before} == before  # put back before it raised
+    assert {s: signal.getsignal(s) for s in before} == before
+    # torchrun turns a second Ctrl-C into SIGTERM: an abort too
+    with fk.StopSignal(repeat_after=0.2) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM after SIGINT"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    # a scheduler's signals are not a user at the terminal: a repeat is only a stop
+    with fk.StopSignal(repeat_after=0.0) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGTERM
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_tracker_names_and_scalars():
@@ -94,3 +126,17 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
             break
         time.sleep(0.5)
     assert found, data[:200]
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_process_is_named_with_its_signal_until_reaped():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert _process_end(proc.pid) is None  # running
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _process_end(proc.pid) == "was killed by SIGKILL"  # a zombie: its parent has not reaped it
+    proc.wait()
+    assert _process_end(proc.pid) == "has exited"
