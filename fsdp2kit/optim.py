@@ -95,9 +95,9 @@ def state_bytes(numel: int, dtype: torch.dtype, name: str, *, block: int | None 
     """Bytes of optimizer state ``name`` keeps for one local tensor of ``numel`` elements in ``dtype``.
 
     Follows the classes' own allocation: torch AdamW's exp_avg and exp_avg_sq like the parameter;
-    torchao's 8-bit/FP8 codes (1 B) and 4-bit codes (two a byte) with one fp32 scale a block, for
-    each of the two states, or a full-precision pair below the quantizing threshold; the 0-d
-    ``step`` (a few bytes) is not counted.
+    for each of torchao's two states, 8-bit/FP8 codes (1 B) or 4-bit codes (two a byte), one fp32
+    scale a block, and the code table each 8-bit (256 fp32) or 4-bit (16 fp32) state carries, or a
+    pair like the parameter below the quantizing threshold. The 0-d ``step`` is not counted.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r}: expected one of {list(OPTIMIZERS)}")
@@ -105,7 +105,8 @@ def state_bytes(numel: int, dtype: torch.dtype, name: str, *, block: int | None 
     if block is None or not quantized(numel, block):
         return 2 * numel * dtype.itemsize
     codes = numel // 2 if name == "adamw4bit" else numel
-    return 2 * (codes + 4 * (numel // block))
+    table = {"adamw8bit": 256, "adamw4bit": 16, "adamw_fp8": 0}[name] * 4
+    return 2 * (codes + 4 * (numel // block) + table)
 
 
 def make_optimizer(

@@ -43,7 +43,7 @@ from support.export import export_model
 from support.lora import apply_lora_table
 from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import LivePeak, Timer, peak_memory_bytes
-from support.options import Config
+from support.options import Config, optimizer_args
 from support.positions import seq_len_problem
 from support.preemption import stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         parse_signals(cfg.train.stop_signals)
         parse_trackers(cfg.log.trackers)
+        optim_args = optimizer_args(cfg)
     except ValueError as e:
         sys.exit(f"config error: {e}")
     # 1. process group and mesh
@@ -215,8 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     # 5. prefetch, then the optimizer
     if p.prefetch:
         fk.set_prefetch(model, forward=p.prefetch, backward=p.prefetch)
-    trainable = [q for q in model.parameters() if q.requires_grad]  # a LoRA base keeps no optimizer state
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = fk.make_optimizer(model, **optim_args)  # its trainable parameters: a LoRA base keeps no state
     t = cfg.train
 
     def lr_factor(step: int) -> float:

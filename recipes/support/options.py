@@ -79,9 +79,9 @@ class LoraConfig:
 @dataclass
 class TrainConfig:
     steps: int = opt(300, "optimizer steps in total")
-    lr: float = opt(3e-3, "peak learning rate (AdamW)")
+    lr: float = opt(3e-3, "peak learning rate (the older name of optim.lr)")
     warmup: int = opt(30, "linear warm-up steps, then cosine decay to 10% of lr")
-    weight_decay: float = opt(0.1, "AdamW weight decay")
+    weight_decay: float = opt(0.1, "AdamW weight decay (the older name of optim.weight_decay)")
     grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)")
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)")
     seed: int = opt(0, "seed for weights and data order")
@@ -95,6 +95,35 @@ class TrainConfig:
     check_timeout: float = opt(60.0, "seconds a rank waits at a check for the others before naming who is where")
     stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop after the current step with a checkpoint")
     requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
+
+
+@dataclass
+class OptimConfig:
+    name: str = opt("adamw", "adamw | adamw8bit | adamw4bit | adamw_fp8 | adamw_bf16sr (needs pure_bf16)")
+    lr: float | None = opt(None, "peak learning rate; none: [train] lr, its older name (set one of the two)")
+    weight_decay: float | None = opt(None, "decoupled weight decay; none: [train] weight_decay, its older name")
+    offload: bool = opt(False, "optimizer state in host memory: not available yet (refused)")
+
+
+def optimizer_args(cfg: Config) -> dict:
+    """`fk.make_optimizer`'s keyword arguments from ``[optim]`` (and the older ``[train] lr`` /
+    ``weight_decay``); ValueError for what cannot run, before any process group exists."""
+    o, t, default = cfg.optim, cfg.train, TrainConfig()
+    out = {"name": o.name, "offload": o.offload}
+    for key in ("lr", "weight_decay"):
+        new, old = getattr(o, key), getattr(t, key)
+        if new is not None and old != getattr(default, key) and new != old:
+            raise ValueError(f"optim.{key}={new} and train.{key}={old}: set it once, as optim.{key}")
+        out[key] = old if new is None else new
+    from fsdp2kit.optim import OPTIMIZERS
+
+    if o.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={o.name!r}: one of {', '.join(OPTIMIZERS)}")
+    if o.name == "adamw_bf16sr" and cfg.parallel.mixed_precision != "pure_bf16":
+        raise ValueError("optim.name=adamw_bf16sr steps bf16 parameters: set parallel.mixed_precision=pure_bf16")
+    if o.offload:
+        raise ValueError("optim.offload: optimizer-state offload is not available yet (parallel.cpu_offload is)")
+    return out
 
 
 @dataclass
@@ -125,6 +154,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
