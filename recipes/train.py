@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                 activation_checkpointing=int(ac) if ac and ac.isdigit() else ac,
                 mixed_precision=p.mixed_precision,
                 cpu_offload=p.cpu_offload,
+                optimizer=optim_args["name"],
                 prefetch=p.prefetch,
                 strategy=p.strategy,
                 device=info.device.type if info.device.type == "cuda" else "cpu",
