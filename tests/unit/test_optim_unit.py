@@ -25,7 +25,7 @@ def _measured(opt: torch.optim.Optimizer, p: torch.Tensor) -> int:
 
 def test_planner_names_are_make_optimizer_names():
     assert fk.OPTIMIZERS == OPTIMIZERS == ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adamw_bf16sr")
-    assert PLANNER_OPTIMIZERS == (*OPTIMIZERS, "sgd")
+    assert (*OPTIMIZERS, "sgd") == PLANNER_OPTIMIZERS
 
 
 @pytest.mark.timeout(120)
