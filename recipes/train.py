@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
             record = {
                 "step": done,
                 "loss": loss_sum.item() / max(1.0, answer_count.item()),
-                "lr": scheduler.get_last_lr()[0],
+                "lr": float(scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
                 "tokens_per_s": tokens_per_step / dt,
                 "peak_mem_gib": mem.max().item() / 2**30,  # CUDA: max allocated; CPU: process RSS
                 "peak_mem_gib_per_rank": [m / 2**30 for m in mem.tolist()],
