@@ -59,6 +59,9 @@ class Settings:
             raise ValueError(f"device={self.device!r}: expected 'cuda' or 'cpu'")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: expected one of {list(OPTIMIZERS)}")
+        if self.optimizer == "adamw_bf16sr" and self.mixed_precision != "pure_bf16":
+            # as make_optimizer refuses it: the plan of a run that cannot start is no plan
+            raise ValueError("optimizer='adamw_bf16sr' steps bf16 parameters: it needs mixed_precision='pure_bf16'")
         if self.activation_checkpointing is not None and not callable(self.activation_checkpointing):
             resolve_ac_mode(self.activation_checkpointing)
         resolve_precision(self.mixed_precision)

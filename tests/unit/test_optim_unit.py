@@ -49,6 +49,14 @@ def test_state_bytes_match_the_real_optimizer(name):
         assert measured[0] < 2 * 16384 * 4 / 3
 
 
+def test_planner_refuses_what_make_optimizer_refuses():
+    from fsdp2kit.planner.api import Settings
+
+    Settings(shard=2, batch=1, seq=8, optimizer="adamw_bf16sr", mixed_precision="pure_bf16").check()
+    with pytest.raises(ValueError, match="pure_bf16"):
+        Settings(shard=2, batch=1, seq=8, optimizer="adamw_bf16sr", mixed_precision="bf16").check()
+
+
 def test_refusals():
     model = _model()
     with pytest.raises(ValueError, match="adamw, adamw8bit, adamw4bit, adamw_fp8, adamw_bf16sr"):
