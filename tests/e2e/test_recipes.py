@@ -92,6 +92,8 @@ def test_bad_configs_fail_at_once_naming_the_problem(tmp_path):
     assert code != 0 and "does not fit the world size 2" in out
     code, out = run(["--config", DEMO, "--data.files", str(tmp_path / "nope.jsonl")], tmp_path, check=False)
     assert code != 0 and "nope.jsonl does not exist" in out
+    code, out = run(["--config", DEMO, "--optim.name", "adamw_bf16sr"], tmp_path, nproc=None, check=False)
+    assert code != 0 and "config error: optim.name=adamw_bf16sr" in out and "pure_bf16" in out
 
 
 @pytest.mark.timeout(120)
