@@ -10,6 +10,7 @@ from fsdp2kit.diagnostics import DesyncError, NonFiniteError, RankMonitor, check
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.migrate import ImportResult, convert_config, load_fsdp1_checkpoint, load_full_state_dict
+from fsdp2kit.optim import OPTIMIZERS, make_optimizer
 from fsdp2kit.parallel import apply_tensor_parallel
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.planner import MemoryPlan, plan_memory
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EXIT_PREEMPTED",
+    "OPTIMIZERS",
     "STRATEGIES",
     "CheckpointError",
     "Checkpointer",
@@ -61,6 +63,7 @@ __all__ = [
     "load_full_state_dict",
     "load_pretrained",
     "make_mesh",
+    "make_optimizer",
     "materialize",
     "no_sync",
     "plan_memory",

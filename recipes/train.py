@@ -47,12 +47,12 @@ from support.export import export_model
 from support.lora import apply_lora_table, split_targets
 from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import LivePeak, Timer, peak_memory_bytes, peak_memory_key
-from support.options import Config
+from support.options import Config, optimizer_args
 from support.positions import seq_len_problem
 from support.preemption import abort_quietly, announce_stop, stop_after_signal
 from support.resources import RESOURCE_KEYS, process_resources
 from support.rows import check_source
-from support.startup import memory_plan, summary
+from support.startup import memory_plan, optimizer_state_dtype, summary
 from support.tracking import RunLog
 
 
@@ -90,6 +90,10 @@ def check_before_start(cfg: Config) -> None:
         raise UsageError(f"model.name = {cfg.model.name!r}: {e}", kind="model") from e
     if problem:
         raise ConfigError(problem)
+    try:
+        optimizer_args(cfg)
+    except ValueError as e:  # a choice that cannot run with the rest of the config
+        raise ConfigError(str(e)) from e
     for role, files in (("data", cfg.data.files), ("eval", cfg.eval.files)):
         for f in [f for f in files.split(",") if f and not cfg.train.plan_only]:  # a plan reads no data
             check_source(f, role)  # exists and is of a type the data layer reads: before any process group
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
 
+    optim_args = optimizer_args(cfg)  # checked in check_before_start
     # 1. process group and mesh
     info = fk.init_distributed(timeout=cfg.train.timeout)
     try:
@@ -218,8 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     # 5. prefetch, then the optimizer
     if p.prefetch:
         fk.set_prefetch(model, forward=p.prefetch, backward=p.prefetch)
-    trainable = [q for q in model.parameters() if q.requires_grad]  # a LoRA base keeps no optimizer state
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = fk.make_optimizer(model, **optim_args)  # its trainable parameters: a LoRA base keeps no state
     t = cfg.train
 
     def lr_factor(step: int) -> float:
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
             "config": config_to_dict(cfg),
             "world_size": info.world_size,
             "master_dtype": plan.master_dtype,  # also the second line of the printed ShardPlan
-            "optimizer_state_dtype": plan.state_dtype,  # torch AdamW: like the parameters
+            "optimizer_state_dtype": optimizer_state_dtype(cfg, plan),  # also in the summary's precision line
             # The full plans, which the console shows only with --log.verbose (support/startup.py).
             "memory_plan": str(memory),
             "shard_plan": str(plan),
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
             record = {
                 "step": done,
                 "loss": loss_sum.item() / max(1.0, answer_count.item()),
-                "lr": scheduler.get_last_lr()[0],
+                "lr": float(scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
                 "tokens_per_s": tokens_per_step / dt,
                 "grad_norm": grad_norm.item(),
                 "skipped_steps": skipped,

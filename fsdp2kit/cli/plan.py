@@ -78,7 +78,11 @@ def add_plan(subparsers) -> None:
     p.add_argument("--batch", type=int, default=None, help="micro-batch per data-parallel rank (sequences)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     p.add_argument("--ac", default=None, help="activation checkpointing: none, full, selective or N (every N-th)")
-    p.add_argument("--optimizer", default=None, help="adamw (default), adamw8bit (torchao) or sgd")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        help="adamw (default), adamw8bit, adamw4bit, adamw_fp8, adamw_bf16sr (make_optimizer's names) or sgd",
+    )
     p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
     p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
     p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")

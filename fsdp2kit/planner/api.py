@@ -60,6 +60,9 @@ class Settings:
             raise ValueError(f"device={self.device!r}: expected 'cuda' or 'cpu'")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: expected one of {list(OPTIMIZERS)}")
+        if self.optimizer == "adamw_bf16sr" and self.mixed_precision != "pure_bf16":
+            # as make_optimizer refuses it: the plan of a run that cannot start is no plan
+            raise ValueError("optimizer='adamw_bf16sr' steps bf16 parameters: it needs mixed_precision='pure_bf16'")
         if self.activation_checkpointing is not None and not callable(self.activation_checkpointing):
             resolve_ac_mode(self.activation_checkpointing)
         resolve_precision(self.mixed_precision)
@@ -167,7 +170,8 @@ def plan_memory(
             weights whatever the model's dtype) or ``"pure_bf16"`` (bf16 weights, gradients and
             state), as `fsdp2kit.shard_model` takes it; ``plan.config`` names the master and
             optimizer-state dtypes that follow.
-        optimizer: ``"adamw"``, ``"adamw8bit"`` (torchao) or ``"sgd"`` (no momentum).
+        optimizer: a `make_optimizer` name (``"adamw"``, ``"adamw8bit"``, ``"adamw4bit"``,
+            ``"adamw_fp8"``, ``"adamw_bf16sr"``) or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
         prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
         lora, qlora, lora_targets: train rank-``lora`` peft adapters (fp32) on ``lora_targets``
@@ -301,8 +305,8 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             f"seq {s.seq} exceeds the model's max_position_embeddings {limit} (a pretrained model never saw later "
             "positions); the recipe refuses it unless [model] max_position_embeddings raises the limit"
         )
-    if s.optimizer == "adamw8bit":
-        notes.append("AdamW8bit's step temporaries are an estimate (4 fp32 copies of the largest parameter)")
+    if s.optimizer not in ("adamw", "sgd"):
+        notes.append(f"{s.optimizer}'s step temporaries are an estimate (4 fp32 copies of the largest parameter)")
     return MemoryPlan(
         notes=notes,
         config=config,
@@ -325,9 +329,14 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 
 def _state_dtype(optimizer: str, master: str) -> str:
     """The optimizer state's dtype, as `optimizer_bytes` counts it."""
-    return {"adamw": master, "adamw8bit": "int8 (fp32 scales; tensors under 4096 elements: " + master + ")"}.get(
-        optimizer, "none"
-    )
+    small = f"; tensors under 4096 elements: {master})"
+    return {
+        "adamw": master,
+        "adamw8bit": "int8 (fp32 scales" + small,
+        "adamw4bit": "4-bit (fp32 scales" + small,
+        "adamw_fp8": "float8_e4m3fn (fp32 scales" + small,
+        "adamw_bf16sr": master,
+    }.get(optimizer, "none")
 
 
 def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None, cache: dict) -> nn.Module:

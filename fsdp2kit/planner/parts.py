@@ -12,18 +12,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from fsdp2kit.optim import OPTIMIZERS as MAKE_OPTIMIZER_NAMES
+from fsdp2kit.optim import state_bytes
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.timeline import Unit
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "unit_params", "units_for"]
 
-OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
-
-# torchao's 8-bit optimizers keep int8 codes plus one fp32 scale a block of 256 values, and only
-# for tensors of at least 4096 elements (smaller ones keep fp32 state): torchao/optim/adam.py.
-_AO_BLOCK = 256
-_AO_MIN_SIZE = 4096
+# make_optimizer's names (fsdp2kit/optim.py, whose state_bytes follows torchao's allocation), and sgd.
+OPTIMIZERS = (*MAKE_OPTIMIZER_NAMES, "sgd")
 
 
 def _gathered_bytes(p: torch.Tensor, shard: int, compute_dtype: torch.dtype) -> int:
@@ -124,9 +122,10 @@ def optimizer_bytes(
       the whole parameter group at once (one state-sized list); the ``for-loop`` path (CPU's
       default) makes two single-parameter temporaries (sqrt, then the division);
       ``fused`` none.
-    - ``adamw8bit`` (torchao AdamW8bit): int8 codes + an fp32 scale per 256 values for each of
-      the two states (fp32 below 4096 elements); each parameter's step dequantizes both states
-      to fp32 and back (about four fp32 copies of the largest parameter).
+    - ``adamw8bit``, ``adamw4bit``, ``adamw_fp8`` (torchao): codes, a scale a block and a code
+      table for each of the two states (like the parameter below 4096 elements): `state_bytes`;
+      ``adamw_bf16sr`` (torchao _AdamW): a pair like the (bf16) parameter. Each parameter's
+      step computes in fp32 (about four fp32 copies of the largest parameter).
     - ``sgd``: torch's default (no momentum): no state, in-place update.
     """
     if optimizer not in OPTIMIZERS:
@@ -140,12 +139,7 @@ def optimizer_bytes(
         state = sum(2 * n * dt.itemsize for n, dt in shards)
         temp = {"foreach": state // 2, "for-loop": 2 * largest, "fused": 0}[implementation]
         return OptimizerBytes(state, temp)
-    state = 0
-    for n, dt in shards:
-        if n >= _AO_MIN_SIZE:
-            state += 2 * (n + 4 * math.ceil(n / _AO_BLOCK))
-        else:
-            state += 2 * n * dt.itemsize
+    state = sum(state_bytes(n, dt, optimizer) for n, dt in shards)
     largest_fp32 = max(n for n, _ in shards) * 4
     return OptimizerBytes(state, 4 * largest_fp32)
 

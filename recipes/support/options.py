@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp2kit.diagnostics import ON_NONFINITE
+from fsdp2kit.optim import OPTIMIZERS
 from fsdp2kit.precision import PRECISIONS
 from fsdp2kit.shard import STRATEGIES
 from fsdp2kit.stop import parse_signals
@@ -132,9 +133,9 @@ class LoraConfig:
 @dataclass
 class TrainConfig:
     steps: int = opt(300, "optimizer steps in total", minimum=0)
-    lr: float = opt(3e-3, "peak learning rate (AdamW)")
+    lr: float = opt(3e-3, "peak learning rate (the older name of optim.lr)")
     warmup: int = opt(30, "linear warm-up steps, then cosine decay to 10% of lr")
-    weight_decay: float = opt(0.1, "AdamW weight decay")
+    weight_decay: float = opt(0.1, "AdamW weight decay (the older name of optim.weight_decay)")
     grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)", minimum=1)
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)")
     seed: int = opt(0, "seed for weights and data order")
@@ -158,6 +159,33 @@ class TrainConfig:
         check=_signals,
     )
     requeue: bool = opt(True, "after such a stop under Slurm, scontrol requeue the job")
+
+
+@dataclass
+class OptimConfig:
+    name: str = opt(
+        "adamw", "adamw | adamw8bit | adamw4bit | adamw_fp8 | adamw_bf16sr (needs pure_bf16)", choices=OPTIMIZERS
+    )
+    lr: float | None = opt(None, "peak learning rate; none: [train] lr, its older name (set one of the two)")
+    weight_decay: float | None = opt(None, "decoupled weight decay; none: [train] weight_decay, its older name")
+    offload: bool = opt(False, "optimizer state in host memory: not available yet (refused)")
+
+
+def optimizer_args(cfg: Config) -> dict:
+    """`fk.make_optimizer`'s keyword arguments from ``[optim]`` (and the older ``[train] lr`` /
+    ``weight_decay``); ValueError for what cannot run, before any process group exists."""
+    o, t, default = cfg.optim, cfg.train, TrainConfig()
+    out = {"name": o.name, "offload": o.offload}
+    for key in ("lr", "weight_decay"):
+        new, old = getattr(o, key), getattr(t, key)
+        if new is not None and old != getattr(default, key) and new != old:
+            raise ValueError(f"optim.{key}={new} and train.{key}={old}: set it once, as optim.{key}")
+        out[key] = old if new is None else new
+    if o.name == "adamw_bf16sr" and cfg.parallel.mixed_precision != "pure_bf16":
+        raise ValueError("optim.name=adamw_bf16sr steps bf16 parameters: set parallel.mixed_precision=pure_bf16")
+    if o.offload:
+        raise ValueError("optim.offload: optimizer-state offload is not available yet (parallel.cpu_offload is)")
+    return out
 
 
 @dataclass
@@ -191,6 +219,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -38,6 +38,7 @@ def memory_plan(model: nn.Module, cfg: Config, *, shard: int, replicate: int, de
             activation_checkpointing=int(ac) if ac and ac.isdigit() else ac,
             mixed_precision=p.mixed_precision,
             cpu_offload=p.cpu_offload,
+            optimizer=cfg.optim.name,
             prefetch=p.prefetch,
             strategy=p.strategy,
             device=device,
@@ -58,6 +59,15 @@ def device_memory(device: torch.device) -> str:
     return f"host memory {fmt_bytes(host)}" + (f" shared by {local} ranks" if local > 1 else "")
 
 
+# torchao's low-bit states are block-wise quantized (fsdp2kit/optim.py); the others follow the parameters.
+_STATES = {"adamw8bit": "8-bit", "adamw4bit": "4-bit", "adamw_fp8": "float8"}
+
+
+def optimizer_state_dtype(cfg: Config, plan: fk.ShardPlan) -> str:
+    """The optimizer state's dtype: the ShardPlan's (torch AdamW: like the parameters) or torchao's blocks."""
+    return f"{_STATES[cfg.optim.name]} blocks" if cfg.optim.name in _STATES else plan.state_dtype
+
+
 def summary(cfg: Config, plan: fk.ShardPlan, memory: MemoryPlan | str, device: torch.device) -> str:
     """The start-up lines (rank 0): what runs where, in which dtypes, whether it should fit, where it writes."""
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
@@ -69,7 +79,12 @@ def summary(cfg: Config, plan: fk.ShardPlan, memory: MemoryPlan | str, device: t
         f"model {cfg.model.name}: {fmt_count(plan.n_params)} parameters ({fmt_count(trainable)} trained{lora}) "
         f"in {len(plan.units)} FSDP units, mesh ({mesh}), {plan.strategy}"
         + (", CPU offload" if plan.cpu_offload else ""),
-        f"precision: {plan.precision_line}",
+        f"precision: {plan.precision_line}"
+        if cfg.optim.name == "adamw"
+        else "precision: "
+        + plan.precision_line.replace(
+            f"AdamW state {plan.state_dtype}", f"{cfg.optim.name} state {optimizer_state_dtype(cfg, plan)}"
+        ),
     ]
     if isinstance(memory, MemoryPlan):
         # On CPU the planner predicts live tensor bytes, not the process's RSS (support/metrics.py).

@@ -25,7 +25,8 @@ import fsdp2kit as fk
 # Every call checked, in order; the test asserts each one separately (names are stable ids).
 CALLS = [
     "init_distributed (again)", "make_mesh", "find_blocks", "estimate_plan", "plan_memory",
-    "apply_activation_checkpointing", "compile_blocks", "enable_float8", "shard_model", "shard_model(bf16)",
+    "apply_activation_checkpointing", "compile_blocks", "enable_float8", "shard_model", "make_optimizer",
+    "shard_model(bf16)",
     "set_prefetch", "materialize", "no_sync", "clip_grad_norm_", "check_finite", "RankMonitor", "StopSignal",
     "Checkpointer.save", "Checkpointer.load", "Checkpointer.save(async)", "Checkpointer.save(async) in flight",
     "Checkpointer.wait", "Checkpointer.load(after async)", "dcp_to_hf", "export_hf", "load_pretrained",
@@ -95,6 +96,7 @@ def run(root: str) -> dict[str, list[str]]:
     check("compile_blocks", lambda: fk.compile_blocks(to_compile))  # compiled lazily: nothing runs here
     check("enable_float8", lambda: fk.enable_float8(to_float8))
     check("shard_model", lambda: fk.shard_model(model, mesh))
+    check("make_optimizer", lambda: fk.make_optimizer(model, "adamw8bit", lr=1e-3))  # imports torchao: nothing new
     with torch.device("meta"):
         meta = tiny_llama()
     check("shard_model(bf16)", lambda: fk.shard_model(meta, mesh, mixed_precision="bf16"))

@@ -1,0 +1,212 @@
+"""Rank-side code for test_optim.py: every `make_optimizer` choice on FSDP2's DTensor shards.
+
+The model is a few 128 x 128 Linear layers: at world 2 each weight's shard is 64 rows = 8192
+elements, at least torchao's 4096 and a multiple of its blocks (256, 4-bit 128), so the low-bit
+state really is quantized, and the shard boundary falls on a block boundary: every block of a
+shard is a block of the unsharded tensor. The biases (128 elements) keep full-precision state.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp2kit as fk
+from fsdp2kit._internal.dtensor import gather_full
+
+DIM, BATCH, STEPS, LR = 128, 4, 4, 1e-2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return x + F.gelu(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, DIM, generator=g)
+
+
+def _global_batch(step: int):
+    xs, ys = zip(*(_batch(r, step) for r in range(dist.get_world_size())))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _loss(model, x, y, dtype):
+    return F.mse_loss(model(x.to(dtype)).float(), y)
+
+
+def _precision(name: str) -> tuple[str | None, torch.dtype]:
+    return ("pure_bf16", torch.bfloat16) if name == "adamw_bf16sr" else (None, torch.float32)
+
+
+def _sharded(name: str, mesh, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Net()
+    mp, _ = _precision(name)
+    fk.shard_model(model, mesh, mixed_precision=mp)
+    return model, fk.make_optimizer(model, name, lr=LR, weight_decay=0.1)
+
+
+def _step(model, opt, x, y, dtype) -> float:
+    loss = _loss(model, x, y, dtype)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {n: gather_full(p).float() for n, p in model.named_parameters()}
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _mean_diff(a: dict, b: dict) -> float:
+    return sum((a[k] - b[k]).abs().sum().item() for k in a) / sum(v.numel() for v in a.values())
+
+
+def _noise(name: str, ref_end: dict) -> dict:
+    """The single-process run's own noise: the same run with each batch's rows permuted (the same mean
+    loss, summed in another order, as a sharded run's reduce-scatter does) and, for the stochastic
+    rounding, other random draws."""
+    _, dtype = _precision(name)
+    torch.manual_seed(0)
+    ref = Net().to(dtype)
+    opt = fk.make_optimizer(ref, name, lr=LR, weight_decay=0.1)
+    torch.manual_seed(12345)
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(step))
+        _step(ref, opt, x[perm], y[perm], dtype)
+    end = {k: v.float() for k, v in ref.named_parameters()}
+    return {"max": _diff(end, ref_end), "mean": _mean_diff(end, ref_end)}
+
+
+def parity(name: str) -> dict:
+    """Sharded (world N) vs one process on the concatenated batch, same optimizer, same init."""
+    rank = dist.get_rank()
+    _, dtype = _precision(name)
+    torch.manual_seed(0)
+    ref = Net().to(dtype)
+    ref_opt = fk.make_optimizer(ref, name, lr=LR, weight_decay=0.1)
+    model, opt = _sharded(name, fk.make_mesh())
+    start = _full(model)
+    start_diff = _diff(start, {k: v.float() for k, v in ref.named_parameters()})
+    sharded_losses, ref_losses = [], []
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        ref_losses.append(_step(ref, ref_opt, x, y, dtype))
+        xl, yl = _batch(rank, step)
+        local = _loss(model, xl, yl, dtype)
+        local.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t = local.detach().clone()
+        dist.all_reduce(t)
+        sharded_losses.append(t.item() / dist.get_world_size())
+    weight = model.blocks[0].lin.weight
+    st = opt.state[weight]
+    end, ref_end = _full(model), {k: v.float() for k, v in ref.named_parameters()}
+    noise = _noise(name, ref_end)
+    return {
+        "start_diff": start_diff,
+        "param_diff": _diff(end, ref_end),
+        "param_mean_diff": _mean_diff(end, ref_end),
+        "noise": noise,
+        "moved": _diff(_full(model), start),
+        "loss_diff": max(abs(a - b) for a, b in zip(sharded_losses, ref_losses)),
+        "state_types": sorted(
+            {type(v._local_tensor if hasattr(v, "_local_tensor") else v).__name__ for v in st.values()}
+        ),
+        "param_dtype": str(weight.dtype),
+    }
+
+
+def resume(name: str, root: str) -> dict:
+    """Save at world 2 (shard 2) after 2 steps, continue 2 steps; load at replicate 2 x shard 1 (every
+    rank the whole tensor, as one process has it) and at shard 2 again, and continue 2 steps each."""
+    rank = dist.get_rank()
+    _, dtype = _precision(name)
+    ck = fk.Checkpointer(f"{root}/{name}", keep_last=None)
+    model, opt = _sharded(name, fk.make_mesh())
+    for step in range(2):
+        _step(model, opt, *_batch(rank, step), dtype)
+    ck.save(2, model, optimizer=opt)
+    losses = [_step(model, opt, *_batch(rank, step), dtype) for step in (2, 3)]
+    end = _full(model)
+    out = {}
+    for label, mesh in (("same_mesh", fk.make_mesh()), ("replicated", fk.make_mesh(shard=1, replicate=2))):
+        other, other_opt = _sharded(name, mesh, seed=1)  # another init: everything must come from the checkpoint
+        assert ck.load(other, optimizer=other_opt) == 2
+        # the same batches as the uninterrupted run: rank r's batch, whatever the mesh
+        again = [_step(other, other_opt, *_batch(rank, step), dtype) for step in (2, 3)]
+        local = other_opt.state[other.blocks[0].lin.weight]["exp_avg"]
+        out[label] = {
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, again)),
+            "param_diff": _diff(end, _full(other)),
+            "local_numel": getattr(local, "_local_tensor", local).numel(),
+        }
+    ck.close()
+    return out
+
+
+def warns_unquantized() -> list[str]:
+    """A 40 x 160 weight (6400 = 25 blocks) is quantized whole but not as 20 x 160 shards (3200 < 4096)."""
+    model = nn.Sequential(nn.Linear(160, 40), nn.Linear(40, 160))
+    fk.shard_model(model, fk.make_mesh())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fk.make_optimizer(model, "adamw8bit", lr=1e-3)
+    return [str(w.message) for w in caught if "full-precision state" in str(w.message)]
+
+
+def errors() -> dict:
+    """What make_optimizer refuses, with the message."""
+    out = {}
+    model, _ = _sharded("adamw", fk.make_mesh())  # fp32 masters
+    for label, call in {
+        "bf16sr_fp32": lambda: fk.make_optimizer(model, "adamw_bf16sr", lr=1e-3),
+        "unknown": lambda: fk.make_optimizer(model, "lion", lr=1e-3),
+        "offload": lambda: fk.make_optimizer(model, "adamw8bit", lr=1e-3, offload=True),
+    }.items():
+        try:
+            call()
+            out[label] = None
+        except (ValueError, NotImplementedError) as e:
+            out[label] = f"{type(e).__name__}: {e}"
+    frozen = copy.deepcopy(Net())
+    for p in frozen.blocks.parameters():
+        p.requires_grad_(False)
+    out["trainable_only"] = len(fk.make_optimizer(frozen, "adamw8bit", lr=1e-3).param_groups[0]["params"])
+    return out
+
+
+def run_cases(root: str, names: tuple[str, ...]) -> dict:
+    out = {"errors": errors(), "warns": warns_unquantized()}
+    for name in names:
+        out[name] = {"parity": parity(name), "resume": resume(name, root)}
+    return out
