@@ -11,6 +11,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import pytest
+import torch
+
+# torch fills the table of functions a torch.device(...) context redirects on the first call under one;
+# if that first call happens inside transformers' from_pretrained (which tests and recipes/generate.py
+# call), the table keeps transformers' temporary torch.linspace wrapper and, for the rest of the session,
+# torch.linspace under torch.device("meta") makes CPU tensors: a test's meta-built module then gets real
+# buffers or not depending on which tests ran before it. Filling the table here makes that order-free.
+with torch.device("meta"):
+    torch.empty(0)
 
 _PARITY: list[tuple[str, int, float, str]] = []
 

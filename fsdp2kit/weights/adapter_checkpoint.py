@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from fsdp2kit._internal.hf_load import from_pretrained
 from fsdp2kit.checkpoint.layout import INFO_FILE
 from fsdp2kit.checkpoint.state import model_options
 from fsdp2kit.checkpoint.unpickler import SafeReader
@@ -54,7 +55,7 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
     if not Path(base, "config.json").is_file():
         raise FileNotFoundError(f"base={str(base)!r} is not a Hugging Face model directory (no config.json there)")
     dtype = getattr(torch, desc["base_dtype"]) if desc.get("base_dtype") else None
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True)
+    model = from_pretrained(AutoModelForCausalLM, str(base), dtype=dtype, local_files_only=True)
     nf4 = desc.get("nf4")
     if nf4:
         done = quantize_nf4(

@@ -133,3 +133,23 @@ def test_recipe_export_dtype(tok, tmp_path):
     export_model(model, tok, tmp_path / "auto", is_main=True)  # the recipe's default: "auto"
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "auto", local_files_only=True, dtype="auto")
     assert {p.dtype for p in again.parameters()} == {torch.bfloat16}
+
+
+def test_the_librarys_from_pretrained_leaves_device_contexts_whole(tok, tmp_path):
+    """transformers' from_pretrained, when it is the first to use a torch.device(...) context in the
+    process, leaves torch.linspace outside every later one (see fsdp2kit/_internal/hf_load.py); the
+    library's own calls of it must not."""
+    import torch.utils._device as device_contexts
+
+    from fsdp2kit._internal.hf_load import from_pretrained
+
+    tiny(tok).save_pretrained(tmp_path)
+    device_contexts._device_constructors.cache_clear()  # as in a process that has used no device context yet
+    try:
+        from_pretrained(AutoModelForCausalLM, tmp_path, local_files_only=True)
+        with torch.device("meta"):
+            assert torch.linspace(0, 1, 3).is_meta
+    finally:
+        device_contexts._device_constructors.cache_clear()
+        with torch.device("meta"):  # refilled here, as tests/conftest.py does, not by whichever test comes next
+            torch.empty(0)
