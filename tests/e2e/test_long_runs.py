@@ -145,8 +145,11 @@ def test_a_signal_to_one_rank_saves_requeues_and_the_next_launch_resumes_bitwise
     assert after and all(cut[s] == ref[s] for s in after), {s: (cut[s], ref[s]) for s in after}
 
 
-def ctrl_c(args: list[str], tmp: Path, after: str, again: float | None = None) -> tuple[list[str], int]:
-    """Launch, and once a line starts with ``after`` press Ctrl-C (and again ``again`` s later): lines, status."""
+def ctrl_c(
+    args: list[str], tmp: Path, after: str, again: float | None = None, wait: float = 0.0
+) -> tuple[list[str], int]:
+    """Launch, and ``wait`` s after a line starts with ``after`` press Ctrl-C (and again ``again`` s later):
+    lines, status."""
     proc = subprocess.Popen(
         [*TORCHRUN, *args],
         cwd=tmp,
@@ -160,6 +163,7 @@ def ctrl_c(args: list[str], tmp: Path, after: str, again: float | None = None) -
     for line in proc.stdout:
         lines.append(line)
         if line.startswith(after) and len([ln for ln in lines if ln.startswith(after)]) == 1:
+            time.sleep(wait)
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
             if again is not None:
                 time.sleep(again)
@@ -169,10 +173,13 @@ def ctrl_c(args: list[str], tmp: Path, after: str, again: float | None = None) -
 
 @pytest.mark.timeout(400)
 def test_a_second_ctrl_c_aborts_at_once_in_one_line(tmp_path):
-    # Long steps (32 micro-steps), so the second Ctrl-C comes before the step boundary.
-    args = recipe_args(tmp_path, "abort", "--train.grad_accum", "32")
+    # Long steps (64 micro-steps, a few seconds here), so both presses fall inside step 3. The log line of
+    # step 2 comes before that step's stop check, an all-reduce both ranks must reach: the first press
+    # waits 0.5 s so that check is behind both ranks; the second comes past the 0.5 s in which a repeat
+    # is taken for the same press (fsdp2kit.StopSignal's repeat_after).
+    args = recipe_args(tmp_path, "abort", "--train.grad_accum", "64")
     start = time.monotonic()
-    lines, code = ctrl_c(args, tmp_path, after="step 2 ", again=1.0)
+    lines, code = ctrl_c(args, tmp_path, after="step 2 ", again=0.8, wait=0.5)
     seconds = time.monotonic() - start
     out = "".join(lines)
     assert "interrupted (Ctrl-C): aborted at once, nothing saved since the last checkpoint\n" in lines, out[-4000:]
