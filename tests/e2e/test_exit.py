@@ -29,6 +29,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # five launches; make test-all
 @pytest.mark.timeout(300)
 def test_exit_right_after_a_collective_is_clean(tmp_path):
     script = tmp_path / "last_collective.py"

@@ -189,6 +189,7 @@ def test_a_second_ctrl_c_aborts_at_once_in_one_line(tmp_path):
     assert code != 0 and seconds < 200, (code, seconds)
 
 
+@pytest.mark.slow  # make test: tests/dist/test_diagnostics.py names both, without a recipe launch
 @pytest.mark.timeout(600)
 def test_a_skipped_micro_step_and_a_nan_are_named_by_the_recipe(tmp_path):
     desync = ["--train.grad_accum", "2", "--train.skip_micro_at", "3", "--train.check_every", "1"]
