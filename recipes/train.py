@@ -216,7 +216,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{memory}\n{plan}", flush=True)
         print(summary(cfg, plan, memory, info.device), flush=True)
     if cfg.model.pretrained and not quantize_first:
-        fk.load_pretrained(model, cfg.model.name)  # a peft model: the base only, adapters keep their init
+        try:
+            fk.load_pretrained(model, cfg.model.name)  # a peft model: the base only, adapters keep their init
+        except (FileNotFoundError, ValueError) as e:  # no weights, wrong keys or a damaged file: every rank alike
+            raise UsageError(f"model.name = {cfg.model.name!r}: {e}", kind="model") from e
     elif cfg.model.meta_init and not quantize_first:
         fk.materialize(model, init_fn=peft_init_fn(model) if lora.r > 0 else None)
 

@@ -188,3 +188,20 @@ def test_debug_shows_the_traceback(work, debug):
     assert proc.stderr.endswith(
         f"support.errors.ConfigError: data.format = 'chats' (from the command line): {FORMATS}\n"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_model_directory_without_weights_is_one_block(work):
+    """Found after the process group starts (every rank alike): the start-up lines on stdout, then the one block."""
+    model = work / "pos256"  # a config.json and no weights
+    args = ["--config", DEMO, *QUICK, "--data.cache_dir", str(work / "cache"), "--checkpoint.dir", str(work / "ckpt")]
+    proc = launch([*args, "--model.pretrained", "true", "--model.name", str(model)], work)
+    errors = proc.stderr.splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert errors[0] == (
+        f"model error: model.name = '{model}': load_pretrained: no model.safetensors, model.safetensors.index.json "
+        f"or *.safetensors in {model} (found ['config.json']); .bin / .pt checkpoints are not read (they unpickle "
+        "code): convert them first"
+    ), proc.stderr[-3000:]
+    assert "[rank" not in proc.stderr and len(errors) == 1 + TORCHRUN_SUMMARY, proc.stderr
