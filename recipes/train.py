@@ -250,7 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     extra = {"scheduler": scheduler, "data": loader}  # RNG states are saved per rank by the Checkpointer
     start = 0
     if cfg.checkpoint.resume:
-        start = ck.load(model, optimizer=optimizer, extra=extra) or 0
+        try:
+            start = ck.load(model, optimizer=optimizer, extra=extra) or 0
+        except fk.CheckpointError as e:  # a damaged step, or one this run cannot take: every rank alike
+            raise UsageError(
+                f"{e}\nMove that step out of {cfg.checkpoint.dir} to resume from an older one, or start afresh "
+                "with --checkpoint.resume false",
+                kind="checkpoint",
+            ) from e
         if start and info.is_main:
             print(f"resumed from {ck.root}/step_{start:08d}", flush=True)
 

@@ -205,3 +205,25 @@ def test_a_model_directory_without_weights_is_one_block(work):
         "code): convert them first"
     ), proc.stderr[-3000:]
     assert "[rank" not in proc.stderr and len(errors) == 1 + TORCHRUN_SUMMARY, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_corrupt_checkpoint_is_one_block_naming_the_file(work, tmp_path):
+    args = ["--config", DEMO, *QUICK, "--data.cache_dir", str(work / "cache"), "--checkpoint.dir", str(tmp_path)]
+    assert launch(args, work).returncode == 0  # one step, saved at the end
+    (data,) = (tmp_path / "step_00000001").glob("__0_*.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte inside a record
+    data.write_bytes(bytes(raw))
+    proc = launch([*args, "--train.steps", "2"], work)
+    errors = proc.stderr.splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert errors[:3] == [
+        f"checkpoint error: cannot load {tmp_path / 'step_00000001'}:",
+        errors[1],
+        f"Move that step out of {tmp_path} to resume from an older one, or start afresh with --checkpoint.resume false",
+    ], errors[:3]
+    assert errors[1].startswith(f"  [rank 0] data file {data} is corrupt: the record at bytes "), errors[1]
+    assert "fails its CRC-32 check" in errors[1], errors[1]
+    assert "[rank" not in "".join(errors[3:]) and len(errors) == 3 + TORCHRUN_SUMMARY, proc.stderr
