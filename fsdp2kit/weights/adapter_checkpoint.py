@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from fsdp2kit._internal.hf_load import from_pretrained
+from fsdp2kit.checkpoint.comm import quiet_dcp
 from fsdp2kit.checkpoint.layout import INFO_FILE
 from fsdp2kit.checkpoint.state import model_options
 from fsdp2kit.checkpoint.unpickler import SafeReader
@@ -29,8 +29,7 @@ def read_info(step_dir: Path) -> dict:
 
 def load_alone(state: dict, step_dir: Path) -> None:
     """``dcp.load`` without a process group (DCP's warning that it assumes one process silenced: it does)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+    with quiet_dcp(True):
         dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
 
 
