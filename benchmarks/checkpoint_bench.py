@@ -351,8 +351,8 @@ def main(argv=None) -> None:
         "--ranks",
         type=int,
         default=2,
-        help="1: one rank with both cores, so the load's check runs on 2 threads (integrity.verify_threads), "
-        "as a GPU host's rank with cores of its own would",
+        help="1: one rank with both cores (results/checkpoint-large-1rank.md was measured when the load's "
+        "check ran on threads)",
     )
     parser.add_argument("--render", metavar="JSON", help="rewrite the tables of a saved result from its raw times")
     args = parser.parse_args(argv)

@@ -124,8 +124,7 @@ class Checkpointer:
             against the CRC-32 ``torch.save`` stored with it (each rank checks a share of the
             files; integrity.py), so a flipped byte or a torn file is a `CheckpointError` naming
             the file on every rank, with the model and optimizer untouched. It reads every byte
-            of the step once more (one CRC-32 pass, docs/checkpoint-format.md), on as many
-            threads as the rank has cores of its own (`integrity.verify_threads`). Steps saved
+            of the step once more (one CRC-32 pass, docs/checkpoint-format.md). Steps saved
             before fsdp2kit recorded checksums (no ``"checksums"`` in their ``fsdp2kit.json``)
             are loaded unchecked. ``False`` skips the check.
     """

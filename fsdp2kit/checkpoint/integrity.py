@@ -20,10 +20,8 @@ left at 0 by corruption, rather than by a writer with checksums off, is a 1 in 2
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from isal.isal_zlib import crc32
@@ -33,7 +31,6 @@ CHECKSUMS = "zip-crc32"
 """What ``fsdp2kit.json``'s ``checksums`` says of a step whose records can be verified."""
 
 _CHUNK = 1 << 20
-MAX_THREADS = 8
 _NAME_LENGTH, _EXTRA_LENGTH = 10, 11  # fields of a local file header (zipfile.structFileHeader)
 
 
@@ -95,61 +92,23 @@ def _check_record(fh: io.RawIOBase, offset: int, length: int, buffer: memoryview
     return None
 
 
-def verify_threads() -> int:
-    """Threads one rank checks its records on: the cores this process may use, shared among the
-    node's ranks (``LOCAL_WORLD_SIZE``, set by torchrun), at most `MAX_THREADS`. The CRC-32
-    releases the GIL, so a rank with idle cores (a GPU host: many cores per rank) checks that
-    many records at a time; where the ranks already fill the cores (2 ranks on 2 cores) it is 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, min(MAX_THREADS, cores // local))
-
-
-def _check_records(file: Path, records: list[tuple[int, int]]) -> str | None:
-    """The first of ``records`` (sorted) of ``file`` that fails its check, as a sentence, or None."""
-    buffer = memoryview(bytearray(_CHUNK))
-    with open(file, "rb", buffering=0) as fh:
-        for offset, length in records:
-            bad = _check_record(fh, offset, length, buffer)
-            if bad is not None:
-                return (
-                    f"data file {file} is corrupt: the record at bytes {offset}-{offset + length} "
-                    f"fails its CRC-32 check ({bad})"
-                )
-    return None
-
-
-def verify_files(
-    metadata: Metadata, path: Path, rank: int = 0, world: int = 1, threads: int | None = None
-) -> list[str]:
+def verify_files(metadata: Metadata, path: Path, rank: int = 0, world: int = 1) -> list[str]:
     """Check this rank's share of the step's data files (every ``world``-th file, counted from
     ``rank``: at the world size of the save, each rank checks the file it wrote); one problem per
-    corrupt file, naming it and the first bad record. ``threads`` (default `verify_threads`)
-    check contiguous runs of a file's records at the same time, each with its own file handle."""
+    corrupt file, naming it and the first bad record."""
     records: dict[str, set[tuple[int, int]]] = {}
     for info in metadata.storage_data.values():
         records.setdefault(info.relative_path, set()).add((info.offset, info.length))
-    threads = verify_threads() if threads is None else max(1, threads)
-    jobs: list[tuple[Path, list[tuple[int, int]]]] = []
+    problems, buffer = [], memoryview(bytearray(_CHUNK))
     for name in sorted(records, key=lambda n: (len(n), n))[rank::world]:
-        ordered = sorted(records[name])
-        # runs of about equal bytes, one per thread, so a file's first bad record is in its first bad run
-        total, run, runs, in_run = sum(length for _, length in ordered), [], [], 0
-        for record in ordered:
-            run.append(record)
-            in_run += record[1]
-            if in_run * threads >= total and len(runs) < threads - 1:
-                runs.append(run)
-                run, in_run = [], 0
-        jobs += [(path / name, r) for r in [*runs, run] if r]
-    if threads == 1 or len(jobs) == 1:
-        found = [_check_records(*job) for job in jobs]
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdp2kit-verify") as pool:
-            found = list(pool.map(lambda job: _check_records(*job), jobs))
-    problems, seen = [], set()
-    for (file, _), bad in zip(jobs, found):
-        if bad is not None and file not in seen:  # one problem per file: its first bad run's
-            seen.add(file)
-            problems.append(bad)
+        file = path / name
+        with open(file, "rb", buffering=0) as fh:
+            for offset, length in sorted(records[name]):
+                bad = _check_record(fh, offset, length, buffer)
+                if bad is not None:
+                    problems.append(
+                        f"data file {file} is corrupt: the record at bytes {offset}-{offset + length} "
+                        f"fails its CRC-32 check ({bad})"
+                    )
+                    break
     return problems
