@@ -11,6 +11,7 @@ them. Adding a command means writing that module and appending one entry.
                   [--lora R [--qlora] [--lora-targets NAMES]]
                   [--batch B --seq S [--ac MODE] [--optimizer O] [--gpu-memory 80GiB] [--json] ...]
     fsdp2kit convert-config FILE [--source accelerate|deepspeed] [-o OUT.toml] [--allow-refused]
+    fsdp2kit launch [torchrun options] SCRIPT [script args]
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import sys
 from fsdp2kit.cli.convert_config import add_convert_config
 from fsdp2kit.cli.export import add_export_hf
 from fsdp2kit.cli.inspect import add_inspect
+from fsdp2kit.cli.launch import add_launch, run_launch
 from fsdp2kit.cli.plan import add_plan
 
 __all__ = ["SUBCOMMANDS", "main"]
 
 
-SUBCOMMANDS = [add_inspect, add_export_hf, add_plan, add_convert_config]
+SUBCOMMANDS = [add_inspect, add_export_hf, add_plan, add_convert_config, add_launch]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fsdp2kit`` command; returns the exit status (0 ok, 1 error, 2 usage)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # torchrun's options and the script's own: torchrun's parser reads them
+        return run_launch(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:

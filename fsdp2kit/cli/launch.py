@@ -1,0 +1,84 @@
+"""`fsdp2kit launch`: torchrun, without torchrun's own traceback when a worker fails or on Ctrl-C.
+
+torchrun (torch.distributed.run) raises for any failed worker: a `ChildFailedError` traceback and its
+failure table (34 lines for one worker that exits 1), or on Ctrl-C a `SignalException` traceback,
+below the one line the recipe already printed. This command parses the same arguments with
+torchrun's own parser and calls its own `run`; it only replaces those endings with one line naming
+the failed rank(s), and exits with the worker's status (128 + N for a signal, as a shell does).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+__all__ = ["add_launch", "run_launch"]
+
+# torchrun's log records that the line printed here replaces (logger name -> message formats).
+_REPLACED = {
+    "torch.distributed.elastic.multiprocessing.api": (
+        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+        "Sending process %s closing signal %s",
+    ),
+    "torch.distributed.elastic.agent.server.api": ("Received %s death signal, shutting down workers",),
+}
+
+
+def add_launch(subparsers) -> None:
+    # Listed for `fsdp2kit --help` only: `main` hands `launch ...` to torchrun's own parser before its own runs.
+    subparsers.add_parser(
+        "launch",
+        add_help=False,
+        help="torchrun without torchrun's traceback: fsdp2kit launch [torchrun options] SCRIPT [script args]",
+    )
+
+
+def _status(exitcode: int) -> int:
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _describe(rank: int, exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"rank {rank} killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"rank {rank} killed by signal {-exitcode}"
+    return f"rank {rank} exited with status {exitcode}"
+
+
+def run_launch(argv: list[str]) -> int:
+    """``torchrun ARGV``; returns the exit status of the first worker that failed (0 when none did)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    parser = get_args_parser()
+    parser.prog = "fsdp2kit launch"
+    args = parser.parse_args(argv)
+    drop = [(logging.getLogger(name), _Drop(formats)) for name, formats in _REPLACED.items()]
+    for logger, f in drop:
+        logger.addFilter(f)
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        failed = ", ".join(_describe(rank, f.exitcode) for rank, f in sorted(e.failures.items()))
+        print(f"fsdp2kit launch: {failed}", file=sys.stderr, flush=True)
+        return _status(failure.exitcode)
+    except (SignalException, KeyboardInterrupt) as e:
+        # torchrun has passed the signal on to the workers and waited for them (they save at the step boundary).
+        return 128 + int(getattr(e, "sigval", signal.SIGINT))
+    finally:
+        for logger, f in drop:
+            logger.removeFilter(f)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, formats: tuple[str, ...]):
+        super().__init__()
+        self.formats = formats
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.formats
