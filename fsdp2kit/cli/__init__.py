@@ -33,7 +33,7 @@ SUBCOMMANDS = [add_inspect, add_export_hf, add_plan, add_convert_config, add_lau
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fsdp2kit", description="fsdp2kit: checkpoints, export and planning for FSDP2."
+        prog="fsdp2kit", description="fsdp2kit: checkpoints, export, planning and launching for FSDP2."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
