@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import NoReturn
 
-__all__ = ["DEBUG_ENV", "ConfigError", "UsageError", "debug_requested", "run_recipe"]
+__all__ = ["DEBUG_ENV", "ConfigError", "TrainingError", "UsageError", "debug_requested", "run_recipe"]
 
 DEBUG_ENV = "FSDP2KIT_DEBUG"
 # How long rank 0 waits for the others to report the same mistake (and they for rank 0). The ranks
@@ -53,19 +53,40 @@ class ConfigError(UsageError):
     kind = "config"
 
 
+class TrainingError(UsageError):
+    """Training stopped on a diagnosis (a non-finite step, ranks out of step): the diagnosis and how to go on."""
+
+    kind = "training"
+
+    def __init__(self, error: BaseException):
+        from fsdp2kit.diagnostics import NonFiniteError
+
+        fix = "; relaunch the same command to resume from the newest checkpoint"
+        if isinstance(error, NonFiniteError):  # the library names its argument; the recipe's option is this one
+            text = str(error).replace("(on_nonfinite='skip').", "(--train.on_nonfinite skip)") + fix + "."
+        else:  # a DesyncError: its first line, where each rank is, then the way on
+            text = f"{error}\nRelaunch the same command to resume from the newest checkpoint."
+        super().__init__(text)
+        # ranks whose process is gone: rank 0 does not wait for them to leave (see `leave`)
+        self.gone = set(getattr(error, "gone", {}))
+
+
 def debug_requested(argv: Sequence[str]) -> bool:
     return "--debug" in argv or os.environ.get(DEBUG_ENV, "").lower() not in ("", "0", "false", "no")
 
 
 def run_recipe(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
-    """``main(argv)``; a `UsageError` from it becomes the one block (or, with --debug, its traceback)."""
+    """``main(argv)``; a `UsageError`, or a diagnosis from fsdp2kit.diagnostics (`DesyncError`, `NonFiniteError`),
+    becomes the one block (or, with --debug, its traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from fsdp2kit.diagnostics import DesyncError, NonFiniteError
+
     try:
         main(argv)
-    except UsageError as e:
+    except (UsageError, DesyncError, NonFiniteError) as e:
         if debug_requested(argv):
             raise
-        leave(e)
+        leave(e if isinstance(e, UsageError) else TrainingError(e))
 
 
 def _env_int(name: str, default: int) -> int:
@@ -102,7 +123,8 @@ def leave(error: UsageError) -> NoReturn:
         if store is not None:
             store.set(f"{key}/said", "1")
             deadline = time.monotonic() + _MEET_SECONDS
-            while store.add(f"{key}/left", 0) < world - 1 and time.monotonic() < deadline:
+            others = world - 1 - len(getattr(error, "gone", ()))  # a rank whose process is gone never leaves
+            while store.add(f"{key}/left", 0) < others and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(0.5)  # the others announced, then exited at once: let torchrun see them gone
         sys.exit(1)

@@ -42,9 +42,9 @@ def env(**extra: str) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
-def run(args: list[str], tmp: Path, **kw) -> tuple[int, str, float]:
+def run(args: list[str], tmp: Path, launcher=TORCHRUN, **kw) -> tuple[int, str, float]:
     start = time.monotonic()
-    proc = subprocess.run([*TORCHRUN, *args], cwd=tmp, capture_output=True, text=True, timeout=400, **kw)
+    proc = subprocess.run([*launcher, *args], cwd=tmp, capture_output=True, text=True, timeout=400, **kw)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
@@ -197,16 +197,35 @@ def test_a_second_ctrl_c_aborts_at_once_in_one_line(tmp_path):
 @pytest.mark.slow  # make test: tests/dist/test_diagnostics.py names both, without a recipe launch
 @pytest.mark.timeout(600)
 def test_a_skipped_micro_step_and_a_nan_are_named_by_the_recipe(tmp_path):
+    """Each is one block from rank 0 ("training error: ..."), no traceback, and the launcher's one line."""
     desync = ["--train.grad_accum", "2", "--train.skip_micro_at", "3", "--train.check_every", "1"]
-    code, out, seconds = run(
-        recipe_args(tmp_path, "desync", *desync, "--train.timeout", "60", "--train.check_timeout", "30"),
-        tmp_path,
-        env=env(),
-    )
-    assert code != 0 and "DesyncError" in out and "ranks disagree at a check at step 3" in out, out[-4000:]
-    assert "Diverged: rank 1." in out and "rank 1: step 3, micro-step 0 of 2" not in out, out[-4000:]
+    args = recipe_args(tmp_path, "desync", *desync, "--train.timeout", "60", "--train.check_timeout", "30")
+    code, out, seconds = run(args, tmp_path, launcher=LAUNCH, env=env())
+    lines = out.splitlines()
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("training error:")), None)
+    assert code == 1 and at is not None, out[-4000:]
+    assert lines[at : at + 3] == [
+        "training error: rank 0: ranks disagree at a check at step 3.",
+        "Diverged: rank 1.",
+        "Where each rank is:",
+    ], out[-4000:]
+    assert lines[at + 3].startswith("  rank 0: step 3, micro-step 0 of 2, check") and "diverged" not in lines[at + 3]
+    assert lines[at + 4].startswith("  rank 1: step 3, micro-step 1 of 2, check") and "<- diverged" in lines[at + 4]
+    assert lines[at + 5 :] == [
+        "Relaunch the same command to resume from the newest checkpoint.",
+        "fsdp2kit launch: rank 0 exited with status 1",
+    ], out[-4000:]
+    assert "Traceback" not in out and "[rank" not in out, out[-4000:]
     assert seconds < 300, seconds  # the checks caught it at once, not a timeout
 
-    # A learning rate that blows the weights up: the step and the module are named on every rank.
-    code, out, _ = run(recipe_args(tmp_path, "nan", "--train.lr", "1e30", "--train.warmup", "1"), tmp_path, env=env())
-    assert code != 0 and "NonFiniteError: step " in out and "the first module in backward order" in out, out[-4000:]
+    # A learning rate that blows the weights up: the step and the module are named, once, from rank 0.
+    args = recipe_args(tmp_path, "nan", "--train.lr", "1e30", "--train.warmup", "1")
+    code, out, _ = run(args, tmp_path, launcher=LAUNCH, env=env())
+    lines = out.splitlines()
+    assert code == 1 and lines[-1] == "fsdp2kit launch: rank 0 exited with status 1", out[-4000:]
+    assert lines[-2].startswith("training error: step ") and "the first module in backward order" in lines[-2]
+    assert lines[-2].endswith(
+        "Lower the learning rate, check the data of this step, or skip such steps (--train.on_nonfinite skip); "
+        "relaunch the same command to resume from the newest checkpoint."
+    ), lines[-2]
+    assert out.count("training error:") == 1 and "Traceback" not in out, out[-4000:]
