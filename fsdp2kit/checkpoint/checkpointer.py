@@ -1,37 +1,7 @@
 """The Checkpointer: atomic, resumable, optionally asynchronous DCP checkpoints, resharded on load.
 
-Layout under ``root`` (other tools rely on it):
-
-    root/step_00000100/          a complete step: DCP files (``__<rank>_<n>.distcp``, ``.metadata``),
-                                 ``fsdp2kit.json`` (who saved it, when, which keys) and, for a
-                                 Hugging Face model, ``config.json``
-    root/.tmp-step_00000200-ab12  a save in progress (or one a crash interrupted): never read
-    root/.trash-step_...          a step on its way out (pruned or replaced): never read
-
-A save writes into a hidden temporary directory; only after every rank has written its files
-(DCP's own final collective says so) does rank 0 fsync and publish it with one atomic
-``rename``. So a ``step_*`` directory is complete by construction, and a crash at any moment
-leaves the previous step loadable. Pruning renames a step out of the way before deleting it, so
-a crash mid-delete never leaves a half-deleted ``step_*`` behind either.
-
-The DCP state dict has three top-level keys: ``model`` (`get_model_state_dict`: full FQNs, each
-rank writing only its shards), ``optimizer`` (one key per parameter and tensor state, so it
-reshards like the model, and the hyper-parameters once per param group: see optim.py, which
-also reads the older per-parameter format) and ``extra``. Because DCP records the
-global shape and the offsets of every chunk, a checkpoint loads at any world size or mesh shape.
-Under ``extra``, ``shared.<name>`` holds rank 0's values and ``rank.<r>.<name>`` each rank's
-`PerRank` values and RNG states (``__rng__``); every value is ``json`` (a uint8 tensor of JSON
-text) plus ``tensors.<i>`` for the tensors it contains.
-
-Every record DCP writes is a ``torch.save`` archive carrying a CRC-32 of each of its entries;
-``load`` recomputes them before anything is read into the model (integrity.py), so a corrupt file
-is an error on every rank, not silently wrong weights.
-
-Nothing from a checkpoint is ever unpickled with arbitrary globals: ``.metadata`` (a pickle, as
-DCP writes it) is read with an unpickler that admits only DCP's metadata classes, the
-optimizer's hyper-parameters and ``extra`` are stored as JSON text in a uint8 tensor plus plain
-tensors, never as a pickle, and the pickled hyper-parameters of older checkpoints are read with
-``torch.load(weights_only=True)``.
+The layout under ``root``, how a step is published atomically, the records, the extras codec, what
+is unpickled and the integrity check: docs/checkpoint-format.md.
 """
 
 from __future__ import annotations

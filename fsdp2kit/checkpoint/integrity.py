@@ -1,20 +1,8 @@
 """A step's integrity: every record's bytes checked against the CRC-32 stored with them, before anything is loaded.
 
-DCP writes every record (a tensor, or a small pickled value) as a ``torch.save`` zip archive
-inside the rank's ``.distcp`` file, and ``torch.save`` stores a CRC-32 of every entry it writes
-(``torch.serialization.set_crc32_options``, on by default). ``torch.load`` never checks them:
-PyTorch builds its copy of miniz with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``
-(cmake/Dependencies.cmake), so a flipped byte inside a tensor loads as a wrong value (tested).
-`verify_files` recomputes them (ISA-L's CRC-32, the same checksum as zlib's at several times its
-speed; ``zipfile`` reads each archive's directory),
-record by record, at the offsets DCP's metadata gives. The records need nothing beyond what
-``torch.save`` already writes, and every stock DCP tool reads them as before.
-
-A step records that it can be checked (``"checksums": "zip-crc32"`` in ``fsdp2kit.json``);
-older steps say nothing and are loaded unchecked. An entry stored with CRC 0 and some bytes
-was written while the writing process had ``torch.serialization.set_crc32_options(False)``:
-there is nothing to check it against, so it is skipped rather than reported (a stored CRC-32
-left at 0 by corruption, rather than by a writer with checksums off, is a 1 in 2**32 case).
+``torch.save`` stores a CRC-32 of every entry it writes and ``torch.load`` never checks them;
+`verify_files` does, record by record, at the offsets DCP's metadata gives. Why, what is skipped
+and what it costs: docs/checkpoint-format.md ("Integrity").
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """The optimizer in a checkpoint: tensors one record each, hyper-parameters once per param group.
 
-Format 2 (this module; format 1 is what fsdp2kit wrote before, still read):
-
-    optimizer.state.<fqn>.<name>        every tensor state with a shape (Adam's exp_avg,
-                                        exp_avg_sq; SGD's momentum_buffer): sharded like the
-                                        parameter, so it reshards on load exactly like the model
-    optimizer.packed.json               one uint8 tensor of JSON text: the param groups (their
-                                        hyper-parameters once, and the FQNs of their parameters),
-                                        and where each packed scalar state sits
-    optimizer.packed.tensors.<i>        the scalar (0-d) states, e.g. Adam's ``step``, one 1-D
-                                        tensor per dtype; tensors inside hyper-parameters
-
-Format 1 flattened the optimizer per parameter (``flatten_optimizer_state_dict``): every
-hyper-parameter of every parameter was a pickled record of its own, and every ``step`` a tensor
-record. For a model of 75 parameters under AdamW that was 539 of a rank's 735 records, and
-each record costs a serialisation, a planning entry and a read. Both formats are plain DCP:
-``dcp.load`` and torch's format utilities read them without fsdp2kit.
+Format 2 is written here and format 1 (fsdp2kit's earlier, per-parameter one) still read; both
+formats, their keys and why: docs/checkpoint-format.md.
 """
 
 from __future__ import annotations

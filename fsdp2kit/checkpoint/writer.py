@@ -1,19 +1,9 @@
 """How a save drives DCP: the file writer's options, and a save planner that reuses its plan between saves.
 
-- one file per rank (DCP's default): a file per tensor would multiply opens and fsyncs;
-- one writer thread per rank (DCP's default, kept): on the project's 2-core machine the ranks
-  already share the cores, and 2 threads (two files per rank) measured 0.69x-2.6x in earlier
-  runs of the checkpoint benchmark, too inconsistent to switch. ``WRITER_THREADS`` is the one
-  place to change it where a faster disk or more cores per rank could pay;
-- torch.save's CRC-32 per record stays on (torch's default, never touched here): it is what
-  `Checkpointer.load` verifies (integrity.py);
-- plan caching (DCP's ``enable_plan_caching``): a training run saves the same tensors again and
-  again, so after the first save each rank sends an empty "unchanged" plan instead of one entry
-  per record, and the coordinator reuses the global plan and metadata it made before (2 ranks,
-  ~32 MB per rank: 0.33 s per save with it, 0.42 s without; planning is Python per record, as
-  slow on a GPU host). DCP keys its cache by name in class-level dicts; each Checkpointer gets a
-  key of its own, so two of them (or two models) never share a cached plan, and `forget_plans`
-  frees it on close.
+Each choice (one file and one writer thread per rank, CRC-32 kept, plan caching) and what it
+measured: docs/checkpoint-format.md ("Writing"). DCP keys its plan cache by name in class-level
+dicts; each Checkpointer gets a key of its own, so two never share a cached plan, and
+`forget_plans` frees it on close.
 """
 
 from __future__ import annotations
