@@ -14,18 +14,10 @@ name               state per parameter                         needs
 ``adamw_bf16sr``   2 x 2 B (bf16)                              bf16 parameters: ``mixed_precision="pure_bf16"``
 =================  ==========================================  ===============================================
 
-torchao's low-bit states are block-wise quantized over each rank's *local shard*, and only for
-shards of at least 4096 elements whose size is a multiple of the block (256; 128 for 4-bit):
-smaller ones keep a full-precision state (bitsandbytes' rule). Whether a shard qualifies depends
-on the mesh, so `make_optimizer` warns, naming them, when a parameter that would be quantized
-unsharded is not on this rank. Where shard boundaries fall on block boundaries the blocks are
-those of the unsharded tensor, and a sharded run quantizes exactly as a single process does.
-
-With bf16 parameters (``pure_bf16``) every torchao choice rounds the update stochastically
-(``bf16_stochastic_round=True``) unless told otherwise: a round-to-nearest bf16 update smaller
-than half a bf16 step is lost. The rounding noise is drawn from each rank's global RNG stream,
-as dropout's is; the Checkpointer saves those streams, so a resume at the same world continues
-exactly.
+torchao's low-bit states are quantized per *local shard* (so whether a small parameter's state is
+quantized depends on the mesh: `make_optimizer` warns, naming them), and with bf16 parameters its
+updates are rounded stochastically from each rank's RNG stream: docs/optimizers.md says why and
+what the tests bound.
 """
 
 from __future__ import annotations
