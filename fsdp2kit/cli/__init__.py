@@ -2,16 +2,8 @@
 
 Each subcommand is a module of this package with an ``add_<name>(subparsers)`` function that
 declares its arguments and sets ``func`` to its ``run_<name>(args) -> int``; `SUBCOMMANDS` lists
-them. Adding a command means writing that module and appending one entry.
-
-    fsdp2kit inspect CKPT_DIR [--step N] [--json]
-    fsdp2kit export-hf CKPT_DIR OUT_DIR [--step N] [--dtype bf16] [--config DIR] [--max-shard-size 5GB]
-                       [--tokenizer DIR] [--base DIR [--merge]]
-    fsdp2kit plan MODEL --shard N [--replicate M] [--tp T] [--strategy S] [--mixed-precision bf16] [--cpu-offload]
-                  [--lora R [--qlora] [--lora-targets NAMES]]
-                  [--batch B --seq S [--ac MODE] [--optimizer O] [--gpu-memory 80GiB] [--json] ...]
-    fsdp2kit convert-config FILE [--source accelerate|deepspeed] [-o OUT.toml] [--allow-refused]
-    fsdp2kit launch [torchrun options] SCRIPT [script args]
+them. Adding a command means writing that module and appending one entry; `fsdp2kit --help` lists
+them and `fsdp2kit COMMAND --help` gives each one's options (`launch`: torchrun's, through its own parser).
 """
 
 from __future__ import annotations
