@@ -1,14 +1,7 @@
 """transformers' ``from_pretrained``, called so that it cannot leave ``torch.device(...)`` contexts broken.
 
-transformers (5.x) builds the model under ``torch.device("meta")`` with ``torch.linspace`` patched
-(``transformers.initialization.meta_device_safe_creation_ops``). torch fills the table of factory
-functions a device context redirects the first time any device context sees a call
-(``torch.utils._device._device_constructors``, an ``lru_cache``). When that first time is inside
-``from_pretrained``, the table keeps transformers' temporary wrapper instead of ``torch.linspace``,
-and for the rest of the process ``torch.linspace`` ignores every ``torch.device(...)`` context: a
-model built under ``torch.device("meta")`` gets real CPU buffers where it should get meta ones.
-Using a device context once beforehand fills the table with torch's own functions, exactly what
-torch would put there itself, so the library's call leaves the process as the user had it.
+Why (transformers 5.x fills torch's cached table of device-context functions with a temporary
+wrapper when its call comes first): docs/internals.md, "fsdp2kit/_internal/hf_load.py".
 """
 
 from __future__ import annotations
