@@ -5,11 +5,13 @@ failure table (34 lines for one worker that exits 1), or on Ctrl-C a `SignalExce
 below the one line the recipe already printed. This command parses the same arguments with
 torchrun's own parser and calls its own `run`; it only replaces those endings with one line naming
 the failed rank(s), and exits with the worker's status (128 + N for a signal, as a shell does).
+With ``FSDP2KIT_DEBUG=1`` (the recipes' switch for tracebacks) it ends as torchrun does.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -56,6 +58,9 @@ def run_launch(argv: list[str]) -> int:
     parser = get_args_parser()
     parser.prog = "fsdp2kit launch"
     args = parser.parse_args(argv)
+    if os.environ.get("FSDP2KIT_DEBUG", "").lower() not in ("", "0", "false", "no"):
+        run(args)
+        return 0
     drop = [(logging.getLogger(name), _Drop(formats)) for name, formats in _REPLACED.items()]
     for logger, f in drop:
         logger.addFilter(f)
