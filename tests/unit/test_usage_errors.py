@@ -49,3 +49,28 @@ def test_debug_raises_the_exception_itself(monkeypatch, switch):
 def test_other_exceptions_are_not_a_users_mistake():
     with pytest.raises(RuntimeError, match="a bug"):
         run_recipe(fails(RuntimeError("a bug")), [])
+
+
+def test_a_diagnosis_is_one_training_block(capsys):
+    """fsdp2kit.diagnostics' errors end a run like a mistake: the diagnosis, in the recipe's terms, and the way on."""
+    from fsdp2kit.diagnostics import DesyncError, NonFiniteError
+
+    nan = NonFiniteError(
+        "step 3: non-finite loss on rank 1. Or skip such steps (on_nonfinite='skip').", step=3, module=""
+    )
+    with pytest.raises(SystemExit) as exit:
+        run_recipe(fails(nan), [])
+    assert exit.value.code == 1 and capsys.readouterr() == (
+        "",
+        "training error: step 3: non-finite loss on rank 1. Or skip such steps (--train.on_nonfinite skip); "
+        "relaunch the same command to resume from the newest checkpoint.\n",
+    )
+    desync = DesyncError("rank 0: ranks disagree at a check at step 3.\nDiverged: rank 1.", diverged=[1], positions={})
+    with pytest.raises(SystemExit) as exit:
+        run_recipe(fails(desync), [])
+    assert exit.value.code == 1 and capsys.readouterr().err == (
+        "training error: rank 0: ranks disagree at a check at step 3.\nDiverged: rank 1.\n"
+        "Relaunch the same command to resume from the newest checkpoint.\n"
+    )
+    with pytest.raises(DesyncError):  # --debug: the exception itself, traceback and all
+        run_recipe(fails(desync), ["--debug"])
