@@ -68,8 +68,12 @@ def run_launch(argv: list[str]) -> int:
         run(args)
         return 0
     except ChildFailedError as e:
-        _, failure = e.get_first_failure()
-        failed = ", ".join(_describe(rank, f.exitcode) for rank, f in sorted(e.failures.items()))
+        # In the order they ended: the first is the cause, later ones are often torchrun's SIGTERM to the rest
+        # (timestamps are whole seconds: within one, a SIGTERM comes after any other ending).
+        sigterm = -int(signal.SIGTERM)
+        failed = sorted(e.failures.items(), key=lambda i: (i[1].timestamp, i[1].exitcode == sigterm, i[0]))
+        failure = failed[0][1]
+        failed = ", then ".join(_describe(rank, f.exitcode) for rank, f in failed)
         print(f"fsdp2kit launch: {failed}", file=sys.stderr, flush=True)
         return _status(failure.exitcode)
     except (SignalException, KeyboardInterrupt) as e:

@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 
 FSDP2KIT = str(Path(sys.executable).with_name("fsdp2kit"))
-# Rank 0 leaves at once with status 0; rank 1 then ends as told (so torchrun has one failure, and no other
-# worker still running to SIGTERM and list too).
+# Rank 1 ends as told after 0.5 s; rank 0 leaves at once with status 0 (torchrun then has one failure), or with
+# "alive" is still running when rank 1 fails, so torchrun SIGTERMs it and lists it too.
 WORKER = """
 import os, signal, sys, time
 if os.environ["RANK"] == "1":
-    time.sleep(1.0)
+    time.sleep(0.5)
     print("rank 1 ends", flush=True)
     os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == "kill" else sys.exit(int(sys.argv[1]))
+elif sys.argv[2:] == ["alive"]:
+    time.sleep(60)
 """
 
 
@@ -30,12 +32,14 @@ if os.environ["RANK"] == "1":
         ("3", 3, "fsdp2kit launch: rank 1 exited with status 3"),
         ("kill", 128 + 9, "fsdp2kit launch: rank 1 killed by SIGKILL"),
         ("0", 0, None),
+        # the cause first, and its status, though torchrun's SIGTERM to rank 0 lands in the same second
+        ("3 alive", 3, "fsdp2kit launch: rank 1 exited with status 3, then rank 0 killed by SIGTERM"),
     ],
 )
 def test_a_failed_worker_is_one_line(tmp_path, how, status, line):
     (tmp_path / "worker.py").write_text(WORKER)
     proc = subprocess.run(
-        [FSDP2KIT, "launch", "--nproc_per_node", "2", "--max-restarts", "0", "worker.py", how],
+        [FSDP2KIT, "launch", "--nproc_per_node", "2", "--max-restarts", "0", "worker.py", *how.split()],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
