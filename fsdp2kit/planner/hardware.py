@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass
+
+import tomllib
 
 __all__ = ["GPUS", "Hardware", "load_hardware"]
 

@@ -137,7 +137,7 @@ def simulate(
     # steps: (unit, compute seconds, all-gather seconds before it, collective seconds after it)
     steps = [(root, 0.0, ag[root], 0.0)] + [(u, fwd[u], ag[u], 0.0) for u in rest] + [(root, fwd[root], 0.0, 0.0)]
     back = [(root, bwd[root], ag_bwd[root], 0.0)] + [(u, bwd[u], ag_bwd[u], after_bwd[u]) for u in reversed(rest)]
-    steps += back + [(root, 0.0, 0.0, after_bwd[root])]  # the root reduces at the end of backward
+    steps += [*back, (root, 0.0, 0.0, after_bwd[root])]  # the root reduces at the end of backward
     comm = 0.0  # when the communication queue is next free
     gathered: dict[int, float] = {}
     t = 0.0
