@@ -21,7 +21,7 @@ import torch.nn as nn
 from fsdp2kit.planner.flops import UnitFlops, count_flops
 from fsdp2kit.planner.hardware import Hardware
 
-__all__ = ["DEFAULT_PRICE", "StepTime", "UnitComm", "predict_step", "simulate"]
+__all__ = ["DEFAULT_PRICE", "StepTime", "UnitComm", "default_nodes", "predict_step", "simulate"]
 
 # US$ per GPU-hour: an illustrative on-demand H100 price, not a quote; pass --price-per-gpu-hour.
 DEFAULT_PRICE = 2.50
@@ -100,6 +100,15 @@ class StepTime:
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def default_nodes(settings, hardware: Hardware) -> int:
+    """The fewest nodes of ``hardware`` that hold the world (replicate x shard x tp) evenly."""
+    world = settings.replicate * settings.shard * settings.tp
+    nodes = math.ceil(world / hardware.gpus_per_node)
+    while world % nodes:
+        nodes += 1
+    return nodes
 
 
 def link_seconds(hw: Hardware, *, group: int, per_node_in_group: int, per_node: int) -> tuple[float, float]:
