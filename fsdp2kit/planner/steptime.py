@@ -18,24 +18,14 @@ from typing import Any
 
 import torch.nn as nn
 
+from fsdp2kit.planner.comm import CommPlan, comm_of_plan
 from fsdp2kit.planner.flops import UnitFlops, count_flops
 from fsdp2kit.planner.hardware import Hardware
 
-__all__ = ["DEFAULT_PRICE", "StepTime", "UnitComm", "default_nodes", "predict_step", "simulate"]
+__all__ = ["DEFAULT_PRICE", "StepTime", "default_nodes", "predict_step", "simulate"]
 
 # US$ per GPU-hour: an illustrative on-demand H100 price, not a quote; pass --price-per-gpu-hour.
 DEFAULT_PRICE = 2.50
-
-
-@dataclass(frozen=True)
-class UnitComm:
-    """One unit's collective payloads per rank per micro-batch, in bytes (the unsharded size a collective
-    produces or consumes: what a rank's all-gather outputs, its reduce-scatter's input, its all-reduce's tensor)."""
-
-    all_gather: int  # forward
-    all_gather_backward: int  # 0: kept from forward (no reshard) or a lookup-only unit
-    reduce_scatter: int
-    all_reduce: int  # across replicas (HSDP); 0 without
 
 
 @dataclass
@@ -168,19 +158,6 @@ def simulate(
     return t, max(t, comm)
 
 
-def _unit_comm_from_plan(units) -> list[UnitComm]:
-    """Payloads from the planner's `Unit` byte counts (dim-0 padding included, as FSDP2 allocates)."""
-    return [
-        UnitComm(
-            all_gather=u.gathered,
-            all_gather_backward=u.gathered if u.reshard_after_forward and u.gather_in_backward else 0,
-            reduce_scatter=u.reduce_input,
-            all_reduce=0,
-        )
-        for u in units
-    ]
-
-
 def predict_step(
     model: nn.Module,
     settings,
@@ -190,11 +167,13 @@ def predict_step(
     price_per_gpu_hour: float = DEFAULT_PRICE,
     cache: dict | None = None,
     memory_plan=None,
+    accumulation: str = "regather",
 ) -> StepTime:
-    """Predict one optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`)
-    on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x tp, split evenly over them)."""
+    """Predict one optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`,
+    ``grad_accum`` micro-batches a step, communicating as ``accumulation`` says: `fsdp2kit.planner.comm`)
+    on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x tp, split evenly over them).
+    The collective bytes are `fsdp2kit.planner.comm`'s, the ones `fsdp2kit.count_collectives` measures."""
     from fsdp2kit.planner.api import _as_trained, plan_settings
-    from fsdp2kit.planner.parts import units_for
     from fsdp2kit.precision import resolve_precision
     from fsdp2kit.shard import estimate_plan
 
@@ -229,12 +208,7 @@ def predict_step(
             activation_checkpointing=s.activation_checkpointing,
         )
     flops, order = cache[key]
-    units = [u for _, u in units_for(trained, plan)]
-    comm = _unit_comm_from_plan(units)
-    replicate = plan.mesh_shape[0] if len(plan.mesh_shape) == 2 else 1
-    shard = plan.mesh_shape[-1]
-    if replicate > 1:
-        comm = [dataclasses.replace(c, all_reduce=u.reduce_output) for c, u in zip(comm, units)]
+    comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation)
     return _predict(
         hardware,
         flops,
@@ -242,8 +216,6 @@ def predict_step(
         comm,
         memory_plan or plan_settings(model, s, cache),
         s,
-        shard=shard,
-        replicate=replicate,
         nodes=nodes,
         per_node=per_node,
         price=price_per_gpu_hour,
@@ -254,12 +226,10 @@ def _predict(
     hw: Hardware,
     flops: list[UnitFlops],
     order: list[int],
-    comm: list[UnitComm],
+    comm: CommPlan,
     memory_plan,
     s,
     *,
-    shard: int,
-    replicate: int,
     nodes: int,
     per_node: int,
     price: float,
@@ -270,33 +240,43 @@ def _predict(
     # Mesh (replicate, shard, tp), tp innermost: a shard group is ``shard`` ranks ``tp`` apart, so it has
     # min(shard, per_node / tp) ranks on a node; a replica group's ranks are shard x tp apart.
     block = s.shard * s.tp
-    in_shard = s.shard if block <= per_node else max(1, per_node // s.tp)
-    in_replicate = max(1, min(replicate, per_node // block)) if replicate > 1 else 1
-    byte_s, lat = link_seconds(hw, group=shard, per_node_in_group=in_shard, per_node=per_node)
-    ar_byte_s, ar_lat = link_seconds(hw, group=replicate, per_node_in_group=in_replicate, per_node=per_node)
-    wire = (shard - 1) / shard if shard > 1 else 0.0
-    ar_wire = 2 * (replicate - 1) / replicate if replicate > 1 else 0.0
 
-    def t_ag(n: int) -> float:
-        return n * wire * byte_s + lat if n and shard > 1 else 0.0
+    def link(group: str) -> tuple[float, float, float]:
+        """(seconds a byte on the wire, latency, wire bytes a buffer byte) of a collective over ``group``."""
+        n = comm.group_sizes.get(group, 1)
+        # "shard", "shard/K" (a reshard-to-K gather: K consecutive shard ranks) and NO_SHARD's "shard" are tp apart
+        in_node = max(1, min(n, per_node // block)) if group == "replicate" else min(n, max(1, per_node // s.tp))
+        byte_s, lat = link_seconds(hw, group=n, per_node_in_group=in_node, per_node=per_node)
+        return byte_s, lat, (n - 1) / n if n > 1 else 0.0
 
-    ag = [t_ag(c.all_gather) for c in comm]
-    ag_bwd = [t_ag(c.all_gather_backward) for c in comm]
-    after = [
-        (t_ag(c.reduce_scatter) if c.reduce_scatter else 0.0)
-        + (c.all_reduce * ar_wire * ar_byte_s + 2 * ar_lat if c.all_reduce else 0.0)
-        for c in comm
-    ]
-    root = order[0]
-    _, end = simulate(order, root, fwd, bwd, ag, ag_bwd, after, s.prefetch)
-    micro = s.grad_accum
-    compute_s = sum(fwd) + sum(bwd)
+    def seconds(c) -> float:
+        byte_s, lat, wire = link(c.group)
+        if c.kind == "all_reduce":  # ring: a reduce-scatter then an all-gather
+            return c.nbytes * 2 * wire * byte_s + 2 * lat
+        return c.nbytes * wire * byte_s + lat
+
+    m = comm.micro_batches
+    end_all = 0.0
+    for micro in range(m):
+        ag, ag_bwd, after = ([0.0] * len(flops) for _ in range(3))
+        for i, unit in enumerate(comm.units):
+            for c in unit.collectives:
+                # A collective issued k times in m micro-batches: every one (k == m), or the first (a gather
+                # kept across micro-batches) or the last (a reduction deferred to the end of accumulation).
+                gather = c.kind == "all_gather"
+                if not (c.count == m or (gather and micro == 0) or (not gather and micro == m - 1)):
+                    continue
+                if c.kind == "all_gather":
+                    (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c)
+                else:
+                    after[i] += seconds(c)
+        _, end = simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)
+        end_all += end
+    compute_s = m * (sum(fwd) + sum(bwd))
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = 0.0 if s.cpu_offload else opt_bytes / hw.hbm_bytes_per_s
-    step_s = micro * end + optimizer_s
-    comm_s = sum(ag) + sum(ag_bwd) + sum(after)
-    comm_bytes = micro * sum(c.all_gather + c.all_gather_backward + c.reduce_scatter + c.all_reduce for c in comm)
+    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives)
     notes = []
     if s.cpu_offload:
         notes.append("CPU offload: host transfers and the CPU optimizer step are not modelled")
@@ -306,14 +286,14 @@ def _predict(
         hardware=hw,
         nodes=nodes,
         world=s.replicate * s.shard * s.tp,
-        tokens_per_step_per_gpu=micro * s.batch * s.seq / s.tp,
-        compute_s=micro * compute_s,
-        exposed_comm_s=micro * (end - compute_s),
+        tokens_per_step_per_gpu=m * s.batch * s.seq / s.tp,
+        compute_s=compute_s,
+        exposed_comm_s=end_all - compute_s,
         optimizer_s=optimizer_s,
-        step_s=step_s,
-        model_flops=micro * sum(f.model for f in flops),
-        comm_bytes=comm_bytes,
-        comm_s=micro * comm_s,
+        step_s=end_all + optimizer_s,
+        model_flops=m * sum(f.model for f in flops),
+        comm_bytes=comm.bytes_per_step,
+        comm_s=comm_s,
         price_per_gpu_hour=price,
         notes=notes,
     )
