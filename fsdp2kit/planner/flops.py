@@ -2,11 +2,11 @@
 
 The step runs on the meta device (shapes only), as the memory trace does (`fsdp2kit.planner.trace`), under a
 dispatch mode that counts every matmul the real step would run: Linear's mm/addmm, batched bmm, float8's
-_scaled_mm (torch's own formulas, `torch.utils.flop_counter`) and fused attention (2 matmuls of
-``seq_q x seq_k`` a head forward, 4 backward; a causal mask is not halved, the convention behind published MFU
-figures). A checkpointed block's recompute is counted where it happens, in backward, as torch runs it: it
-stops once every saved tensor is back (so a block's last Linear is not run again), and selective
-checkpointing recomputes only what its policy does not save, because the saved ops never reach this mode.
+_scaled_mm (torch's own formulas, `torch.utils.flop_counter`), MoE experts' grouped_mm, and fused attention
+(2 matmuls of ``seq_q x seq_k`` a head forward, 4 backward; a causal mask is not halved, the convention
+behind published MFU figures). A checkpointed block's recompute is counted where it happens, in backward,
+as torch runs it: it stops once every saved tensor is back (so a block's last Linear is not run again), and
+selective checkpointing recomputes only what its policy does not save, because the saved ops never reach this mode.
 """
 
 from __future__ import annotations
@@ -55,6 +55,14 @@ class UnitFlops:
         return self.forward + self.backward - self.recompute
 
 
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+    """MoE experts' grouped matmul: each group's rows multiply their own weight, so the inner dimension is
+    shared out among the groups when both operands are 2-D (a weight gradient) and whole otherwise."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * out[0].numel() * a.shape[-1]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
     b, h, sq, d = q.shape
     return 2.0 * b * h * sq * k.shape[-2] * (d + v.shape[-1])
@@ -71,6 +79,12 @@ class _Count(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in _MATMULS:
             self.sink(float(flop_registry[packet](*args, **kwargs, out_val=out)))
+        elif packet is aten._grouped_mm:
+            self.sink(_grouped_mm(args[0], args[1], out))
+        elif func.name() == "transformers::grouped_mm_fallback":  # what the planner runs for non-bf16 experts
+            self.sink(2.0 * out.numel() * args[0].shape[-1])
+        elif func.name() == "transformers::grouped_mm_fallback_backward":  # (input, weight, offs, grad_output)
+            self.sink(4.0 * args[3].numel() * args[0].shape[-1])
         elif packet in _ATTENTION_FWD:
             self.sink(_attention(*args[:3]))
         elif packet in _ATTENTION_BWD:

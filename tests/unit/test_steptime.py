@@ -142,3 +142,48 @@ def test_cli_gpu_json_and_errors(capsys):  # main() prints a ValueError as one l
     ]:
         assert main(bad) == 1
         assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])  # grouped_mm in bf16; transformers' fallback op else
+def test_moe_expert_flops_counted_once_per_routed_token(dtype):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+    )
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    plan = estimate_plan(model, shard=2)
+    names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
+    flops, _ = count_flops(model, names, batch=2, seq=32, compute_dtype=dtype, activation_checkpointing=None)
+    tokens = 64
+    projections = 2 * tokens * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 64 * 4)  # q, k, v, o, router
+    experts = 2 * tokens * 2 * 3 * 64 * 32  # top-2 of gate, up, down
+    attention = 2 * 2 * 4 * 32 * 32 * (16 + 16)
+    block = names.index(["model.layers.0"])
+    assert flops[block].forward == projections + experts + attention
+    assert flops[block].backward == 2 * flops[block].forward
+
+
+def test_search_ranks_by_predicted_step_time():
+    from fsdp2kit.planner.api import plan_settings
+    from fsdp2kit.planner.search import cheapest_changes
+
+    model = build_causal_lm("demo", meta=True)
+    s = Settings(shard=2, batch=8, seq=128, device="cpu")  # live bytes: no allocator margin to swamp the budget
+    budget = int(plan_settings(model, s, cache={}).peak_bytes * 0.7)
+    h100 = load_hardware("h100")
+    changes = cheapest_changes(model, s, budget, hardware=h100, limit=20)
+    assert changes and all(c["peak_bytes"] <= budget for c in changes)
+    trained_as_asked = [c["step_seconds"] for c in changes if "changes what is trained" not in c["cost"]]
+    assert trained_as_asked == sorted(trained_as_asked)
+    assert all("tok/s/GPU" in c["cost"] for c in changes)
