@@ -1,6 +1,7 @@
 """GPU presets for the step-time model: peak FLOP/s, memory, and the bandwidth of each link a collective crosses.
 
-Every figure is a vendor datasheet's (named beside it) except ``efficiency``, the one fitted number:
+Every figure is a vendor datasheet's (named beside it; memory is the total CUDA sees, as nvidia-smi reports
+it, where we know it, a little under the datasheet's) except ``efficiency``, the one fitted number:
 the fraction of the dense bf16 peak that a training step's matmuls reach, taken from ONE published
 measurement named beside it (docs/step_time.md). A preset is overridden field by field from a TOML
 file (``--gpu my.toml``) or command-line flags.
@@ -17,6 +18,7 @@ import tomllib
 __all__ = ["GPUS", "Hardware", "load_hardware"]
 
 _GB = 10**9
+_MIB = 2**20
 _GBIT = 10**9 / 8  # bytes/s in one Gb/s
 
 
@@ -28,7 +30,7 @@ class Hardware:
     name: str
     bf16_flops: float  # dense (no sparsity) peak
     fp8_flops: float | None  # dense peak; None: no fp8 tensor cores
-    memory_bytes: int  # HBM a GPU, as the datasheet states it (decimal GB: conservative)
+    memory_bytes: int  # HBM a GPU that CUDA can see (nvidia-smi's total where known; else the datasheet's GB)
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float  # intra-node, per GPU, one direction
     network_bytes_per_s: float  # inter-node, per node, one direction
@@ -60,7 +62,7 @@ GPUS: dict[str, Hardware] = {
         name="a100",
         bf16_flops=312e12,
         fp8_flops=None,
-        memory_bytes=80 * _GB,
+        memory_bytes=81920 * _MIB,  # nvidia-smi's total for the 80GB card
         hbm_bytes_per_s=2039e9,
         nvlink_bytes_per_s=300e9,  # NVLink 3: 600 GB/s both directions
         network_bytes_per_s=8 * 200 * _GBIT,  # DGX A100: 8 x 200 Gb/s HDR InfiniBand (compute fabric)
@@ -71,7 +73,7 @@ GPUS: dict[str, Hardware] = {
         name="h100",
         bf16_flops=989e12,
         fp8_flops=1979e12,
-        memory_bytes=80 * _GB,
+        memory_bytes=81559 * _MIB,  # nvidia-smi's total for the 80GB HBM3 card
         hbm_bytes_per_s=3350e9,
         nvlink_bytes_per_s=450e9,  # NVLink 4: 900 GB/s both directions
         network_bytes_per_s=8 * 400 * _GBIT,  # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7)
@@ -82,7 +84,7 @@ GPUS: dict[str, Hardware] = {
         name="h200",
         bf16_flops=989e12,
         fp8_flops=1979e12,
-        memory_bytes=141 * _GB,
+        memory_bytes=143771 * _MIB,  # nvidia-smi's total for the 141GB card
         hbm_bytes_per_s=4800e9,
         nvlink_bytes_per_s=450e9,
         network_bytes_per_s=8 * 400 * _GBIT,  # HGX H200 with one 400 Gb/s NIC a GPU
@@ -93,7 +95,7 @@ GPUS: dict[str, Hardware] = {
         name="b200",
         bf16_flops=2250e12,
         fp8_flops=4500e12,
-        memory_bytes=180 * _GB,
+        memory_bytes=180 * _GB,  # the datasheet's 180 GB (decimal: a conservative reading)
         hbm_bytes_per_s=8000e9,
         nvlink_bytes_per_s=900e9,  # NVLink 5: 1.8 TB/s both directions
         network_bytes_per_s=8 * 400 * _GBIT,  # DGX B200: 8 x 400 Gb/s (ConnectX-7)
