@@ -56,7 +56,8 @@ def add_plan(subparsers) -> None:
         "meta device, with LoRA adapters if asked. Without --batch/--seq: print the ShardPlan shard_model would "
         "produce on a (replicate x shard x tp) mesh. With them: predict the per-rank peak memory of a training "
         "step (fsdp2kit.plan_memory), and with --gpu-memory whether it fits and, if not, the cheapest changes "
-        "that do. A flag that means nothing in its combination is refused, never ignored.",
+        "that do; with --gpu also the predicted step time, tokens/s per GPU, MFU and cost (docs/step_time.md). "
+        "A flag that means nothing in its combination is refused, never ignored.",
     )
     p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
