@@ -132,6 +132,8 @@ def test_cli_gpu_json_and_errors(capsys):  # main() prints a ValueError as one l
     for k in ("peak_bytes", "step_seconds", "tokens_per_second_per_gpu", "mfu", "comm_bytes_per_step"):
         assert out[k] > 0
     assert out["gpu_memory_bytes"] == GPUS["h100"].memory_bytes and out["fits"] is True
+    assert main([*args, "--gpu", "h100", "--gpu-memory", "1MiB", "--json"]) == 0  # an explicit size wins
+    assert json.loads(capsys.readouterr().out)["gpu_memory_bytes"] == 2**20
     assert main([*args, "--gpu", "a100", "--price-per-gpu-hour", "1.5", "--gpu-set", "efficiency=0.5"]) == 0
     text = capsys.readouterr().out
     assert "Step time on 2 x a100" in text and "per billion tokens at $1.50/GPU-hour" in text
