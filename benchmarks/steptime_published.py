@@ -24,6 +24,7 @@ from fsdp2kit.planner.steptime import predict_step
 
 _TT_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 _TT_A100 = "torchtitan docs/performance.md (64 A100 80GB)"
+_TT_405 = "torchtitan docs/performance.md (Llama 3.1 405B on 128 H100)"
 _TT_H200 = "torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy)"
 
 
@@ -80,6 +81,20 @@ ROWS = [
         "full",
         829,
         outside="compile, float8, TP collectives",
+        tp=8,
+    ),
+    Row(
+        _TT_405,
+        "2D (FSDP 16, TP 8), no float8",
+        "h100",
+        "llama3-405b",
+        16,
+        16,
+        2,
+        8192,
+        "full",
+        109,
+        outside="TP collectives",
         tp=8,
     ),
     Row(_TT_A100, "Llama 3 8B, selective op AC", "a100", "llama3-8b", 64, 8, 1, 8192, "selective", 2973, True),
