@@ -117,7 +117,7 @@ def _rank_by_step_time(model, fits, hardware, nodes, baseline, cache, limit, gpu
 
     ranked = []
     for label, cost, settings, plan in fits:
-        world = settings.replicate * settings.shard * settings.tp
+        world = settings.replicate * settings.shard * getattr(settings, "cp", 1) * settings.tp
         n = max(nodes, math.ceil(world / hardware.gpus_per_node))
         try:
             step = predict_step(model, settings, hardware, nodes=n, cache=cache, memory_plan=plan)

@@ -94,7 +94,7 @@ class StepTime:
 
 def default_nodes(settings, hardware: Hardware) -> int:
     """The fewest nodes of ``hardware`` that hold the world (replicate x shard x tp) evenly."""
-    world = settings.replicate * settings.shard * settings.tp
+    world = settings.replicate * settings.shard * getattr(settings, "cp", 1) * settings.tp
     nodes = math.ceil(world / hardware.gpus_per_node)
     while world % nodes:
         nodes += 1
@@ -180,9 +180,12 @@ def predict_step(
     cache = {} if cache is None else cache
     s = settings
     s.check()
-    world = s.replicate * s.shard * s.tp
+    cp = getattr(s, "cp", 1)  # context parallelism: FSDP shards over shard x cp, each rank holds seq / cp tokens
+    world = s.replicate * s.shard * cp * s.tp
     if nodes < 1 or world % nodes:
-        raise ValueError(f"nodes={nodes}: the world of {world} GPUs (replicate x shard x tp) must split evenly over it")
+        raise ValueError(
+            f"nodes={nodes}: the world of {world} GPUs (replicate x shard x cp x tp) must split evenly over it"
+        )
     per_node = world // nodes
     if per_node > hardware.gpus_per_node:
         raise ValueError(
@@ -194,7 +197,7 @@ def predict_step(
     compute = resolve_precision(s.mixed_precision).compute_dtype
     trained = _as_trained(model, s, compute, cache)
     plan = estimate_plan(
-        trained, shard=s.shard, replicate=s.replicate, strategy=s.strategy, mixed_precision=s.mixed_precision
+        trained, shard=s.shard * cp, replicate=s.replicate, strategy=s.strategy, mixed_precision=s.mixed_precision
     )
     unit_names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
     key = ("flops", id(trained), s.batch, s.seq, s.activation_checkpointing, compute)
@@ -208,6 +211,10 @@ def predict_step(
             activation_checkpointing=s.activation_checkpointing,
         )
     flops, order = cache[key]
+    if cp > 1:
+        # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
+        # (all-to-all style): 1 / cp of every matmul, whatever its kind.
+        flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
     comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation)
     return _predict(
         hardware,
@@ -239,7 +246,8 @@ def _predict(
     bwd = [f.backward / rate for f in flops]
     # Mesh (replicate, shard, tp), tp innermost: a shard group is ``shard`` ranks ``tp`` apart, so it has
     # min(shard, per_node / tp) ranks on a node; a replica group's ranks are shard x tp apart.
-    block = s.shard * s.tp
+    cp = getattr(s, "cp", 1)
+    block = s.shard * cp * s.tp
 
     def link(group: str) -> tuple[float, float, float]:
         """(seconds a byte on the wire, latency, wire bytes a buffer byte) of a collective over ``group``."""
@@ -280,13 +288,15 @@ def _predict(
     notes = []
     if s.cpu_offload:
         notes.append("CPU offload: host transfers and the CPU optimizer step are not modelled")
+    if cp > 1:
+        notes.append("context parallelism's all-to-alls are not modelled: a lower bound")
     if s.tp > 1:
         notes.append("tensor parallelism's own collectives (activations) are not modelled: a lower bound")
     return StepTime(
         hardware=hw,
         nodes=nodes,
-        world=s.replicate * s.shard * s.tp,
-        tokens_per_step_per_gpu=m * s.batch * s.seq / s.tp,
+        world=s.replicate * s.shard * cp * s.tp,
+        tokens_per_step_per_gpu=m * s.batch * s.seq / (s.tp * cp),
         compute_s=compute_s,
         exposed_comm_s=end_all - compute_s,
         optimizer_s=optimizer_s,
