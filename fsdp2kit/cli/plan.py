@@ -34,18 +34,7 @@ def parse_targets(text: str | None) -> str | tuple[str, ...]:
 
 
 # Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
-_STEP_FLAGS = (
-    "ac",
-    "optimizer",
-    "prefetch",
-    "device",
-    "gpu_memory",
-    "gpu",
-    "nodes",
-    "price_per_gpu_hour",
-    "gpu_set",
-    "json",
-)
+_STEP_FLAGS = ("ac", "optimizer", "prefetch", "device", "gpu_memory", "json")
 
 
 def add_plan(subparsers) -> None:
@@ -201,9 +190,13 @@ def run_plan(args) -> int:
         price = DEFAULT_PRICE if args.price_per_gpu_hour is None else args.price_per_gpu_hour
         step = predict_step(model, settings, hardware, nodes=nodes, price_per_gpu_hour=price, memory_plan=plan)
     if gpu_memory is not None and not plan.fits:
-        plan.changes = cheapest_changes(
-            model, settings, gpu_memory, hardware=hardware, nodes=step.nodes if step else 1, baseline=step
-        )
+        # With --gpu every change that fits is timed, and the fastest shown (the search's own limit is 6).
+        plan.changes = cheapest_changes(model, settings, gpu_memory, limit=6 if step is None else 50)
+        if step is not None:
+            from fsdp2kit.planner.search import rank_by_step_time
+
+            ranked = rank_by_step_time(model, settings, plan.changes, hardware, nodes=step.nodes, baseline=step)
+            plan.changes = ranked[:6]
     if args.json:
         out = plan.to_dict()
         if step is not None:
@@ -234,3 +227,7 @@ def parse_gpu(name: str | None, sets: list[str] | None):
         except ValueError:
             raise ValueError(f"--gpu-set {item!r}: {value!r} is not a number") from None
     return load_hardware(name, **overrides)
+
+
+# Step time's flags (--gpu and those beside it) describe a training step too.
+_STEP_FLAGS += ("gpu", "nodes", "price_per_gpu_hour", "gpu_set")

@@ -63,22 +63,8 @@ def _plan_or_none(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan | No
         return None
 
 
-def cheapest_changes(
-    model: nn.Module,
-    s: Settings,
-    gpu_memory: int,
-    *,
-    limit: int = 6,
-    hardware=None,
-    nodes: int = 1,
-    baseline=None,
-) -> list[dict]:
-    """Single changes to ``s`` whose plan fits in ``gpu_memory``, cheapest first; pairs of them if none does.
-
-    With ``hardware`` (a `fsdp2kit.planner.hardware.Hardware`), "cheapest" is the predicted step time
-    (`fsdp2kit.planner.steptime`, on ``nodes`` nodes, more for a change that adds GPUs) in place of the fixed
-    guesses; changes to what is trained (LoRA) still come last. ``baseline``: the unchanged settings' `StepTime`,
-    for the slowdown each change costs."""
+def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: int = 6) -> list[dict]:
+    """Single changes to ``s`` whose plan fits in ``gpu_memory``, cheapest first; pairs of them if none does."""
     cache: dict = {}
     tried: list[tuple[str, float, Settings, MemoryPlan]] = []
     for label, cost, settings in _candidates(s):
@@ -95,8 +81,6 @@ def cheapest_changes(
                 plan = _plan_or_none(model, settings2, cache)
                 if plan is not None and plan.peak_bytes <= gpu_memory:
                     fits.append((f"{label} + {label2}", cost + cost2, settings2, plan))
-    if hardware is not None:
-        return _rank_by_step_time(model, fits, hardware, nodes, baseline, cache, limit, gpu_memory)
     fits.sort(key=lambda t: (t[1], t[3].peak_bytes))
     return [
         {
@@ -110,42 +94,6 @@ def cheapest_changes(
     ]
 
 
-def _rank_by_step_time(model, fits, hardware, nodes, baseline, cache, limit, gpu_memory) -> list[dict]:
-    import math
-
-    from fsdp2kit.planner.steptime import predict_step
-
-    ranked = []
-    for label, cost, settings, plan in fits:
-        world = settings.replicate * settings.shard * getattr(settings, "cp", 1) * settings.tp
-        n = max(nodes, math.ceil(world / hardware.gpus_per_node))
-        try:
-            step = predict_step(model, settings, hardware, nodes=n, cache=cache, memory_plan=plan)
-        except ValueError:  # a world that does not split over whole nodes: not a change to offer
-            continue
-        ranked.append((cost >= 1.0, step.step_s, label, cost, plan, step))
-    ranked.sort(key=lambda t: t[:2])
-    out = []
-    for _, _, label, cost, plan, step in ranked[:limit]:
-        what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
-        if baseline is not None:
-            what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
-        if cost >= 1.0:
-            what += ", changes what is trained"
-        out.append(
-            {
-                "change": label,
-                "cost": what,
-                "cost_fraction": cost,
-                "peak_bytes": plan.peak_bytes,
-                "headroom_bytes": gpu_memory - plan.peak_bytes,
-                "step_seconds": step.step_s,
-                "tokens_per_second_per_gpu": step.tokens_per_second_per_gpu,
-            }
-        )
-    return out
-
-
 def _describe(cost: float) -> str:
     if cost == 0:
         return "none (faster)"
@@ -154,3 +102,55 @@ def _describe(cost: float) -> str:
     if cost >= 0.6:
         return "more GPUs"
     return f"~{cost:.0%} slower"
+
+
+def rank_by_step_time(
+    model: nn.Module, s: Settings, changes: list[dict], hardware, *, nodes: int = 1, baseline=None
+) -> list[dict]:
+    """``changes`` (what `cheapest_changes` returned for ``s``) ranked by their predicted step time on
+    ``hardware`` (`fsdp2kit.planner.steptime`, on ``nodes`` nodes, more for a change that adds GPUs) in place
+    of the fixed guesses; changes to what is trained (LoRA) still come last. Each gets ``step_seconds`` and
+    ``tokens_per_second_per_gpu``, and its ``cost`` says them (against ``baseline``, the unchanged settings'
+    `StepTime`, when given). A change whose settings cannot be rebuilt from its label keeps its place, last."""
+    import math
+
+    from fsdp2kit.planner.steptime import predict_step
+
+    cache: dict = {}
+    ranked, unranked = [], []
+    for change in changes:
+        settings = _settings_of(s, change["change"])
+        step = None
+        if settings is not None:
+            world = settings.replicate * settings.shard * getattr(settings, "cp", 1) * settings.tp
+            n = max(nodes, math.ceil(world / hardware.gpus_per_node))
+            try:
+                step = predict_step(model, settings, hardware, nodes=n, cache=cache)
+            except ValueError:  # a world that does not split over whole nodes
+                step = None
+        if step is None:
+            unranked.append(change)
+            continue
+        what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
+        if baseline is not None:
+            what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
+        if change["cost_fraction"] >= 1.0:
+            what += ", changes what is trained"
+        timed = {
+            **change,
+            "cost": what,
+            "step_seconds": step.step_s,
+            "tokens_per_second_per_gpu": step.tokens_per_second_per_gpu,
+        }
+        ranked.append((change["cost_fraction"] >= 1.0, step.step_s, len(ranked), timed))
+    ranked.sort(key=lambda t: t[:3])
+    return [t[3] for t in ranked] + unranked
+
+
+def _settings_of(s: Settings, label: str) -> Settings | None:
+    """The settings a change's label stands for: each ``" + "``-joined part a `_candidates` label of the last."""
+    for part in label.split(" + "):
+        s = {lab: new for lab, _, new in _candidates(s)}.get(part)
+        if s is None:
+            return None
+    return s

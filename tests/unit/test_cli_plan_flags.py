@@ -37,10 +37,6 @@ FLAGS = {
     "--device": (["cpu"], "--device: only a training step's", CHANGES),
     "--gpu-memory": (["1GiB"], "--gpu-memory: only a training step's", CHANGES),
     "--json": ([], "--json: only a training step's", CHANGES),
-    "--gpu": (["h100"], "--gpu: only a training step's", CHANGES),
-    "--nodes": (["1"], "--nodes: only a training step's", "--nodes predicts step time: give --gpu too"),
-    "--price-per-gpu-hour": (["1"], "--price-per-gpu-hour: only", "--price-per-gpu-hour predicts step time"),
-    "--gpu-set": (["efficiency=0.5"], "--gpu-set: only a training step's", "--gpu-set overrides a --gpu preset"),
 }
 # Flags that only mean something beside another one: honoured there, refused where they cannot be.
 COMBINATIONS = [
@@ -48,9 +44,22 @@ COMBINATIONS = [
     ({"--lora": ["8"], "model": ["bench-256x4"]}, "--qlora", [], CHANGES),  # demo's weights split into no NF4 groups
     ({"--lora": ["8"]}, "--tp", ["2"], "lora=8 with tp=2"),
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
-    ({"--gpu": ["h100"], "--batch": ["2"], "--seq": ["64"]}, "--nodes", ["2"], CHANGES),
-    ({"--gpu": ["h100"], "--batch": ["2"], "--seq": ["64"]}, "--price-per-gpu-hour", ["1"], CHANGES),
-    ({"--gpu": ["h100"], "--batch": ["2"], "--seq": ["64"]}, "--gpu-set", ["efficiency=0.5"], CHANGES),
+]
+
+# Step time (--gpu): its flags need a step's plan, and the three beside --gpu need it.
+FLAGS.update(
+    {
+        "--gpu": (["h100"], "--gpu: only a training step's", CHANGES),
+        "--nodes": (["1"], "--nodes: only a training step's", "--nodes predicts step time: give --gpu too"),
+        "--price-per-gpu-hour": (["1"], "--price-per-gpu-hour: only", "--price-per-gpu-hour predicts step time"),
+        "--gpu-set": (["efficiency=0.5"], "--gpu-set: only a training step's", "--gpu-set overrides a --gpu preset"),
+    }
+)
+_STEP = {"--gpu": ["h100"], "--batch": ["2"], "--seq": ["64"]}
+COMBINATIONS += [
+    (_STEP, "--nodes", ["2"], CHANGES),
+    (_STEP, "--price-per-gpu-hour", ["1"], CHANGES),
+    (_STEP, "--gpu-set", ["efficiency=0.5"], CHANGES),
 ]
 
 

@@ -178,14 +178,15 @@ def test_moe_expert_flops_counted_once_per_routed_token(dtype):
 
 def test_search_ranks_by_predicted_step_time():
     from fsdp2kit.planner.api import plan_settings
-    from fsdp2kit.planner.search import cheapest_changes
+    from fsdp2kit.planner.search import cheapest_changes, rank_by_step_time
 
     model = build_causal_lm("demo", meta=True)
     s = Settings(shard=2, batch=8, seq=128, device="cpu")  # live bytes: no allocator margin to swamp the budget
     budget = int(plan_settings(model, s, cache={}).peak_bytes * 0.7)
     h100 = load_hardware("h100")
-    changes = cheapest_changes(model, s, budget, hardware=h100, limit=20)
-    assert changes and all(c["peak_bytes"] <= budget for c in changes)
+    fixed = cheapest_changes(model, s, budget, limit=20)
+    changes = rank_by_step_time(model, s, fixed, h100)
+    assert changes and sorted(c["change"] for c in changes) == sorted(c["change"] for c in fixed)
     trained_as_asked = [c["step_seconds"] for c in changes if "changes what is trained" not in c["cost"]]
     assert trained_as_asked == sorted(trained_as_asked)
     assert all("tok/s/GPU" in c["cost"] for c in changes)
