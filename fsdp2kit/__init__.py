@@ -7,6 +7,7 @@ README.md for the order in which they compose.
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
 from fsdp2kit.diagnostics import DesyncError, NonFiniteError, RankMonitor, check_finite
+from fsdp2kit.diagnostics.collectives import CollectiveCounts, count_collectives
 from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.migrate import ImportResult, convert_config, load_fsdp1_checkpoint, load_full_state_dict
@@ -34,6 +35,7 @@ __all__ = [
     "STRATEGIES",
     "CheckpointError",
     "Checkpointer",
+    "CollectiveCounts",
     "DesyncError",
     "DistInfo",
     "ImportResult",
@@ -53,6 +55,7 @@ __all__ = [
     "clip_grad_norm_",
     "compile_blocks",
     "convert_config",
+    "count_collectives",
     "dcp_to_hf",
     "enable_float8",
     "estimate_plan",

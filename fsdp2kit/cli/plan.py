@@ -45,7 +45,8 @@ def add_plan(subparsers) -> None:
         "meta device, with LoRA adapters if asked. Without --batch/--seq: print the ShardPlan shard_model would "
         "produce on a (replicate x shard x tp) mesh. With them: predict the per-rank peak memory of a training "
         "step (fsdp2kit.plan_memory), and with --gpu-memory whether it fits and, if not, the cheapest changes "
-        "that do. A flag that means nothing in its combination is refused, never ignored.",
+        "that do; with --gpu also the predicted step time, tokens/s per GPU, MFU and cost (docs/step_time.md). "
+        "A flag that means nothing in its combination is refused, never ignored.",
     )
     p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
@@ -86,6 +87,31 @@ def add_plan(subparsers) -> None:
     p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
     p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
     p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME|FILE.toml",
+        help="a GPU preset (a100, h100, h200, b200) or a TOML file of its fields: gives --gpu-memory (unless "
+        "given) and predicts the step time, tokens/s per GPU, MFU and cost (docs/step_time.md)",
+    )
+    p.add_argument(
+        "--nodes", type=int, default=None, help="with --gpu: nodes the GPUs are spread over (default: the fewest)"
+    )
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        default=None,
+        metavar="USD",
+        help="with --gpu: the price of one GPU-hour for the cost per billion tokens (default 2.50, illustrative)",
+    )
+    p.add_argument(
+        "--gpu-set",
+        action="append",
+        default=None,
+        metavar="FIELD=VALUE",
+        help="with --gpu: override one field of the preset, e.g. network_bytes_per_s=1e11 or efficiency=0.4 "
+        "(repeatable; fields in fsdp2kit.planner.hardware.Hardware)",
+    )
     p.add_argument("--json", action="store_true", help="the memory plan as JSON (peak per rank in peak_bytes)")
     p.set_defaults(func=run_plan)
 
@@ -126,7 +152,13 @@ def run_plan(args) -> int:
     from fsdp2kit.planner.api import Settings, plan_settings
     from fsdp2kit.planner.search import cheapest_changes
 
+    hardware = parse_gpu(args.gpu, args.gpu_set)
+    for flag in ("nodes", "price_per_gpu_hour"):
+        if getattr(args, flag) is not None and hardware is None:
+            raise ValueError(f"--{flag.replace('_', '-')} predicts step time: give --gpu too")
     gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    if gpu_memory is None and hardware is not None:
+        gpu_memory = hardware.memory_bytes
     settings = Settings(
         shard=args.shard,
         batch=args.batch,
@@ -150,7 +182,52 @@ def run_plan(args) -> int:
     plan = plan_settings(model, settings, cache={})
     plan.config["model"] = args.model
     plan.gpu_memory = gpu_memory
+    step = None
+    if hardware is not None:
+        from fsdp2kit.planner.steptime import DEFAULT_PRICE, default_nodes, predict_step
+
+        nodes = args.nodes if args.nodes is not None else default_nodes(settings, hardware)
+        price = DEFAULT_PRICE if args.price_per_gpu_hour is None else args.price_per_gpu_hour
+        step = predict_step(model, settings, hardware, nodes=nodes, price_per_gpu_hour=price, memory_plan=plan)
     if gpu_memory is not None and not plan.fits:
-        plan.changes = cheapest_changes(model, settings, gpu_memory)
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan)
+        # With --gpu every change that fits is timed, and the fastest shown (the search's own limit is 6).
+        plan.changes = cheapest_changes(model, settings, gpu_memory, limit=6 if step is None else 50)
+        if step is not None:
+            from fsdp2kit.planner.search import rank_by_step_time
+
+            ranked = rank_by_step_time(model, settings, plan.changes, hardware, nodes=step.nodes, baseline=step)
+            plan.changes = ranked[:6]
+    if args.json:
+        out = plan.to_dict()
+        if step is not None:
+            out.update(step.to_dict())
+        print(json.dumps(out, indent=1))
+    else:
+        print(plan)
+        if step is not None:
+            print(step)
     return 0
+
+
+def parse_gpu(name: str | None, sets: list[str] | None):
+    """``--gpu`` and its ``--gpu-set FIELD=VALUE`` overrides -> a `Hardware`, or None without ``--gpu``."""
+    if name is None:
+        if sets:
+            raise ValueError("--gpu-set overrides a --gpu preset: give --gpu too")
+        return None
+    from fsdp2kit.planner.hardware import load_hardware
+
+    overrides: dict[str, float | int] = {}
+    for item in sets or []:
+        field, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--gpu-set {item!r}: expected FIELD=VALUE, e.g. efficiency=0.4")
+        try:
+            overrides[field.strip()] = int(value) if value.strip().isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"--gpu-set {item!r}: {value!r} is not a number") from None
+    return load_hardware(name, **overrides)
+
+
+# Step time's flags (--gpu and those beside it) describe a training step too.
+_STEP_FLAGS += ("gpu", "nodes", "price_per_gpu_hour", "gpu_set")

@@ -102,3 +102,55 @@ def _describe(cost: float) -> str:
     if cost >= 0.6:
         return "more GPUs"
     return f"~{cost:.0%} slower"
+
+
+def rank_by_step_time(
+    model: nn.Module, s: Settings, changes: list[dict], hardware, *, nodes: int = 1, baseline=None
+) -> list[dict]:
+    """``changes`` (what `cheapest_changes` returned for ``s``) ranked by their predicted step time on
+    ``hardware`` (`fsdp2kit.planner.steptime`, on ``nodes`` nodes, more for a change that adds GPUs) in place
+    of the fixed guesses; changes to what is trained (LoRA) still come last. Each gets ``step_seconds`` and
+    ``tokens_per_second_per_gpu``, and its ``cost`` says them (against ``baseline``, the unchanged settings'
+    `StepTime`, when given). A change whose settings cannot be rebuilt from its label keeps its place, last."""
+    import math
+
+    from fsdp2kit.planner.steptime import predict_step
+
+    cache: dict = {}
+    ranked, unranked = [], []
+    for change in changes:
+        settings = _settings_of(s, change["change"])
+        step = None
+        if settings is not None:
+            world = settings.replicate * settings.shard * getattr(settings, "cp", 1) * settings.tp
+            n = max(nodes, math.ceil(world / hardware.gpus_per_node))
+            try:
+                step = predict_step(model, settings, hardware, nodes=n, cache=cache)
+            except ValueError:  # a world that does not split over whole nodes
+                step = None
+        if step is None:
+            unranked.append(change)
+            continue
+        what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
+        if baseline is not None:
+            what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
+        if change["cost_fraction"] >= 1.0:
+            what += ", changes what is trained"
+        timed = {
+            **change,
+            "cost": what,
+            "step_seconds": step.step_s,
+            "tokens_per_second_per_gpu": step.tokens_per_second_per_gpu,
+        }
+        ranked.append((change["cost_fraction"] >= 1.0, step.step_s, len(ranked), timed))
+    ranked.sort(key=lambda t: t[:3])
+    return [t[3] for t in ranked] + unranked
+
+
+def _settings_of(s: Settings, label: str) -> Settings | None:
+    """The settings a change's label stands for: each ``" + "``-joined part a `_candidates` label of the last."""
+    for part in label.split(" + "):
+        s = {lab: new for lab, _, new in _candidates(s)}.get(part)
+        if s is None:
+            return None
+    return s

@@ -46,6 +46,22 @@ COMBINATIONS = [
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
 ]
 
+# Step time (--gpu): its flags need a step's plan, and the three beside --gpu need it.
+FLAGS.update(
+    {
+        "--gpu": (["h100"], "--gpu: only a training step's", CHANGES),
+        "--nodes": (["1"], "--nodes: only a training step's", "--nodes predicts step time: give --gpu too"),
+        "--price-per-gpu-hour": (["1"], "--price-per-gpu-hour: only", "--price-per-gpu-hour predicts step time"),
+        "--gpu-set": (["efficiency=0.5"], "--gpu-set: only a training step's", "--gpu-set overrides a --gpu preset"),
+    }
+)
+_STEP = {"--gpu": ["h100"], "--batch": ["2"], "--seq": ["64"]}
+COMBINATIONS += [
+    (_STEP, "--nodes", ["2"], CHANGES),
+    (_STEP, "--price-per-gpu-hour", ["1"], CHANGES),
+    (_STEP, "--gpu-set", ["efficiency=0.5"], CHANGES),
+]
+
 
 def _plan_arguments() -> set[str]:
     parser = build_parser()

@@ -1,0 +1,234 @@
+"""count_collectives: every collective a block of code issues on this rank, by process group and kind, with bytes.
+
+How: a ``TorchDispatchMode`` (the machinery of torch's own ``CommDebugMode``, which counts calls
+but not bytes) sees each c10d op (``dist.all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_reduce``..., what FSDP2 calls on its own streams and what fsdp2kit calls) and each
+functional collective (what DTensor's redistributions and tensor parallelism call) as it is
+dispatched. A mode sees ops on plain tensors only, so for a DTensor op it steps aside
+(``NotImplemented``) and sees the collectives DTensor turns it into, as ``CommDebugMode`` does.
+The mode is pushed on entry and popped on exit: nothing is left behind, and outside the block
+every op dispatches as before. Inside it every op pays a Python call: count a step, not a run.
+
+Autograd runs backward with the forward thread's modes (torch propagates them to its worker
+threads), so FSDP2's backward all-gathers and reduce-scatters are counted on CUDA as on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CollectiveCounts", "CollectiveEvent", "count_collectives"]
+
+# Which kind each op is and which of its arguments is the whole buffer whose size is reported
+# (the "size" of nccl-tests): an all-gather's output, a reduce-scatter's input, an all-reduce's
+# or broadcast's tensor, an all-to-all's input. Functional all-gathers name only their input:
+# the output is group_size times it.
+_C10D = {
+    "_allgather_base_": ("all_gather", "output_tensor"),
+    "allgather_": ("all_gather", "output_tensors"),
+    "allgather_coalesced_": ("all_gather", "output_lists"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "alltoall_": ("all_to_all", "input_tensors"),
+    "alltoall_base_": ("all_to_all", "input"),
+    "broadcast_": ("broadcast", "tensors"),
+    "reduce_": ("reduce", "tensors"),
+    "gather_": ("gather", "input_tensors"),
+    "scatter_": ("scatter", "output_tensors"),
+}
+_FUNCTIONAL = {
+    "all_gather_into_tensor": ("all_gather", "input"),
+    "all_gather_into_tensor_out": ("all_gather", "input"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
+    "all_reduce": ("all_reduce", "input"),
+    "all_reduce_": ("all_reduce", "input"),
+    "all_reduce_coalesced": ("all_reduce", "inputs"),
+    "all_reduce_coalesced_": ("all_reduce", "inputs"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "broadcast": ("broadcast", "input"),
+    "broadcast_": ("broadcast", "input"),
+}
+_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL, "_c10d_functional_autograd": _FUNCTIONAL}
+
+
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """One collective call on this rank."""
+
+    kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, broadcast (or reduce, gather, scatter)
+    group: str  # the mesh dimension's name, else the process group's description ("world": the default group)
+    group_size: int
+    nbytes: (
+        int  # the whole buffer: all-gather output, reduce-scatter input, all-reduce/broadcast tensor, all-to-all input
+    )
+    dtype: str  # torch's dtype name ("bfloat16"; "a+b" when a coalesced call mixes dtypes)
+
+
+@dataclass
+class CollectiveCounts:
+    """What `count_collectives` saw, in call order (``events``), with sums by group and kind.
+
+    ``bytes`` are the size of each collective's whole buffer, the same number on every rank of
+    its group: an all-gather's output, a reduce-scatter's input, an all-reduce's or a
+    broadcast's tensor, an all-to-all's input (nccl-tests' "size"; a ring all-gather or
+    reduce-scatter puts ``(n - 1) / n`` of it on each rank's wire, a ring all-reduce twice that).
+    `fsdp2kit.planner.comm` predicts the same figures from shapes.
+    """
+
+    events: list[CollectiveEvent] = field(default_factory=list)
+
+    def by_group(self) -> dict[str, dict[str, int]]:
+        """``{group: {kind: bytes}}``."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for e in self.events:
+            out[e.group][e.kind] += e.nbytes
+        return {g: dict(k) for g, k in out.items()}
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{group: {kind: calls}}``."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for e in self.events:
+            out[e.group][e.kind] += 1
+        return {g: dict(k) for g, k in out.items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.events)
+
+    def summary(self) -> dict[str, dict[str, dict]]:
+        """``{group: {kind: {"count", "bytes", "dtypes", "ranks"}}}``, JSON-ready (what the recipe logs)."""
+        out: dict[str, dict[str, dict]] = {}
+        for e in self.events:
+            row = out.setdefault(e.group, {}).setdefault(
+                e.kind, {"count": 0, "bytes": 0, "dtypes": [], "ranks": e.group_size}
+            )
+            row["count"] += 1
+            row["bytes"] += e.nbytes
+            if e.dtype not in row["dtypes"]:
+                row["dtypes"].append(e.dtype)
+        return out
+
+    def __str__(self) -> str:
+        from fsdp2kit._internal.fmt import fmt_bytes
+
+        parts = [
+            f"{group} {kind} {row['count']}x {fmt_bytes(row['bytes'])} {'/'.join(row['dtypes'])}"
+            for group, kinds in self.summary().items()
+            for kind, row in kinds.items()
+        ]
+        return "; ".join(parts) or "no collectives"
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+def _dtypes(obj) -> list[torch.dtype]:
+    if isinstance(obj, torch.Tensor):
+        return [obj.dtype]
+    if isinstance(obj, (list, tuple)):
+        return [d for o in obj for d in _dtypes(o)]
+    return []
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, counts: CollectiveCounts, names: dict[str, str]):
+        super().__init__()
+        self.counts = counts
+        self.names = names  # process group name -> mesh dimension name
+
+    def _group(self, value) -> dist.ProcessGroup | None:
+        if isinstance(value, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            return _resolve_process_group(value)
+        if isinstance(value, dist.ProcessGroup):
+            return value
+        if isinstance(value, torch.ScriptObject):
+            return dist.ProcessGroup.unbox(value)
+        return None
+
+    def _record(self, func, args, kwargs) -> None:
+        table = _NAMESPACES.get(func.namespace)
+        entry = table.get(func._schema.name.partition("::")[2]) if table else None
+        if entry is None:
+            return
+        kind, buffer = entry
+        bound = dict(kwargs)
+        for arg, value in zip(func._schema.arguments, args):
+            bound[arg.name] = value
+        group = self._group(bound.get("process_group", bound.get("group_name")))
+        if group is None:
+            return
+        nbytes = _nbytes(bound[buffer])
+        if func.namespace != "c10d" and kind == "all_gather":
+            nbytes *= bound["group_size"]
+        name = self.names.get(group.group_name) or group.group_desc.removeprefix("mesh_")
+        dtypes = sorted({str(d).removeprefix("torch.") for d in _dtypes(bound[buffer])})
+        event = CollectiveEvent(kind, "world" if name == "default_pg" else name, group.size(), nbytes, "+".join(dtypes))
+        self.counts.events.append(event)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # let DTensor turn the op into collectives on its local tensors, which come back here
+            return NotImplemented
+        if isinstance(func, torch._ops.OpOverload):
+            self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _mesh_names(mesh: DeviceMesh | None) -> dict[str, str]:
+    if mesh is None:
+        return {}
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {mesh.get_group(i).group_name: n for i, n in enumerate(names)}
+
+
+@contextlib.contextmanager
+def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCounts]:
+    """Count the collectives this rank issues inside the block: kind, process group, bytes, dtype.
+
+    ``with fk.count_collectives(mesh) as counts: <one training step>``, then
+    ``counts.summary()`` (``{group: {kind: {"count", "bytes", "dtypes", "ranks"}}}``),
+    ``counts.by_group()`` (``{group: {kind: bytes}}``), ``counts.events`` (every call in order)
+    or ``print(counts)``. Counted: FSDP2's all-gathers and reduce-scatters (and HSDP's
+    all-reduces), DTensor's and tensor parallelism's collectives, fsdp2kit's own (gradient
+    clipping's norm, checkpoint agreement), the user's ``dist.*`` calls; send/recv and barriers
+    are not collectives of data and are left out.
+
+    Bytes are each call's whole buffer, the same on every rank of its group: an all-gather's
+    output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor, an all-to-all's
+    input (nccl-tests' "size"). ``fsdp2kit.planner.comm.plan_comm`` predicts the FSDP ones.
+
+    Groups are named by ``mesh``'s dimension names (``"shard"``, ``"replicate"``, ``"tp"``...)
+    when it is given and the group is one of its dimensions; otherwise by the group's
+    description (a DeviceMesh dimension's name; ``"world"`` for the default group).
+
+    The counting mode is active for this thread (and autograd's backward of work started in it)
+    and only inside the block; it costs a Python call per op, so count a step, not a run.
+    """
+    counts = CollectiveCounts()
+    with _Counter(counts, _mesh_names(mesh)):
+        yield counts

@@ -1,0 +1,196 @@
+"""Matmul FLOPs of one training step, per FSDP unit: forward, backward, and activation checkpointing's recompute.
+
+The step runs on the meta device (shapes only), as the memory trace does (`fsdp2kit.planner.trace`), under a
+dispatch mode that counts every matmul the real step would run: Linear's mm/addmm, batched bmm, float8's
+_scaled_mm (torch's own formulas, `torch.utils.flop_counter`), MoE experts' grouped_mm, and fused attention
+(2 matmuls of ``seq_q x seq_k`` a head forward, 4 backward; a causal mask is not halved, the convention
+behind published MFU figures). A checkpointed block's recompute is counted where it happens, in backward,
+as torch runs it: it stops once every saved tensor is back (so a block's last Linear is not run again), and
+selective checkpointing recomputes only what its policy does not save, because the saved ops never reach this mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from fsdp2kit.blocks import find_blocks
+from fsdp2kit.planner.trace import _as_a_real_step, _signature, _tensors, meta_copy
+
+__all__ = ["UnitFlops", "count_flops"]
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
+# Fused attention ops whose first three arguments are (query, key, value) (or grad_out first, for backward).
+_ATTENTION_FWD = {
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+}
+_ATTENTION_BWD = {
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+}
+
+
+@dataclass
+class UnitFlops:
+    """One unit's FLOPs in one micro-batch's step (per rank)."""
+
+    forward: float = 0.0
+    backward: float = 0.0  # recompute included
+    recompute: float = 0.0  # forward FLOPs run again in backward (activation checkpointing)
+
+    @property
+    def model(self) -> float:
+        """The FLOPs MFU counts: forward and backward once, no recompute."""
+        return self.forward + self.backward - self.recompute
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+    """MoE experts' grouped matmul: each group's rows multiply their own weight, so the inner dimension is
+    shared out among the groups when both operands are 2-D (a weight gradient) and whole otherwise."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * out[0].numel() * a.shape[-1]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    b, h, sq, d = q.shape
+    return 2.0 * b * h * sq * k.shape[-2] * (d + v.shape[-1])
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self, sink) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in _MATMULS:
+            self.sink(float(flop_registry[packet](*args, **kwargs, out_val=out)))
+        elif packet is aten._grouped_mm:
+            self.sink(_grouped_mm(args[0], args[1], out))
+        elif func.name() == "transformers::grouped_mm_fallback":  # what the planner runs for non-bf16 experts
+            self.sink(2.0 * out.numel() * args[0].shape[-1])
+        elif func.name() == "transformers::grouped_mm_fallback_backward":  # (input, weight, offs, grad_output)
+            self.sink(4.0 * args[3].numel() * args[0].shape[-1])
+        elif packet in _ATTENTION_FWD:
+            self.sink(_attention(*args[:3]))
+        elif packet in _ATTENTION_BWD:
+            self.sink(2.0 * _attention(*args[1:4]))
+        return out
+
+
+def count_flops(
+    model: nn.Module,
+    unit_names: list[list[str]],
+    *,
+    batch: int,
+    seq: int,
+    compute_dtype: torch.dtype | None,
+    activation_checkpointing: str | int | None,
+) -> tuple[list[UnitFlops], list[int]]:
+    """`UnitFlops` for each unit of ``unit_names`` (module names, as `estimate_plan` orders units), for one
+    forward + backward of ``batch`` x ``seq`` tokens. A unit is charged the FLOPs of the ops that run while it
+    is the innermost unit in forward (or recomputing), and in backward from its output's gradient on.
+    Also the units' forward order (first entry; the root first), for the overlap model."""
+    from fsdp2kit.wrappers.activation import apply_activation_checkpointing
+
+    blocks = find_blocks(model)
+    names_of = {id(m): n for n, m in model.named_modules()}
+    every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
+    keep = None
+    # Identical blocks cost identical FLOPs: run the first, one that stands for the middle ones, and the last.
+    if not every_n and len(blocks) > 4 and len({_signature(b) for b in blocks[1:-1]}) == 1:
+        keep = [blocks[0], blocks[1], blocks[-1]]
+    clone = meta_copy(model, compute_dtype, keep)
+    clone.train()
+    config = getattr(clone, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+    if callable(activation_checkpointing):
+        activation_checkpointing(clone)
+    elif activation_checkpointing is not None:
+        apply_activation_checkpointing(clone, mode=activation_checkpointing)
+    kept = [names_of[id(b)] for b in (keep or blocks)]
+    clone_name = {id(m): n for n, m in clone.named_modules()}
+    rename = {clone_name[id(c)]: k for c, k in zip(find_blocks(clone), kept)}
+    modules = {rename.get(n, n): m for n, m in clone.named_modules()}
+
+    flops = [UnitFlops() for _ in unit_names]
+    stack: list[int] = []
+    order: list[int] = []
+    state = {"backward": False, "current": len(unit_names) - 1}
+
+    def sink(f: float) -> None:
+        i = stack[-1] if stack else state["current"]
+        if state["backward"]:
+            flops[i].backward += f
+            # Autograd runs backward ops with grad mode off; checkpoint's recompute turns it on.
+            if torch.is_grad_enabled():
+                flops[i].recompute += f
+        else:
+            flops[i].forward += f
+
+    def hooks(index: int):
+        def pre(mod, args):
+            stack.append(index)
+            if index not in order:
+                order.append(index)
+
+        def post(mod, args, output):
+            stack.pop()
+            if state["backward"]:
+                return None
+
+            def on_grad(grad):
+                state["current"] = index
+                return grad
+
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(on_grad)
+            return None
+
+        return pre, post
+
+    handles = []
+    for i, names in enumerate(unit_names):
+        for n in names:
+            if n in modules:
+                pre, post = hooks(i)
+                handles.append(modules[n].register_forward_pre_hook(pre))
+                handles.append(modules[n].register_forward_hook(post))
+    try:
+        with _as_a_real_step(), _Count(sink):
+            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+            out = clone(ids)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), torch.zeros(batch * seq, dtype=torch.long, device="meta")
+            )
+            state["backward"] = True
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    if keep is not None:
+        unit_of = {n: i for i, names in enumerate(unit_names) for n in names}
+        stand_in = flops[unit_of[kept[1]]]
+        middle = [unit_of[names_of[id(b)]] for b in blocks[2:-1]]
+        for i in middle:
+            flops[i] = UnitFlops(stand_in.forward, stand_in.backward, stand_in.recompute)
+        at = order.index(unit_of[kept[1]]) + 1
+        order[at:at] = middle
+    return flops, order

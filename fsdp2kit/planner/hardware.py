@@ -1,0 +1,145 @@
+"""GPU presets for the step-time model: peak FLOP/s, memory, and the bandwidth of each link a collective crosses.
+
+Every figure is a vendor datasheet's (named beside it; memory is the total CUDA sees, as nvidia-smi reports
+it, where we know it, a little under the datasheet's) except ``efficiency``, the one fitted number:
+the fraction of the dense bf16 peak that a training step's matmuls reach, taken from ONE published
+measurement named beside it (docs/step_time.md). A preset is overridden field by field from a TOML
+file (``--gpu my.toml``) or command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import tomllib
+
+__all__ = ["GPUS", "Hardware", "load_hardware"]
+
+_GB = 10**9
+_MIB = 2**20
+_GBIT = 10**9 / 8  # bytes/s in one Gb/s
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and how it is wired. Bandwidths are one direction's bytes/s (what a ring collective's busbw reaches
+    at most); ``network_bytes_per_s`` is a node's total off-node bandwidth, shared by its GPUs."""
+
+    name: str
+    bf16_flops: float  # dense (no sparsity) peak
+    fp8_flops: float | None  # dense peak; None: no fp8 tensor cores
+    memory_bytes: int  # HBM a GPU that CUDA can see (nvidia-smi's total where known; else the datasheet's GB)
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float  # intra-node, per GPU, one direction
+    network_bytes_per_s: float  # inter-node, per node, one direction
+    gpus_per_node: int = 8
+    latency_s: float = 10e-6  # per collective step: NCCL's small-message floor is ~10 us intra-node
+    efficiency: float = 0.5  # achievable fraction of bf16_flops for the step's matmuls (the one fit)
+    source: str = ""  # where the figures come from
+
+    def check(self) -> None:
+        for f in ("bf16_flops", "hbm_bytes_per_s", "nvlink_bytes_per_s", "network_bytes_per_s"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"gpu {self.name!r}: {f}={getattr(self, f)!r} must be > 0")
+        if self.memory_bytes <= 0 or self.gpus_per_node < 1 or self.latency_s < 0:
+            raise ValueError(f"gpu {self.name!r}: memory_bytes, gpus_per_node must be positive, latency_s >= 0")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"gpu {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1]")
+
+
+# The fitted factor (see docs/step_time.md and benchmarks/steptime_published.py, which recomputes it):
+# H100: torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1, "FSDP" row: Llama 3.1 8B on 8 H100,
+# local batch 2, seq 8192, selective AC, no compile: 5,762 tokens/s per GPU.
+# A100: torchtitan docs/performance.md, Llama 3 8B on 64 A100 80GB, batch 1, selective op AC: 2,973 tokens/s/GPU.
+# Both with torchtitan's op-level selective AC reproduced (it recomputes every other matmul: that work is counted).
+# H200 and B200 have no published bf16 FSDP measurement we could find: they borrow H100's factor (said in docs).
+_H100_EFF = 0.3704
+_A100_EFF = 0.6100
+
+GPUS: dict[str, Hardware] = {
+    "a100": Hardware(
+        name="a100",
+        bf16_flops=312e12,
+        fp8_flops=None,
+        memory_bytes=81920 * _MIB,  # nvidia-smi's total for the 80GB card
+        hbm_bytes_per_s=2039e9,
+        nvlink_bytes_per_s=300e9,  # NVLink 3: 600 GB/s both directions
+        network_bytes_per_s=8 * 200 * _GBIT,  # DGX A100: 8 x 200 Gb/s HDR InfiniBand (compute fabric)
+        efficiency=_A100_EFF,
+        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); DGX A100 datasheet (8x HDR 200 Gb/s)",
+    ),
+    "h100": Hardware(
+        name="h100",
+        bf16_flops=989e12,
+        fp8_flops=1979e12,
+        memory_bytes=81559 * _MIB,  # nvidia-smi's total for the 80GB HBM3 card
+        hbm_bytes_per_s=3350e9,
+        nvlink_bytes_per_s=450e9,  # NVLink 4: 900 GB/s both directions
+        network_bytes_per_s=8 * 400 * _GBIT,  # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7)
+        efficiency=_H100_EFF,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM); DGX H100 datasheet (8x NDR 400 Gb/s)",
+    ),
+    "h200": Hardware(
+        name="h200",
+        bf16_flops=989e12,
+        fp8_flops=1979e12,
+        memory_bytes=143771 * _MIB,  # nvidia-smi's total for the 141GB card
+        hbm_bytes_per_s=4800e9,
+        nvlink_bytes_per_s=450e9,
+        network_bytes_per_s=8 * 400 * _GBIT,  # HGX H200 with one 400 Gb/s NIC a GPU
+        efficiency=_H100_EFF,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); 8x 400 Gb/s NICs assumed",
+    ),
+    "b200": Hardware(
+        name="b200",
+        bf16_flops=2250e12,
+        fp8_flops=4500e12,
+        memory_bytes=180 * _GB,  # the datasheet's 180 GB (decimal: a conservative reading)
+        hbm_bytes_per_s=8000e9,
+        nvlink_bytes_per_s=900e9,  # NVLink 5: 1.8 TB/s both directions
+        network_bytes_per_s=8 * 400 * _GBIT,  # DGX B200: 8 x 400 Gb/s (ConnectX-7)
+        efficiency=_H100_EFF,
+        source="NVIDIA DGX B200 / HGX B200 datasheets (per-GPU figures: the 8-GPU totals / 8)",
+    ),
+}
+_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200"}
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
+
+
+def _from_toml(path: str) -> Hardware:
+    """A TOML file of `Hardware` fields; ``base = "h100"`` starts from a preset (else every peak is required)."""
+    with open(path, "rb") as f:
+        table = tomllib.load(f)
+    table = table.get("gpu", table)
+    unknown = sorted(set(table) - set(_FIELDS) - {"base"})
+    if unknown:
+        raise ValueError(f"{path}: unknown gpu field(s) {unknown}; expected some of {sorted(_FIELDS)} or base")
+    base = table.pop("base", None)
+    if base is not None:
+        return dataclasses.replace(_preset(base), **{"name": os.path.basename(path), **table})
+    missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in table]
+    if missing:
+        raise ValueError(f"{path}: missing gpu field(s) {missing} (or give base = one of {sorted(GPUS)})")
+    return Hardware(**table)
+
+
+def _preset(name: str) -> Hardware:
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise ValueError(f"unknown gpu {name!r}: use one of {sorted(GPUS)} or a .toml file of Hardware fields")
+    return GPUS[key]
+
+
+def load_hardware(spec: str | Hardware, **overrides: float | int | None) -> Hardware:
+    """A preset name (``"h100"``) or a ``.toml`` path, with ``overrides`` (a `Hardware` field each; None: kept)."""
+    hw = spec if isinstance(spec, Hardware) else (_from_toml(spec) if spec.endswith(".toml") else _preset(spec))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    bad = sorted(set(given) - set(_FIELDS))
+    if bad:
+        raise ValueError(f"unknown gpu field(s) {bad}: expected some of {sorted(_FIELDS)}")
+    hw = dataclasses.replace(hw, **given)
+    hw.check()
+    return hw

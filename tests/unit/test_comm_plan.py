@@ -1,0 +1,92 @@
+"""The predicted FSDP collectives (fsdp2kit.planner.comm): counts per policy, padding, dtypes, errors.
+
+That the predictions equal what a running model sends, byte for byte, is tests/dist/test_comm.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from models import build
+
+from fsdp2kit.planner.comm import ACCUMULATION, plan_comm
+
+
+def _padded_bytes(module: torch.nn.Module, shard: int, itemsize: int) -> int:
+    return sum(math.ceil(p.shape[0] / shard) * shard * math.prod(p.shape[1:]) * itemsize for p in module.parameters())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shard", [2, 3])
+def test_block_bytes_are_padded_shards(shard: int) -> None:
+    model = build("tinygpt")
+    plan = plan_comm(model, shard=shard)
+    block = next(u for u in plan.units if u.name == "trunk.0")
+    want = _padded_bytes(model.trunk[0], shard, 4)
+    assert {c.nbytes for c in block.collectives} == {want}
+    if shard == 3:  # 40-row weights pad to 42: the padding travels
+        assert want > sum(p.numel() for p in model.trunk[0].parameters()) * 4
+
+
+@pytest.mark.timeout(60)
+def test_mixed_precision_dtypes() -> None:
+    plan = plan_comm(build("tinygpt"), shard=2, mixed_precision="bf16")
+    kinds = {(c.kind, c.dtype) for u in plan.units for c in u.collectives}
+    assert kinds == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}
+    block = next(u for u in plan.units if u.name == "trunk.0")
+    ag = next(c for c in block.collectives if c.kind == "all_gather")
+    rs = next(c for c in block.collectives if c.kind == "reduce_scatter")
+    assert rs.nbytes == 2 * ag.nbytes
+
+
+@pytest.mark.timeout(60)
+def test_policies_counts_per_step() -> None:
+    model = build("tinygpt")
+    m = 4
+    counts = {a: plan_comm(model, shard=2, replicate=2, micro_batches=m, accumulation=a).counts() for a in ACCUMULATION}
+    one = plan_comm(model, shard=2, replicate=2).counts()
+    units = len(plan_comm(model, shard=2).units)
+    assert counts["regather"] == {g: {k: m * n for k, n in kinds.items()} for g, kinds in one.items()}
+    assert counts["keep_gathered"]["shard"]["all_gather"] == units
+    assert counts["keep_gathered"]["shard"]["reduce_scatter"] == m * units
+    assert counts["defer_all_reduce"]["replicate"]["all_reduce"] == units
+    assert counts["defer_all_reduce"]["shard"] == counts["regather"]["shard"]
+    assert counts["no_sync"]["shard"]["reduce_scatter"] == units
+    assert counts["keep_gathered_no_sync"] == {
+        "shard": {"all_gather": units, "reduce_scatter": units},
+        "replicate": {"all_reduce": units},
+    }
+
+
+@pytest.mark.timeout(60)
+def test_no_shard_all_reduces_whole_gradients() -> None:
+    model = build("tinygpt")
+    plan = plan_comm(model, shard=2, strategy="NO_SHARD")
+    assert plan.by_group() == {"shard": {"all_reduce": sum(p.numel() for p in model.parameters()) * 4}}
+
+
+@pytest.mark.timeout(60)
+def test_errors() -> None:
+    model = build("tinygpt")
+    with pytest.raises(ValueError, match="accumulation="):
+        plan_comm(model, shard=2, accumulation="sometimes")
+    with pytest.raises(ValueError, match="needs HSDP"):
+        plan_comm(model, shard=2, micro_batches=2, accumulation="defer_all_reduce")
+    with pytest.raises(ValueError, match="micro_batches"):
+        plan_comm(model, shard=2, micro_batches=0)
+
+
+@pytest.mark.timeout(60)
+def test_settings_agree_with_keywords() -> None:
+    from fsdp2kit.planner.api import Settings
+    from fsdp2kit.planner.comm import comm_of_settings
+
+    model = build("llama")
+    s = Settings(shard=2, replicate=2, batch=1, seq=8, mixed_precision="bf16", lora=4, grad_accum=3)
+    got = comm_of_settings(model, s, accumulation="no_sync")
+    want = plan_comm(
+        model, shard=2, replicate=2, mixed_precision="bf16", lora=4, micro_batches=3, accumulation="no_sync"
+    )
+    assert got.by_group() == want.by_group() and got.bytes_per_step > 0
