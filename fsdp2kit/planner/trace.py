@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from fsdp2kit.blocks import find_blocks
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "meta_copy", "record_step"]
+__all__ = ["Recording", "cp_heads_error", "meta_copy", "record_step"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two
 # hold a little more than the rest (the embedding output and the first block's output are still
@@ -95,13 +96,65 @@ def meta_copy(
     return copy.deepcopy(model, memo)
 
 
-def _fused_sdpa(sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def cp_heads_error(cp: int, heads: int, kv_heads: int, tp: int = 1) -> ValueError | None:
+    """The error `fsdp2kit.apply_context_parallel` gives when its all-to-all cannot split the heads, or None."""
+    if heads % cp == 0 and kv_heads % cp == 0:
+        return None
+    where = f" (per tensor-parallel rank, tp={tp})" if tp > 1 else ""
+    return ValueError(
+        f"context parallelism: {cp} must divide the number of attention heads ({heads}) "
+        f"and KV heads ({kv_heads}){where}"
+    )
+
+
+def _all_to_all(x: torch.Tensor, cp: int, *, to_heads: bool) -> torch.Tensor:
+    """The bytes of one Ulysses all-to-all on a rank, on meta: ``(b, heads, seq/cp, d)`` becomes
+    ``(b, heads/cp, seq, d)`` (``to_heads``) or back. As with ``all_to_all_single``: a contiguous
+    send buffer with the peer dimension first, a receive buffer of the same size, and the
+    received chunks laid out again in the other layout (a third copy); the input stays alive
+    while its caller holds it."""
+    b, h, s, d = x.shape
+    if to_heads:
+        send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (peer, b, h/cp, s/cp, d)
+        recv = torch.empty_like(send)  # chunk j: rank j's tokens, this rank's heads
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+    send = x.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # (peer, b, h, s/cp, d)
+    recv = torch.empty_like(send)  # chunk j: rank j's heads, this rank's tokens
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * h, s // cp, d)
+
+
+class _UlyssesAllToAll(torch.autograd.Function):
+    """`_all_to_all` in forward, the reverse one on the gradient in backward; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, cp, to_heads):
+        ctx.cp, ctx.to_heads = cp, to_heads
+        return _all_to_all(x, cp, to_heads=to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.cp, to_heads=not ctx.to_heads), None, None
+
+
+def _fused_sdpa(
+    sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, cp: int = 1
+):
     if q.device.type != "meta":
         return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if cp > 1:
+        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every
+        # head; q, k and v go to seq tokens of heads/cp heads, attention runs over the whole
+        # sequence, and its output comes back (docs/memory_planner.md, "Context parallelism").
+        error = cp_heads_error(cp, q.shape[1], k.shape[1])
+        if error is not None:
+            raise error
+        if attn_mask is not None:
+            raise ValueError("context parallelism: the planner models causal attention without a mask tensor")
+        q, k, v = (_UlyssesAllToAll.apply(t, cp, True) for t in (q, k, v))
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
-    return out
+    return _UlyssesAllToAll.apply(out, cp, False) if cp > 1 else out
 
 
 def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
@@ -111,7 +164,7 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 
 @contextlib.contextmanager
-def _as_a_real_step():
+def _as_a_real_step(cp: int = 1):
     """What must differ between a shapes-only step and a real one, for this thread's step only.
 
     - transformers cannot check whether positions are packed on meta tensors (it reads their
@@ -137,7 +190,7 @@ def _as_a_real_step():
         moe = sys.modules.get("transformers.integrations.moe")
         if hasattr(moe, "_can_use_grouped_mm"):
             stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
-        stack.enter_context(divert(F, "scaled_dot_product_attention", _fused_sdpa))
+        stack.enter_context(divert(F, "scaled_dot_product_attention", functools.partial(_fused_sdpa, cp=cp)))
         yield
 
 
@@ -170,11 +223,14 @@ def record_step(
     compute_dtype: torch.dtype | None,
     activation_checkpointing: str | int | None,
     truncate: bool = True,
+    cp: int = 1,
 ) -> Recording:
     """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
 
     ``unit_names`` lists each FSDP unit's module names, children first (as `estimate_plan` orders
-    them); events name units by their index in that list.
+    them); events name units by their index in that list. ``seq`` is the tokens a rank holds;
+    with ``cp > 1`` they are one of ``cp`` context-parallel ranks' share of a ``seq * cp``-token
+    sequence, and attention runs as `fsdp2kit.apply_context_parallel`'s all-to-all style does.
     """
     from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 
@@ -306,7 +362,7 @@ def record_step(
     events.append(("ops", live.live, live.live))
     run["level"] = run["high"] = live.live
     try:
-        with _as_a_real_step(), live:
+        with _as_a_real_step(cp), live:
             # The batch is counted too: a real loop holds it for the whole step.
             ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
             labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
