@@ -72,9 +72,13 @@ class Settings:
 
 
 def check_cp_seq(cp: int, seq: int) -> None:
-    """Each of ``cp`` ranks holds an equal share of the sequence, or ``ValueError``."""
-    if seq % cp:
-        raise ValueError(f"context parallelism: cp={cp} must divide the sequence length (seq={seq})")
+    """The sequence cuts into ``2 * cp`` equal chunks, as `fsdp2kit.split_for_context_parallel` needs
+    (each cp rank holds a head and a tail chunk: the causal load balance), or ``ValueError``."""
+    if cp > 1 and seq % (2 * cp):
+        raise ValueError(
+            f"context parallelism: seq={seq} does not divide into 2 x cp = {2 * cp} equal chunks (each cp rank "
+            f"holds a head and a tail chunk); use a multiple of {2 * cp}"
+        )
 
 
 def check_cp_heads(model: nn.Module, cp: int, tp: int = 1) -> None:

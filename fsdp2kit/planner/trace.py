@@ -107,33 +107,71 @@ def cp_heads_error(cp: int, heads: int, kv_heads: int, tp: int = 1) -> ValueErro
     )
 
 
-def _all_to_all(x: torch.Tensor, cp: int, *, to_heads: bool) -> torch.Tensor:
-    """The bytes of one Ulysses all-to-all on a rank, on meta: ``(b, heads, seq/cp, d)`` becomes
-    ``(b, heads/cp, seq, d)`` (``to_heads``) or back. As with ``all_to_all_single``: a contiguous
-    send buffer with the peer dimension first, a receive buffer of the same size, and the
-    received chunks laid out again in the other layout (a third copy); the input stays alive
-    while its caller holds it."""
-    b, h, s, d = x.shape
-    if to_heads:
-        send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (peer, b, h/cp, s/cp, d)
-        recv = torch.empty_like(send)  # chunk j: rank j's tokens, this rank's heads
-        return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
-    send = x.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # (peer, b, h, s/cp, d)
-    recv = torch.empty_like(send)  # chunk j: rank j's heads, this rank's tokens
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * h, s // cp, d)
+def _exchange(x: torch.Tensor) -> torch.Tensor:
+    """One ``all_to_all_single`` on a rank: a contiguous send buffer, then the receive buffer (the send
+    buffer dies when the call returns)."""
+    send = x.contiguous()
+    return torch.empty_like(send)
 
 
-class _UlyssesAllToAll(torch.autograd.Function):
-    """`_all_to_all` in forward, the reverse one on the gradient in backward; saves nothing."""
+class _SeqToHeads(torch.autograd.Function):
+    """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` with the copies `fsdp2kit.apply_context_parallel`'s
+    all-to-all style makes: the exchange with the peer dimension first, the received chunks laid out
+    over the whole sequence, and put back in token order (undoing the causal load balance). Saves nothing."""
 
     @staticmethod
-    def forward(ctx, x, cp, to_heads):
-        ctx.cp, ctx.to_heads = cp, to_heads
-        return _all_to_all(x, cp, to_heads=to_heads)
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        b, h, s, d = x.shape
+        recv = _exchange(x.reshape(b, cp, h // cp, s, d).transpose(0, 1))  # (peer, b, h/cp, s/cp, d)
+        whole = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+        del recv
+        return whole.clone()  # the reorder's index_select
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.cp, to_heads=not ctx.to_heads), None, None
+        cp = ctx.cp
+        b, h, n, d = grad.shape
+        grad = grad.clone()  # index_select's backward
+        recv = _exchange(grad.reshape(b, h, cp, n // cp, d).permute(2, 0, 1, 3, 4))
+        return recv.transpose(0, 1).reshape(b, h * cp, n // cp, d), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out in memory as
+    ``(b, seq/cp, heads, d)`` as the library returns it to the attention module. Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, out, cp):
+        ctx.cp = cp
+        b, h, n, d = out.shape
+        ordered = out.transpose(1, 2).contiguous().clone()  # transformers' layout, then the reorder
+        recv = _exchange(ordered.reshape(b, cp, n // cp, h, d).transpose(0, 1))  # (peer, b, seq/cp, h, d)
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * h, d).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        b, hh, s, d = grad.shape
+        g = grad.transpose(1, 2).reshape(b, s, cp, hh // cp, d).permute(2, 0, 1, 3, 4)
+        recv = _exchange(g)  # (peer, b, seq/cp, h/cp, d)
+        whole = recv.transpose(0, 1).reshape(b, cp * s, hh // cp, d)
+        del recv
+        return whole.clone().transpose(1, 2), None  # index_select's backward
+
+
+def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
+    """Attention as the all-to-all style runs it on a rank (`fsdp2kit.apply_context_parallel`): q goes to
+    ``heads/cp`` heads over the whole sequence, k and v together (stacked, one exchange), the kernel
+    runs over the whole sequence, and its output comes back to this rank's tokens."""
+    error = cp_heads_error(cp, q.shape[1], k.shape[1])
+    if error is not None:
+        raise error
+    b, kv_heads, s, d = k.shape
+    q = _SeqToHeads.apply(q, cp)
+    kv = _SeqToHeads.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp)
+    kv = kv.unflatten(1, (kv_heads // cp, 2))
+    return _HeadsToSeq.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp)
 
 
 def _fused_sdpa(
@@ -141,20 +179,18 @@ def _fused_sdpa(
 ):
     if q.device.type != "meta":
         return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    def flash(q, k, v):
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
+
     if cp > 1:
         # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every
-        # head; q, k and v go to seq tokens of heads/cp heads, attention runs over the whole
-        # sequence, and its output comes back (docs/memory_planner.md, "Context parallelism").
-        error = cp_heads_error(cp, q.shape[1], k.shape[1])
-        if error is not None:
-            raise error
-        if attn_mask is not None:
-            raise ValueError("context parallelism: the planner models causal attention without a mask tensor")
-        q, k, v = (_UlyssesAllToAll.apply(t, cp, True) for t in (q, k, v))
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )
-    return _UlyssesAllToAll.apply(out, cp, False) if cp > 1 else out
+        # head (docs/memory_planner.md, "Context parallelism").
+        return _ulysses(flash, q, k, v, cp)
+    return flash(q, k, v)
 
 
 def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:

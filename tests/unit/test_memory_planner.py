@@ -83,8 +83,8 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
         (dict(cp=0), "cp=0"),
         # the library's words (fsdp2kit.apply_context_parallel): meta_llama has 4 heads, 2 KV heads
         (dict(cp=4), "context parallelism: 4 must divide the number of attention heads (4) and KV heads (2)"),
-        (dict(cp=3, seq=9), "context parallelism: 3 must divide the number of attention heads (4)"),
-        (dict(cp=2, seq=9), "context parallelism: cp=2 must divide the sequence length (seq=9)"),
+        (dict(cp=3, seq=12), "context parallelism: 3 must divide the number of attention heads (4)"),
+        (dict(cp=2, seq=10), "context parallelism: seq=10 does not divide into 2 x cp = 4 equal chunks"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
@@ -342,5 +342,5 @@ def test_search_splits_a_long_sequence_and_cli_takes_cp(capsys):
     assert data["config"]["cp"] == 2 and data["config"]["shard"] == 2
     api = fk.plan_memory(fk.models.build_causal_lm("demo", meta=True, max_seq_len=64), shard=2, cp=2, batch=1, seq=64)
     assert data["peak_bytes"] == api.peak_bytes
-    code, _, err = _cli(capsys, "demo", "--shard", "2", "--cp", "3", "--batch", "1", "--seq", "63")
+    code, _, err = _cli(capsys, "demo", "--shard", "2", "--cp", "3", "--batch", "1", "--seq", "66")
     assert code == 1 and "context parallelism: 3 must divide the number of attention heads (4)" in err
