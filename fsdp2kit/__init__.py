@@ -12,7 +12,7 @@ from fsdp2kit.dist import DistInfo, init_distributed, make_mesh
 from fsdp2kit.grads import clip_grad_norm_, no_sync
 from fsdp2kit.migrate import ImportResult, convert_config, load_fsdp1_checkpoint, load_full_state_dict
 from fsdp2kit.optim import OPTIMIZERS, make_optimizer
-from fsdp2kit.parallel import apply_tensor_parallel
+from fsdp2kit.parallel import apply_context_parallel, apply_tensor_parallel, split_for_context_parallel
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.planner import MemoryPlan, plan_memory
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
@@ -49,6 +49,7 @@ __all__ = [
     "StopSignal",
     "UnitPlan",
     "apply_activation_checkpointing",
+    "apply_context_parallel",
     "apply_lora",
     "apply_tensor_parallel",
     "check_finite",
@@ -73,4 +74,5 @@ __all__ = [
     "quantize_nf4",
     "set_prefetch",
     "shard_model",
+    "split_for_context_parallel",
 ]

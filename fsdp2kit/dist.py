@@ -2,7 +2,8 @@
 
 `init_distributed` turns torchrun's environment into a process group and a device;
 `make_mesh` turns "how many ways to shard, how many to replicate" into the DeviceMesh
-that `shard_model` expects (1-D FSDP or 2-D hybrid HSDP).
+that `shard_model` expects (1-D FSDP or 2-D hybrid HSDP), with optional context-parallel
+("cp") and tensor-parallel ("tp") dimensions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "data_parallel_dims",
     "data_parallel_mesh",
     "default_device_type",
+    "fsdp_mesh_shape",
     "init_distributed",
     "make_mesh",
     "mesh_device",
@@ -169,21 +171,25 @@ def _factorizations(world: int, tp: int = 1) -> list[tuple[int, int]]:
     return [(dp // r, r) for r in range(1, dp + 1) if dp % r == 0]
 
 
-def _fits(world: int) -> str:
-    """Every (shard, replicate, tp) that fits a world, for an error message."""
+def _fits(world: int, cp: int = 1) -> str:
+    """Every (shard, replicate, tp) that fits a world (with ``cp`` given), for an error message."""
+    if cp < 1 or world % cp:
+        return f"none with cp={cp} (cp must divide the world size)"
     combos = [
-        f"(shard={s}, replicate={r}" + (f", tp={t})" if t > 1 else ")")
-        for t in range(1, world + 1)
-        if world % t == 0
-        for s, r in _factorizations(world, t)
+        f"(shard={s}, replicate={r}" + (f", cp={cp}" if cp > 1 else "") + (f", tp={t})" if t > 1 else ")")
+        for t in range(1, world // cp + 1)
+        if (world // cp) % t == 0
+        for s, r in _factorizations(world // cp, t)
     ]
     return ", ".join(combos)
 
 
-def make_mesh(shard: int = -1, replicate: int = 1, tp: int = 1, *, device_type: str | None = None) -> DeviceMesh:
+def make_mesh(
+    shard: int = -1, replicate: int = 1, tp: int = 1, *, cp: int = 1, device_type: str | None = None
+) -> DeviceMesh:
     """A DeviceMesh over every rank of the default group.
 
-    The dimensions are named ``("replicate", "shard", "tp")``, outermost first, and a dimension
+    The dimensions are named ``("replicate", "shard", "cp", "tp")``, outermost first, and a dimension
     is present only when its size is above 1, with one exception below:
 
     - ``replicate == 1, tp == 1``: a 1-D mesh ``("shard",)`` (plain FSDP);
@@ -195,9 +201,15 @@ def make_mesh(shard: int = -1, replicate: int = 1, tp: int = 1, *, device_type: 
       dimension is always present, also when its size is 1 (a world that is all TP): that is
       the dimension `shard_model` shards over, and the mesh a TP-only model passes to it, so
       the same code runs at any data-parallel degree (FSDP over one rank moves no data).
+    - ``cp > 1``: a ``"cp"`` (context-parallel) dimension between ``"shard"`` and ``"tp"``: the
+      ranks of one cp group hold different tokens of the same sequences (see
+      `fsdp2kit.apply_context_parallel`). They compute on the same parameters, so `shard_model`
+      shards parameters over ``"shard"`` and ``"cp"`` together (one flattened dimension, as
+      torchtitan's ``dp_shard_cp``), and gradients are averaged over both. ``"shard"`` is then
+      always present, also when its size is 1.
 
     One of ``shard`` and ``replicate`` may be -1, meaning "whatever the world size leaves";
-    ``tp`` must be given. Sizes whose product is not the world size are a ``ValueError`` that
+    ``tp`` and ``cp`` must be given. Sizes whose product is not the world size are a ``ValueError`` that
     lists the sizes that would work.
     """
     if not dist.is_initialized():
@@ -205,26 +217,29 @@ def make_mesh(shard: int = -1, replicate: int = 1, tp: int = 1, *, device_type: 
     world = dist.get_world_size()
     dev = device_type or default_device_type()
 
-    for name, value in (("shard", shard), ("replicate", replicate), ("tp", tp)):
-        allowed_infer = name != "tp"
+    for name, value in (("shard", shard), ("replicate", replicate), ("tp", tp), ("cp", cp)):
+        allowed_infer = name not in ("tp", "cp")
         if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (allowed_infer and value == -1)):
             what = "a positive int or -1 (infer)" if allowed_infer else "a positive int"
             raise ValueError(f"make_mesh: {name}={value!r} must be {what}")
     if shard == -1 and replicate == -1:
         raise ValueError(
-            f"make_mesh: at most one of shard and replicate may be -1; for world size {world}: {_fits(world)}"
+            f"make_mesh: at most one of shard and replicate may be -1; for world size {world}: {_fits(world, cp)}"
         )
-    given = f"shard={shard}, replicate={replicate}" + (f", tp={tp}" if tp != 1 else "")
-    dp = world // tp if world % tp == 0 else 0
+    extra = "".join(f", {n}={v}" for n, v in (("cp", cp), ("tp", tp)) if v != 1)
+    given = f"shard={shard}, replicate={replicate}{extra}"
+    dp = world // (tp * cp) if world % (tp * cp) == 0 else 0
     if shard == -1:
         shard = dp // replicate if dp else 0
     elif replicate == -1:
         replicate = dp // shard if dp else 0
-    if shard * replicate * tp != world or shard < 1 or replicate < 1:
-        raise ValueError(f"make_mesh: {given} does not fit the world size {world}; sizes that work: {_fits(world)}")
+    if shard * replicate * cp * tp != world or shard < 1 or replicate < 1:
+        raise ValueError(f"make_mesh: {given} does not fit the world size {world}; sizes that work: {_fits(world, cp)}")
     shape, names = [shard], ["shard"]
     if replicate > 1:
         shape, names = [replicate, *shape], ["replicate", *names]
+    if cp > 1:
+        shape, names = [*shape, cp], [*names, "cp"]
     if tp > 1:
         shape, names = [*shape, tp], [*names, "tp"]
     return init_device_mesh(dev, tuple(shape), mesh_dim_names=tuple(names))
@@ -235,9 +250,40 @@ def data_parallel_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
 
 
+# The name of the flattened ("shard", "cp") dimension FSDP shards over (torchtitan's dp_shard_cp).
+SHARD_CP = "shard_cp"
+
+
+def fsdp_mesh_shape(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The (shape, names) FSDP sees on a mesh of this shape: ``"shard"`` and ``"cp"`` folded into one
+    ``"shard_cp"`` dimension of their product (the cp ranks share parameter shards); others as given."""
+    if "cp" not in names:
+        return tuple(shape), tuple(names)
+    size = dict(zip(names, shape))
+    out_shape, out_names = [], []
+    for n, s in zip(names, shape):
+        if n == "shard":
+            out_shape.append(s * size["cp"])
+            out_names.append(SHARD_CP)
+        elif n != "cp":
+            out_shape.append(s)
+            out_names.append(n)
+    return tuple(out_shape), tuple(out_names)
+
+
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The sub-mesh FSDP shards over: the mesh itself, or its data-parallel dims when it has a ``"tp"`` one."""
+    """The sub-mesh FSDP shards over: the mesh itself, or its data-parallel dims when it has a ``"tp"`` one;
+    with a ``"cp"`` dimension, ``"shard"`` and ``"cp"`` flattened into one ``"shard_cp"`` dimension."""
     names = mesh.mesh_dim_names or ()
+    if "cp" in names:
+        if "shard" not in names:
+            raise ValueError(f"mesh {names} has a cp dimension but no 'shard' one; make it with make_mesh(cp=...)")
+        # The flattened mesh is kept as _flatten returns it (slicing a flattened dim out of the root
+        # mesh is deprecated); with "replicate" it is joined to that dim as a 2-D (HSDP) mesh.
+        flat = mesh["shard", "cp"]._flatten(SHARD_CP)
+        if "replicate" not in names:
+            return flat
+        return DeviceMesh._concatenate([mesh["replicate"], flat])
     if "tp" not in names:
         return mesh
     dims = data_parallel_dims(mesh)

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp2kit._internal.markers import BLOCK_ORDER
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.dist import data_parallel_mesh
+from fsdp2kit.dist import data_parallel_mesh, fsdp_mesh_shape
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import Precision, cast_masters, resolve_precision, warn_as_built
 from fsdp2kit.preflight import (
@@ -116,7 +116,9 @@ def shard_model(
         mesh: from `fsdp2kit.make_mesh`: 1-D ``("shard",)`` or 2-D ``("replicate", "shard")``,
             or either with a ``"tp"`` dimension after `fsdp2kit.apply_tensor_parallel`: FSDP then
             shards over the data-parallel dimensions only (FSDP x TP, HSDP x TP), each rank's TP
-            slice of every parameter, and the plan's figures are per rank with TP.
+            slice of every parameter, and the plan's figures are per rank with TP. With a ``"cp"``
+            dimension (`fsdp2kit.apply_context_parallel`), FSDP shards over ``"shard"`` and ``"cp"``
+            together (the plan shows them as one ``shard_cp`` dimension).
         blocks: which modules become FSDP units, see `fsdp2kit.blocks.find_blocks`.
         strategy: FSDP1's names. ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh),
             ``SHARD_GRAD_OP`` (ZeRO-2: keep gathered parameters from forward to backward, one
@@ -151,10 +153,12 @@ def shard_model(
         raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
     check_not_sharded(model, mesh)
     dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
+    # With a cp dimension, FSDP shards over shard x cp together: the layout sees them as one dim.
+    shape, names = fsdp_mesh_shape(tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
     layout = _layout(
         model,
-        tuple(mesh.shape),
-        tuple(mesh.mesh_dim_names or ()),
+        shape,
+        names,
         blocks=blocks,
         strategy=strategy,
         reshard_after_forward=reshard_after_forward,

@@ -16,3 +16,5 @@ SHARDED_AS = "_fsdp2kit_sharded_as"
 TENSOR_PARALLEL = "_fsdp2kit_tensor_parallel"
 # On a sharded parameter that is frozen (a LoRA / QLoRA base): its name, so an optimizer holding it can be named.
 FROZEN_AS = "_fsdp2kit_frozen_as"
+# On the root: {"cp": size, "style": ..., "kernel": ..., "attn_implementation": ...} once apply_context_parallel ran.
+CONTEXT_PARALLEL = "_fsdp2kit_context_parallel"

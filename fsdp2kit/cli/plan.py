@@ -43,7 +43,7 @@ def add_plan(subparsers) -> None:
         help="what each rank would hold for a model on a mesh, and whether a step fits, without a GPU",
         description="Build MODEL (a named config such as llama3-8b, or a local Hugging Face directory) on the "
         "meta device, with LoRA adapters if asked. Without --batch/--seq: print the ShardPlan shard_model would "
-        "produce on a (replicate x shard x tp) mesh. With them: predict the per-rank peak memory of a training "
+        "produce on a (replicate x shard x cp x tp) mesh. With them: predict the per-rank peak memory of a training "
         "step (fsdp2kit.plan_memory), and with --gpu-memory whether it fits and, if not, the cheapest changes "
         "that do; with --gpu also the predicted step time, tokens/s per GPU, MFU and cost (docs/step_time.md). "
         "A flag that means nothing in its combination is refused, never ignored.",
@@ -56,6 +56,13 @@ def add_plan(subparsers) -> None:
         type=int,
         default=1,
         help="tensor-parallel ranks (the model's own TP plan; the memory plan traces one TP rank)",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks a sequence is split over (all-to-all style, the recipe's [parallel] cp): "
+        "FSDP shards over shard x cp ranks; each rank holds seq/cp tokens (GPUs: replicate x shard x cp x tp)",
     )
     p.add_argument(
         "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
@@ -139,6 +146,7 @@ def run_plan(args) -> int:
             shard=args.shard,
             replicate=args.replicate,
             tp=args.tp,
+            cp=args.cp,
             strategy=args.strategy,
             mixed_precision=args.mixed_precision,
             cpu_offload=args.cpu_offload,
@@ -165,6 +173,7 @@ def run_plan(args) -> int:
         seq=args.seq,
         replicate=args.replicate,
         tp=args.tp,
+        cp=args.cp,
         activation_checkpointing=parse_ac(args.ac),
         mixed_precision=args.mixed_precision,
         optimizer=args.optimizer or "adamw",

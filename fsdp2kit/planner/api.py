@@ -18,13 +18,13 @@ from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
 from fsdp2kit.planner.report import MemoryPlan
 from fsdp2kit.planner.timeline import replay
-from fsdp2kit.planner.trace import record_step
+from fsdp2kit.planner.trace import cp_heads_error, record_step
 from fsdp2kit.precision import resolve_precision
 from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
 
-__all__ = ["Settings", "check_lora", "plan_memory", "plan_settings", "plan_shards"]
+__all__ = ["Settings", "check_cp_heads", "check_cp_seq", "check_lora", "plan_memory", "plan_settings", "plan_shards"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,14 @@ class Settings:
     qlora: bool = False
     lora_targets: str | tuple[str, ...] = "all-linear"  # or module names, as fsdp2kit.apply_lora takes them
     grad_accum: int = 1  # micro-batches a step (memory does not depend on it; the search reports it)
+    cp: int = 1  # context-parallel ranks a sequence is split over (all-to-all style); FSDP shards over shard x cp
 
     def check(self) -> None:
-        for name in ("shard", "replicate", "tp", "batch", "seq", "grad_accum"):
+        for name in ("shard", "replicate", "tp", "cp", "batch", "seq", "grad_accum"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected a positive int")
+        check_cp_seq(self.cp, self.seq)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch!r}: expected an int >= 0 (0: FSDP2's implicit prefetch)")
         if self.device not in ("cuda", "cpu"):
@@ -67,6 +69,29 @@ class Settings:
             resolve_ac_mode(self.activation_checkpointing)
         resolve_precision(self.mixed_precision)
         check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
+
+
+def check_cp_seq(cp: int, seq: int) -> None:
+    """The sequence cuts into ``2 * cp`` equal chunks, as `fsdp2kit.split_for_context_parallel` needs
+    (each cp rank holds a head and a tail chunk: the causal load balance), or ``ValueError``."""
+    if cp > 1 and seq % (2 * cp):
+        raise ValueError(
+            f"context parallelism: seq={seq} does not divide into 2 x cp = {2 * cp} equal chunks (each cp rank "
+            f"holds a head and a tail chunk); use a multiple of {2 * cp}"
+        )
+
+
+def check_cp_heads(model: nn.Module, cp: int, tp: int = 1) -> None:
+    """The heads check `fsdp2kit.apply_context_parallel` makes before any collective, on the model's
+    config (one TP rank's heads with ``tp``); a model without one is checked when its attention is traced."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if cp == 1 or not isinstance(heads, int):
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    error = cp_heads_error(cp, heads // tp, kv_heads // tp, tp)
+    if error is not None:
+        raise error
 
 
 def check_lora(lora: int | None, qlora: bool, targets: str | tuple[str, ...], tp: int) -> None:
@@ -93,6 +118,7 @@ def plan_shards(
     shard: int,
     replicate: int = 1,
     tp: int = 1,
+    cp: int = 1,
     strategy: str | None = None,
     mixed_precision: str | None = None,
     cpu_offload: bool = False,
@@ -104,15 +130,19 @@ def plan_shards(
     of the model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model).
 
     What ``fsdp2kit plan`` prints without ``--batch/--seq`` and the recipe's ``--train.plan_only`` prints
-    beside the memory plan.
+    beside the memory plan. With ``cp > 1`` FSDP shards over the ``shard x cp`` ranks together (the
+    context-parallel ranks share the parameter shards), so the plan is that of a ``shard * cp`` shard group.
     """
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r}: expected a positive int")
     check_lora(lora, qlora, lora_targets, tp)
+    check_cp_heads(model, cp, tp)
     if lora is not None:
         compute = resolve_precision(mixed_precision).compute_dtype
         model = lora_model(model, r=lora, qlora=qlora, targets=lora_targets, compute_dtype=compute)
     return estimate_plan(
         model,
-        shard=shard,
+        shard=shard * cp,
         replicate=replicate,
         tp=tp,
         strategy=strategy,
@@ -129,6 +159,7 @@ def plan_memory(
     seq: int,
     replicate: int = 1,
     tp: int = 1,
+    cp: int = 1,
     activation_checkpointing: str | int | None = None,
     mixed_precision: str | None = None,
     optimizer: str = "adamw",
@@ -147,8 +178,9 @@ def plan_memory(
 
     ``model`` is built on the meta device (or is a real model: nothing is allocated either way,
     nothing is changed). ``batch`` is the micro-batch per data-parallel rank, ``seq`` the tokens
-    per sample. The step is the recipe's: forward, logits upcast to fp32 for cross entropy,
-    backward, optimizer step, with the optimizer state present from the previous step.
+    per sample (the whole sequence: with ``cp`` each rank holds ``seq / cp`` of them). The step is
+    the recipe's: forward, logits upcast to fp32 for cross entropy, backward, optimizer step, with
+    the optimizer state present from the previous step.
 
     How: one forward + backward runs on the meta device (shapes only) at the per-rank batch,
     counting live storage bytes at every op, and the module hooks FSDP2 uses are recorded beside
@@ -163,6 +195,12 @@ def plan_memory(
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
         tp: tensor-parallel degree: the model's own plan, as `fsdp2kit.apply_tensor_parallel`'s
             ``"auto"``; the step is traced on one TP rank's slices (`fsdp2kit.planner.adapt`).
+        cp: context-parallel degree, as `fsdp2kit.make_mesh`'s ``cp`` with
+            `fsdp2kit.apply_context_parallel`'s ``"all_to_all"`` (Ulysses) style: parameters,
+            gradients and optimizer state are sharded over ``shard * cp`` ranks; the step is traced
+            at ``seq / cp`` tokens a rank, its attention over all ``seq`` tokens for ``heads / cp``
+            heads, with the all-to-all buffers of q, k, v and the output (docs/memory_planner.md).
+            ``cp`` must divide ``seq`` and the (KV) heads, as the library requires.
         activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block), as
             `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
             checkpoints the model its own way (another trainer's policy), called on the planner's copy.
@@ -192,6 +230,7 @@ def plan_memory(
         seq=seq,
         replicate=replicate,
         tp=tp,
+        cp=cp,
         activation_checkpointing=activation_checkpointing,
         mixed_precision=mixed_precision,
         optimizer=optimizer,
@@ -216,9 +255,10 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     prec = resolve_precision(s.mixed_precision)
     compute = prec.compute_dtype
     model = _as_trained(model, s, compute, cache)
+    check_cp_heads(model, s.cp, s.tp)
     plan = estimate_plan(
         model,
-        shard=s.shard,
+        shard=s.shard * s.cp,  # the context-parallel ranks share the parameter shards
         replicate=s.replicate,
         strategy=s.strategy,
         mixed_precision=prec,
@@ -228,15 +268,16 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     unit_names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
     names_of = {id(m): n for n, m in model.named_modules()}
     block_names = [names_of[id(b)] for b in find_blocks(model)]
-    key = (id(model), s.batch, s.seq, s.activation_checkpointing, compute)
+    key = (id(model), s.batch, s.seq, s.cp, s.activation_checkpointing, compute)
     if key not in cache:
         cache[key] = record_step(
             model,
             unit_names,
             batch=s.batch,
-            seq=s.seq,
+            seq=s.seq // s.cp,  # this rank's tokens; attention sees all of them (trace.py)
             compute_dtype=compute,
             activation_checkpointing=s.activation_checkpointing,
+            cp=s.cp,
         )
     units = [u for _, u in units_for(model, plan)]
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
@@ -304,6 +345,12 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         notes.append(
             f"seq {s.seq} exceeds the model's max_position_embeddings {limit} (a pretrained model never saw later "
             "positions); the recipe refuses it unless [model] max_position_embeddings raises the limit"
+        )
+    if s.cp > 1:
+        notes.append(
+            f"context parallelism cp={s.cp} (all-to-all style): each rank holds {s.seq // s.cp} tokens of every "
+            f"sequence; attention runs over all {s.seq} for 1/{s.cp} of the heads; parameters, gradients and "
+            f"optimizer state are sharded over shard x cp = {s.shard * s.cp} ranks"
         )
     if s.optimizer not in ("adamw", "sgd"):
         notes.append(f"{s.optimizer}'s step temporaries are an estimate (4 fp32 copies of the largest parameter)")

@@ -92,6 +92,7 @@ class MemoryPlan:
     def __str__(self) -> str:
         c = self.config
         mesh = f"shard={c['shard']}" + (f" x replicate={c['replicate']}" if c.get("replicate", 1) > 1 else "")
+        mesh += f" x cp={c['cp']}" if c.get("cp", 1) > 1 else ""
         mesh += f" x tp={c['tp']}" if c.get("tp", 1) > 1 else ""
         head = (
             f"Memory plan: {c.get('model', '')} on {mesh}, batch {c['batch']} x seq {c['seq']}, "

@@ -15,7 +15,13 @@ from fsdp2kit.planner.report import MemoryPlan
 __all__ = ["cheapest_changes"]
 
 
-def _candidates(s: Settings) -> list[tuple[str, float, Settings]]:
+# Context parallelism's total degrees the search tries (one node's 8 GPUs at most).
+_CP = (2, 4, 8)
+
+
+def _candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settings]]:
+    """The single changes to ``s`` with their rough cost; ``long``: activations dominate, so splitting
+    the sequence (context parallelism) is worth trying."""
     out: list[tuple[str, float, Settings]] = []
     r = dataclasses.replace
     if s.mixed_precision in (None, "fp32"):
@@ -44,6 +50,16 @@ def _candidates(s: Settings) -> list[tuple[str, float, Settings]]:
                 r(s, replicate=s.replicate // 2, shard=s.shard * 2),
             )
         )
+    for cp in (c for c in _CP if long and c > s.cp and c % s.cp == 0):
+        k = cp // s.cp
+        cost = 0.05 * (1 + k.bit_length() - 1)  # 2x: ~10%, 4x: ~15%, 8x: ~20% (docs/internals.md)
+        if s.shard % k == 0:
+            # Same GPUs: k times fewer sequences a step, k times the accumulation keeps the global batch.
+            shard, accum = s.shard // k, s.grad_accum * k
+            label = f"--cp {cp} --shard {shard}, {accum}x gradient accumulation (recipe: --parallel.cp {cp})"
+            out.append((label, cost, r(s, cp=cp, shard=shard, grad_accum=accum)))
+        else:
+            out.append((f"--cp {cp} ({k}x the GPUs; recipe: --parallel.cp {cp})", 0.6 + 0.05 * k, r(s, cp=cp)))
     if not s.cpu_offload:
         out.append(("--cpu-offload", 0.50, r(s, cpu_offload=True)))
     for k in (2, 4):
@@ -66,8 +82,13 @@ def _plan_or_none(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan | No
 def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: int = 6) -> list[dict]:
     """Single changes to ``s`` whose plan fits in ``gpu_memory``, cheapest first; pairs of them if none does."""
     cache: dict = {}
+    base = _plan_or_none(model, s, cache)
+    # A long sequence: what the step saves and the logits outweigh what is held all step.
+    long = base is not None and (
+        base.saved_activations + base.logits_and_loss > base.param_bytes + base.grad_bytes + base.optimizer_bytes
+    )
     tried: list[tuple[str, float, Settings, MemoryPlan]] = []
-    for label, cost, settings in _candidates(s):
+    for label, cost, settings in _candidates(s, long):
         plan = _plan_or_none(model, settings, cache)
         if plan is not None:
             tried.append((label, cost, settings, plan))
@@ -75,7 +96,7 @@ def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: i
     if not fits:
         # No single change: try each change on top of each same-hardware change.
         for label, cost, settings, _ in [t for t in tried if t[1] < 0.6]:
-            for label2, cost2, settings2 in _candidates(settings):
+            for label2, cost2, settings2 in _candidates(settings, long):
                 if cost2 >= cost or label2.split()[0] == label.split()[0]:
                     continue  # each pair once, and never the same knob twice
                 plan = _plan_or_none(model, settings2, cache)

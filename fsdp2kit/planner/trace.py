@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from fsdp2kit.blocks import find_blocks
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "meta_copy", "record_step"]
+__all__ = ["Recording", "cp_heads_error", "meta_copy", "record_step"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two
 # hold a little more than the rest (the embedding output and the first block's output are still
@@ -95,13 +96,101 @@ def meta_copy(
     return copy.deepcopy(model, memo)
 
 
-def _fused_sdpa(sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def cp_heads_error(cp: int, heads: int, kv_heads: int, tp: int = 1) -> ValueError | None:
+    """The error `fsdp2kit.apply_context_parallel` gives when its all-to-all cannot split the heads, or None."""
+    if heads % cp == 0 and kv_heads % cp == 0:
+        return None
+    where = f" (per tensor-parallel rank, tp={tp})" if tp > 1 else ""
+    return ValueError(
+        f"context parallelism: {cp} must divide the number of attention heads ({heads}) "
+        f"and KV heads ({kv_heads}){where}"
+    )
+
+
+def _exchange(x: torch.Tensor) -> torch.Tensor:
+    """One ``all_to_all_single`` on a rank: a contiguous send buffer, then the receive buffer (the send
+    buffer dies when the call returns)."""
+    send = x.contiguous()
+    return torch.empty_like(send)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` with the copies `fsdp2kit.apply_context_parallel`'s
+    all-to-all style makes: the exchange with the peer dimension first, the received chunks laid out
+    over the whole sequence, and put back in token order (undoing the causal load balance). Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        b, h, s, d = x.shape
+        recv = _exchange(x.reshape(b, cp, h // cp, s, d).transpose(0, 1))  # (peer, b, h/cp, s/cp, d)
+        whole = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+        del recv
+        return whole.clone()  # the reorder's index_select
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        b, h, n, d = grad.shape
+        grad = grad.clone()  # index_select's backward
+        recv = _exchange(grad.reshape(b, h, cp, n // cp, d).permute(2, 0, 1, 3, 4))
+        return recv.transpose(0, 1).reshape(b, h * cp, n // cp, d), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out in memory as
+    ``(b, seq/cp, heads, d)`` as the library returns it to the attention module. Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, out, cp):
+        ctx.cp = cp
+        b, h, n, d = out.shape
+        ordered = out.transpose(1, 2).contiguous().clone()  # transformers' layout, then the reorder
+        recv = _exchange(ordered.reshape(b, cp, n // cp, h, d).transpose(0, 1))  # (peer, b, seq/cp, h, d)
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * h, d).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        b, hh, s, d = grad.shape
+        g = grad.transpose(1, 2).reshape(b, s, cp, hh // cp, d).permute(2, 0, 1, 3, 4)
+        recv = _exchange(g)  # (peer, b, seq/cp, h/cp, d)
+        whole = recv.transpose(0, 1).reshape(b, cp * s, hh // cp, d)
+        del recv
+        return whole.clone().transpose(1, 2), None  # index_select's backward
+
+
+def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
+    """Attention as the all-to-all style runs it on a rank (`fsdp2kit.apply_context_parallel`): q goes to
+    ``heads/cp`` heads over the whole sequence, k and v together (stacked, one exchange), the kernel
+    runs over the whole sequence, and its output comes back to this rank's tokens."""
+    error = cp_heads_error(cp, q.shape[1], k.shape[1])
+    if error is not None:
+        raise error
+    b, kv_heads, s, d = k.shape
+    q = _SeqToHeads.apply(q, cp)
+    kv = _SeqToHeads.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp)
+    kv = kv.unflatten(1, (kv_heads // cp, 2))
+    return _HeadsToSeq.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp)
+
+
+def _fused_sdpa(
+    sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, cp: int = 1
+):
     if q.device.type != "meta":
         return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )
-    return out
+
+    def flash(q, k, v):
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
+
+    if cp > 1:
+        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every
+        # head (docs/memory_planner.md, "Context parallelism").
+        return _ulysses(flash, q, k, v, cp)
+    return flash(q, k, v)
 
 
 def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
@@ -111,7 +200,7 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 
 @contextlib.contextmanager
-def _as_a_real_step():
+def _as_a_real_step(cp: int = 1):
     """What must differ between a shapes-only step and a real one, for this thread's step only.
 
     - transformers cannot check whether positions are packed on meta tensors (it reads their
@@ -137,7 +226,7 @@ def _as_a_real_step():
         moe = sys.modules.get("transformers.integrations.moe")
         if hasattr(moe, "_can_use_grouped_mm"):
             stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
-        stack.enter_context(divert(F, "scaled_dot_product_attention", _fused_sdpa))
+        stack.enter_context(divert(F, "scaled_dot_product_attention", functools.partial(_fused_sdpa, cp=cp)))
         yield
 
 
@@ -170,11 +259,14 @@ def record_step(
     compute_dtype: torch.dtype | None,
     activation_checkpointing: str | int | None,
     truncate: bool = True,
+    cp: int = 1,
 ) -> Recording:
     """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
 
     ``unit_names`` lists each FSDP unit's module names, children first (as `estimate_plan` orders
-    them); events name units by their index in that list.
+    them); events name units by their index in that list. ``seq`` is the tokens a rank holds;
+    with ``cp > 1`` they are one of ``cp`` context-parallel ranks' share of a ``seq * cp``-token
+    sequence, and attention runs as `fsdp2kit.apply_context_parallel`'s all-to-all style does.
     """
     from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 
@@ -306,7 +398,7 @@ def record_step(
     events.append(("ops", live.live, live.live))
     run["level"] = run["high"] = live.live
     try:
-        with _as_a_real_step(), live:
+        with _as_a_real_step(cp), live:
             # The batch is counted too: a real loop holds it for the whole step.
             ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
             labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")

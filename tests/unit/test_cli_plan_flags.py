@@ -23,6 +23,7 @@ FLAGS = {
     "--shard": (["4"], CHANGES, CHANGES),
     "--replicate": (["2"], CHANGES, CHANGES),
     "--tp": (["2"], CHANGES, CHANGES),
+    "--cp": (["2"], CHANGES, CHANGES),
     "--strategy": (["SHARD_GRAD_OP"], CHANGES, CHANGES),
     "--mixed-precision": (["bf16"], CHANGES, CHANGES),
     "--cpu-offload": ([], CHANGES, CHANGES),
@@ -44,6 +45,7 @@ COMBINATIONS = [
     ({"--lora": ["8"], "model": ["bench-256x4"]}, "--qlora", [], CHANGES),  # demo's weights split into no NF4 groups
     ({"--lora": ["8"]}, "--tp", ["2"], "lora=8 with tp=2"),
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
+    ({}, "--cp", ["8"], "context parallelism: 8 must divide the number of attention heads (4)"),  # demo: 4 heads
 ]
 
 # Step time (--gpu): its flags need a step's plan, and the three beside --gpu need it.

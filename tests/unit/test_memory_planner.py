@@ -80,6 +80,11 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
         (dict(qlora=True), "qlora=True needs a LoRA rank"),
         (dict(lora=4, tp=2), "lora=4 with tp=2"),
         (dict(device="tpu"), "device='tpu'"),
+        (dict(cp=0), "cp=0"),
+        # the library's words (fsdp2kit.apply_context_parallel): meta_llama has 4 heads, 2 KV heads
+        (dict(cp=4), "context parallelism: 4 must divide the number of attention heads (4) and KV heads (2)"),
+        (dict(cp=3, seq=12), "context parallelism: 3 must divide the number of attention heads (4)"),
+        (dict(cp=2, seq=10), "context parallelism: seq=10 does not divide into 2 x cp = 4 equal chunks"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
@@ -264,3 +269,78 @@ def test_lora_qlora_and_tp_plans_change_the_model_they_trace():
     # The blocks' and embeddings' weights split in two (norms stay whole); the logits stay whole.
     assert 0.49 < tp.parts["params"] / dp.parts["params"] < 0.52
     assert tp.logits_and_loss == dp.logits_and_loss
+
+
+@pytest.mark.timeout(120)
+def test_context_parallel_splits_the_sequence_not_the_attention():
+    """cp=C traces seq/C tokens a rank; parameters and their state are sharded over shard x cp ranks."""
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    seq, batch = 512, 2
+    plans = {cp: fk.plan_memory(model, shard=2, cp=cp, batch=batch, seq=seq, device="cpu") for cp in (1, 2, 4)}
+    for cp in (2, 4):
+        p = plans[cp]
+        # The sharded state is that of a shard x cp group; the logits are seq/cp tokens' (the loss's
+        # 8-byte scalar and the like do not split).
+        alone = fk.plan_memory(model, shard=2 * cp, batch=batch, seq=seq // cp, device="cpu")
+        assert (p.param_bytes, p.grad_bytes, p.optimizer_bytes) == (
+            alone.param_bytes,
+            alone.grad_bytes,
+            alone.optimizer_bytes,
+        )
+        assert p.logits_and_loss == alone.logits_and_loss
+        assert abs(plans[1].logits_and_loss / p.logits_and_loss - cp) < 1e-3
+        # Saved activations are the seq/cp step's plus, in each block, the attention output twice:
+        # head-sharded over the whole sequence (what flash attention keeps for backward) and back in
+        # this rank's tokens (o_proj's input), which without cp share one storage.
+        output = batch * (seq // cp) * config.hidden_size * 4  # fp32
+        assert p.saved_activations == alone.saved_activations + config.num_hidden_layers * output
+        assert 0.9 * cp < plans[1].saved_activations / p.saved_activations < cp
+        assert p.peak_bytes < plans[1].peak_bytes / (0.9 * cp)
+        assert "shard=2 x cp=" in str(p) and f"context parallelism cp={cp}" in str(p)
+    # Full checkpointing keeps only the blocks' inputs: exactly the seq/cp step's.
+    full = fk.plan_memory(model, shard=2, cp=2, batch=batch, seq=seq, activation_checkpointing="full", device="cpu")
+    alone = fk.plan_memory(model, shard=4, batch=batch, seq=seq // 2, activation_checkpointing="full", device="cpu")
+    assert full.saved_activations == alone.saved_activations
+    # The all-to-all buffers are temporaries the seq/cp step does not have.
+    assert full.peak_bytes > alone.peak_bytes
+
+
+@pytest.mark.timeout(120)
+def test_search_splits_a_long_sequence_and_cli_takes_cp(capsys):
+    model = meta_llama(layers=3, vocab=2048)
+    long = Settings(shard=4, batch=1, seq=2048, device="cpu")
+    plan = plan_settings(model, long, cache={})
+    assert plan.saved_activations + plan.logits_and_loss > plan.param_bytes + plan.grad_bytes + plan.optimizer_bytes
+    budget = int(plan.peak_bytes * 0.7)
+    changes = cheapest_changes(model, long, budget)
+    labels = [c["change"] for c in changes]
+    label = "--cp 2 --shard 2, 2x gradient accumulation (recipe: --parallel.cp 2)"
+    assert label in labels, labels
+    # The same GPUs (shard x cp = 4), and the peak the API gives for that change.
+    cp2 = fk.plan_memory(model, shard=2, cp=2, batch=1, seq=2048, device="cpu")
+    assert cp2.peak_bytes == changes[labels.index(label)]["peak_bytes"] <= budget
+    # cp 4 would split 2 KV heads: the library refuses it, so the search does not offer it.
+    assert not any(label.startswith("--cp 4 ") for label in labels)
+    # A short sequence (the state outweighs the activations): splitting it is not offered.
+    short = Settings(shard=4, batch=1, seq=8, device="cpu")
+    short_plan = plan_settings(model, short, cache={})
+    changes = cheapest_changes(model, short, int(short_plan.peak_bytes * 0.9))
+    assert changes and not any(c["change"].startswith("--cp ") for c in changes)
+
+    code, out, _ = _cli(capsys, "demo", "--shard", "2", "--cp", "2", "--batch", "1", "--seq", "64", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["config"]["cp"] == 2 and data["config"]["shard"] == 2
+    api = fk.plan_memory(fk.models.build_causal_lm("demo", meta=True, max_seq_len=64), shard=2, cp=2, batch=1, seq=64)
+    assert data["peak_bytes"] == api.peak_bytes
+    code, _, err = _cli(capsys, "demo", "--shard", "2", "--cp", "3", "--batch", "1", "--seq", "66")
+    assert code == 1 and "context parallelism: 3 must divide the number of attention heads (4)" in err

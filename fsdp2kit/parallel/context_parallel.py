@@ -1,0 +1,221 @@
+"""apply_context_parallel: attention over a sequence split across the cp ranks (Ulysses all-to-all).
+
+The way in is transformers' attention-function registry: every supported causal LM looks its
+attention kernel up by ``config._attn_implementation`` at each forward. We register one uniquely
+named function per model (removed when the model is garbage-collected) and set that name on this
+model's config only: no other model, and no transformers or torch function, changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp2kit._internal.markers import CONTEXT_PARALLEL, TENSOR_PARALLEL
+from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh, document_mask
+from fsdp2kit.wrappers.forward import check_unsharded
+
+__all__ = ["STYLES", "apply_context_parallel"]
+
+STYLES = ("all_to_all", "ring")
+KERNELS = ("sdpa", "eager")  # the inner kernels run on each rank's heads over the whole sequence
+_names = itertools.count()
+
+
+def _all_to_all(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:
+    """Dim 0 of ``x`` (size cp) scattered to the cp ranks, theirs gathered in rank order; autograd's backward
+    is the same exchange of the gradients (funcol's all_to_all_single carries its own backward)."""
+    out = funcol.all_to_all_single(x.contiguous(), None, None, group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def _seq_to_heads(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
+    """(batch, heads, local seq, dim) -> (batch, heads / cp, cp * local seq, dim): the rank's heads over the
+    whole sequence, in the ranks' layout order (rank 0's tokens first)."""
+    b, h, s, d = x.shape
+    x = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # (cp, b, h/cp, s, d): slot j goes to rank j
+    x = _all_to_all(x, group)  # slot j now holds rank j's tokens of this rank's heads
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
+    """(batch, cp * local seq, heads / cp, dim) -> (batch, local seq, heads, dim): the inverse exchange."""
+    b, n, h, d = x.shape
+    s = n // cp
+    x = x.reshape(b, cp, s, h, d).transpose(0, 1)  # (cp, b, s, h, d): slot j holds rank j's tokens
+    x = _all_to_all(x, group)  # slot j now holds rank j's heads of this rank's tokens
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s, cp * h, d)
+
+
+def _reorder(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with its ``dim`` cut into ``len(index)`` chunks, reordered by ``index``."""
+    chunks = x.unflatten(dim, (index.numel(), x.shape[dim] // index.numel()))
+    return chunks.index_select(dim, index).flatten(dim, dim + 1)
+
+
+def _inner_kernel(name: str, module: nn.Module) -> Callable:
+    if name == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    # transformers' eager attention is defined per model file (the model's own, with its extras)
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"context parallelism: {type(module).__name__}'s module has no eager_attention_forward")
+    return fn
+
+
+class _Positions:
+    """The whole sequence's positions and its document mask, built once per forward (the layers share the
+    same position_ids tensor, and activation checkpointing's recompute passes it again)."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.value = None
+
+    def get(self, position_ids: torch.Tensor, build: Callable):
+        if torch.compiler.is_compiling():
+            return build()
+        key = (weakref.ref(position_ids), position_ids._version)
+        if self.key is None or self.key[0]() is not position_ids or self.key[1] != key[1]:
+            self.key, self.value = key, build()
+        return self.value
+
+
+def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
+    order = chunk_order(cp)
+    natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
+    layout = torch.tensor(order)
+    cache = _Positions()
+
+    def gathered(position_ids: torch.Tensor, batch: int, causal: bool, dtype: torch.dtype):
+        pos = position_ids.expand(batch, -1).contiguous()
+        every = funcol.all_gather_single(pos, 0, group)  # (cp * batch, local seq), rank order
+        every = funcol.wait_tensor(every) if isinstance(every, funcol.AsyncCollectiveTensor) else every
+        every = every.view(cp, batch, -1).transpose(0, 1).reshape(batch, -1)  # layout order
+        mask = document_mask(_reorder(every, natural.to(every.device), dim=1), causal=causal)
+        if kernel == "eager" and mask is None:
+            n = every.shape[1]
+            mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril()[None, None]
+        if kernel == "eager":  # eager adds its mask to the scores
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        return mask
+
+    def attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):
+        if attention_mask is not None:
+            raise ValueError(
+                "context parallelism got an attention mask: padding masks are not supported; keep documents apart "
+                "with position_ids (see fsdp2kit.split_for_context_parallel)"
+            )
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError("context parallelism does not support sliding-window attention layers")
+        if position_ids is None:
+            raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
+        causal = getattr(module, "is_causal", True)
+        mask = cache.get(position_ids, lambda: gathered(position_ids, query.shape[0], causal, query.dtype))
+        nat, lay = natural.to(query.device), layout.to(query.device)
+        q = _reorder(_seq_to_heads(query, cp, group), nat, dim=2)
+        # k and v travel in one exchange (two all-to-alls in, one out), each KV head's k and v side by side
+        # so that every rank receives the k and the v of the same heads
+        b, kv_heads, s, d = key.shape
+        kv = torch.stack([key, value], dim=2).reshape(b, 2 * kv_heads, s, d)
+        kv = _reorder(_seq_to_heads(kv, cp, group), nat, dim=2).unflatten(1, (kv_heads // cp, 2))
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        kwargs.pop("is_causal", None)
+        out, _ = _inner_kernel(kernel, module)(module, q, k, v, mask, is_causal=causal, **kwargs)
+        out = _reorder(out, lay, dim=1)  # (batch, seq, heads / cp, dim) back in the layout order
+        return _heads_to_seq(out, cp, group), None
+
+    return attention
+
+
+def _heads(model: nn.Module) -> tuple[int, int]:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        raise ValueError(
+            f"apply_context_parallel works on transformers models (their attention-function registry); "
+            f"{type(model).__name__} has no transformers config"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        raise ValueError(f"apply_context_parallel: {type(model).__name__}'s config has no num_attention_heads")
+    return heads, kv
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "all_to_all") -> nn.Module:
+    """Make ``model``'s attention run on a sequence split over ``mesh["cp"]``; before `shard_model`.
+
+    Every rank of a cp group holds a part of each sequence (`split_for_context_parallel` cuts the
+    batch); everything but attention is per token and needs nothing more. Attention needs every
+    token, and gets it by style:
+
+    - ``"all_to_all"`` (DeepSpeed-Ulysses): each layer exchanges the sequence-split q, k, v for
+      head-split ones over the whole sequence (two all-to-alls: q, then k and v together), runs the
+      model's own kernel (``sdpa`` or ``eager``, whichever the config had) on its ``heads / cp``
+      heads, and exchanges the output back (a third); backward repeats the three. So it runs
+      wherever the kernel runs, CPU/gloo included. Heads and KV heads (GQA) must divide by cp
+      (with tensor parallelism: each TP rank's heads), else ``ValueError`` before any collective.
+      Packed documents stay apart: the positions are gathered over cp once per forward and the
+      kernel gets a causal mask within each document (a per-sequence boolean mask of seq x seq;
+      one document per row needs none, the kernel's causal flag does it).
+    - ``"ring"``: refused, with the reason. torch's ``context_parallel`` does not run on CPU
+      (its CPU flash op has no sharding strategy), and on CUDA it swaps SDPA through a dispatch
+      mode around the whole step and masks causally only, so packed documents would attend to
+      each other: use ``"all_to_all"``.
+
+    It works on transformers causal LMs (Llama, Qwen2, Qwen3, ...) without per-model code:
+    the function is registered in transformers' ``AttentionInterface`` under a name of its own,
+    set on this model's config only, and removed when the model is garbage-collected. Returns
+    ``model``.
+    """
+    if style not in STYLES:
+        raise ValueError(f"apply_context_parallel: style must be one of {STYLES}, got {style!r}")
+    group = cp_mesh(mesh, "apply_context_parallel")
+    if group is None:
+        raise ValueError(
+            f"apply_context_parallel needs a mesh with a 'cp' dimension, got {mesh.mesh_dim_names}; make it with "
+            "fsdp2kit.make_mesh(shard=..., cp=...)"
+        )
+    if style == "ring":
+        where = "CPU" if group.device_type == "cpu" else "CUDA through fsdp2kit yet"
+        raise ValueError(
+            f"apply_context_parallel: style='ring' does not run on {where}. torch's context_parallel has no CPU "
+            "sharding for its flash-attention op, and on CUDA it replaces SDPA for the whole step with a causal-only "
+            "mask (packed documents would leak into each other); use style='all_to_all'"
+        )
+    check_unsharded(model, "apply_context_parallel")
+    if getattr(model, CONTEXT_PARALLEL, None) is not None:
+        raise ValueError("apply_context_parallel was already applied to this model; apply it once")
+    cp = group.size()
+    heads, kv = _heads(model)
+    tp = (getattr(model, TENSOR_PARALLEL, None) or {}).get("tp", 1)
+    local_heads, local_kv = heads // tp, kv // tp
+    if local_heads % cp or local_kv % cp:
+        per = f" per TP rank (tp={tp})" if tp > 1 else ""
+        raise ValueError(
+            f"all-to-all context parallelism over cp={cp} ranks splits the attention heads: {local_heads} heads and "
+            f"{local_kv} KV heads{per} must both divide by {cp}; choose a cp that divides them"
+        )
+    kernel = model.config._attn_implementation or "eager"
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"apply_context_parallel runs the attention kernel on the whole sequence per head group; it supports "
+            f"attn_implementation {KERNELS}, and {type(model).__name__} has {kernel!r}"
+        )
+    from transformers import AttentionInterface
+
+    name = f"fsdp2kit_cp{next(_names)}_{kernel}"
+    AttentionInterface.register(name, _ulysses(group, cp, kernel))
+    weakref.finalize(model, AttentionInterface._global_mapping.pop, name, None)
+    model.config._attn_implementation = name
+    setattr(model, CONTEXT_PARALLEL, {"cp": cp, "style": style, "kernel": kernel, "attn_implementation": name})
+    return model

@@ -1,0 +1,116 @@
+"""How a sequence is laid out over the context-parallel ranks, and splitting a batch that way.
+
+One layout for every style: the sequence is cut into ``2 * cp`` equal chunks and cp rank ``r``
+holds chunks ``r`` and ``2 * cp - 1 - r`` (a head and a tail). Under a causal mask the early
+tokens attend to little and the late ones to much, so each rank gets an equal share of the
+attention work (torch's ring attention balances the same way). Ulysses (all-to-all) attention
+does not need the balance, but uses the same layout, so the inputs never depend on the style.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["chunk_order", "cp_mesh", "document_mask", "split_for_context_parallel"]
+
+
+def chunk_order(cp: int) -> list[int]:
+    """The sequence's ``2 * cp`` chunks in the order the cp ranks hold them, rank 0's two first."""
+    return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def cp_mesh(mesh: DeviceMesh, what: str) -> DeviceMesh | None:
+    """The 1-D ``"cp"`` sub-mesh of ``mesh`` (None when it has no cp dimension)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        return None
+    return mesh if len(names) == 1 else mesh["cp"]
+
+
+def _split(t: torch.Tensor, cp: int, rank: int, seq_dim: int, name: str) -> torch.Tensor:
+    length = t.shape[seq_dim]
+    if length % (2 * cp):
+        raise ValueError(
+            f"split_for_context_parallel: {name} has {length} positions along dim {seq_dim}, which does not divide "
+            f"into 2 x cp = {2 * cp} equal chunks; pad the sequence to a multiple of {2 * cp} (e.g. seq_len "
+            f"{-(-length // (2 * cp)) * 2 * cp})"
+        )
+    chunks = t.unflatten(seq_dim, (2 * cp, length // (2 * cp)))
+    index = torch.tensor([rank, 2 * cp - 1 - rank], device=t.device)
+    return chunks.index_select(seq_dim, index).flatten(seq_dim, seq_dim + 1).contiguous()
+
+
+def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
+    """This cp rank's part of a batch: each tensor cut along ``seq_dim`` into ``2 * cp`` chunks, of which
+    the rank keeps chunk ``r`` and chunk ``2 * cp - 1 - r`` (causal load balance, see the module doc).
+
+    Call it on every rank with the whole sequences (the ranks of one cp group read the same
+    batch) after `fsdp2kit.apply_context_parallel`. ``batch`` is a tensor, a tuple/list of tensors
+    or a mapping of names to tensors; the same kind comes back.
+
+    - ``position_ids`` are what keeps packed documents apart: a document starts where the
+      positions do not continue by one (they restart at 0, as packed rows have them), and the
+      attention masks every token to its own document, on every rank. Pass them to the model
+      (``model(input_ids=..., position_ids=...)``); a mapping without ``"position_ids"`` gets them
+      added (0, 1, 2, ... along the sequence: one document per row) before the split. An
+      ``attention_mask`` (padding) is not supported under context parallelism: pack, or pad with
+      continuing positions and ignored labels.
+    - Labels must be shifted *before* the split (label ``i`` is the target of token ``i``, as the
+      recipe's rows hold them), so that no target is lost at a chunk boundary; compute the loss
+      from the logits yourself: a model's own ``labels=`` argument shifts within each rank's chunks.
+    - The loss that equals one process on the whole sequence is the sum of every rank's loss sum
+      over the global count of target tokens (see the docs' "Long sequences").
+
+    A mesh without a ``"cp"`` dimension returns the batch unchanged, so the same loop runs at cp 1.
+    The sequence length must divide by ``2 * cp``, else ``ValueError``.
+    """
+    sub = cp_mesh(mesh, "split_for_context_parallel")
+    if sub is None:
+        return batch
+    cp, rank = sub.size(), sub.get_local_rank()
+
+    def one(t, name: str):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"split_for_context_parallel: {name} must be a tensor, got {type(t).__name__}")
+        return _split(t, cp, rank, seq_dim, name)
+
+    if isinstance(batch, torch.Tensor):
+        return one(batch, "the tensor")
+    if isinstance(batch, Mapping):
+        items = dict(batch)
+        if "attention_mask" in items:
+            raise ValueError(
+                "split_for_context_parallel: an attention_mask (padding) is not supported under context parallelism; "
+                "keep documents apart with position_ids that restart at 0 (packing) and ignore padding in the labels"
+            )
+        if "position_ids" not in items and "input_ids" in items:
+            ids = items["input_ids"]
+            shape = [1] * ids.ndim
+            shape[seq_dim] = ids.shape[seq_dim]
+            items["position_ids"] = torch.arange(ids.shape[seq_dim], device=ids.device).view(shape).expand_as(ids)
+        return {k: one(v, repr(k)) for k, v in items.items()}
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return type(batch)(one(t, f"item {i}") for i, t in enumerate(batch))
+    raise TypeError(f"split_for_context_parallel: batch must be a tensor, a sequence or a mapping of tensors, "
+                    f"got {type(batch).__name__}")  # fmt: skip
+
+
+def document_mask(positions: torch.Tensor, causal: bool = True) -> torch.Tensor | None:
+    """(batch, 1, seq, seq) bool, True where query token i may attend to key token j: j in i's document
+    (a document starts where ``positions`` (batch, seq) do not continue by one) and, if ``causal``, j <= i.
+    None when every row is one document and ``causal``: the kernel's own causal flag does it, cheaper."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    if causal and not bool(starts[:, 1:].any()):
+        return None
+    doc = starts.cumsum(dim=1)
+    mask = doc[:, :, None] == doc[:, None, :]
+    if causal:
+        n = positions.shape[1]
+        mask &= torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
+    return mask[:, None]

@@ -1,0 +1,220 @@
+"""Context parallelism (under FSDP / HSDP) inside `run_world` ranks: parity with one process on the whole sequence.
+
+The reference is the unsharded model trained in one process on every data-parallel group's
+whole sequences, with the token-mean loss over the global batch; the ranks of one cp group read
+their group's sequences and each keeps its head and tail chunks (`split_for_context_parallel`).
+Rows are packed: several documents each, positions restarting at 0, the target after a
+document's last token ignored, so any attention across documents (on any rank) shows.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import tiny_llama
+from tp_cases import tiny_qwen3
+
+import fsdp2kit as fk
+
+VOCAB, SEQ, BATCH, IGNORE = 96, 16, 2, -100
+
+
+@dataclass(frozen=True)
+class CPCase:
+    model: str = "llama"
+    kernel: str = "sdpa"
+    shard: int = 1
+    replicate: int = 1
+    cp: int = 2
+    packed: bool = True
+    ac: str | None = None
+    compile: str | None = None  # a torch.compile backend for compile_blocks
+    steps: int = 3
+
+    @property
+    def label(self) -> str:
+        mesh = (f"replicate {self.replicate} x " if self.replicate > 1 else "") + f"shard {self.shard} x cp {self.cp}"
+        parts = [self.model, self.kernel, mesh, "packed" if self.packed else "one doc per row"]
+        if self.ac:
+            parts.append(f"ac {self.ac}")
+        if self.compile:
+            parts.append(f"compile {self.compile}")
+        return ", ".join(parts)
+
+
+def _qwen3_mha():
+    """Qwen3 with 4 KV heads: cp 4 splits its KV heads too."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sizes = {"hidden_size": 40, "intermediate_size": 56, "num_hidden_layers": 2, "head_dim": 10}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 4}
+    cfg = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=64, **heads, **sizes)
+    return Qwen3ForCausalLM(cfg)
+
+
+def build(kind: str, kernel: str, seed: int = 0):
+    torch.manual_seed(seed)
+    makers = {"llama": tiny_llama, "qwen3": lambda: tiny_qwen3(layers=2), "qwen3-mha": _qwen3_mha}
+    if kind not in makers:
+        raise ValueError(kind)
+    model = makers[kind]()
+    model.config._attn_implementation = kernel
+    return model
+
+
+def packed_rows(rows: int, gen: torch.Generator, packed: bool) -> dict[str, torch.Tensor]:
+    """Rows of SEQ tokens; labels already shifted (label i is the target of token i), as the recipe's rows."""
+    ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    labels = ids[:, 1:].clone()
+    positions = torch.empty(rows, SEQ, dtype=torch.long)
+    for r in range(rows):
+        cuts = sorted(torch.randperm(SEQ - 2, generator=gen)[:2].add(1).tolist()) if packed else []
+        start = 0
+        for end in [*cuts, SEQ]:
+            positions[r, start:end] = torch.arange(end - start)
+            labels[r, end - 1] = IGNORE if end < SEQ else labels[r, end - 1]  # no target across documents
+            start = end
+    labels[torch.rand(labels.shape, generator=gen) < 0.2] = IGNORE  # prompt-like tokens without a target
+    return {"input_ids": ids[:, :-1], "labels": labels, "position_ids": positions}
+
+
+def loss_sum(model, batch) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    labels = batch["labels"].flatten()
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE, reduction="sum")
+
+
+def run_parity(case: CPCase) -> dict:
+    mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp)
+    ref = build(case.model, case.kernel)
+    model = copy.deepcopy(ref)
+    fk.apply_context_parallel(model, mesh)
+    if case.ac:
+        fk.apply_activation_checkpointing(model, mode=case.ac)
+    if case.compile:
+        fk.compile_blocks(model, backend=case.compile)
+    fk.shard_model(model, mesh)
+    # The parity tests' AdamW (tp_cases): an eps above fp32 noise, so a near-zero gradient's rounding
+    # is not normalised up to a full step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
+    groups = dist.get_world_size() // case.cp
+    group = dist.get_rank() // case.cp  # the cp ranks are innermost: one data-parallel group per cp group
+    gen = torch.Generator().manual_seed(1234)
+    losses, ref_losses = [], []
+    for _ in range(case.steps):
+        rows = packed_rows(groups * BATCH, gen, case.packed)
+        mine = fk.split_for_context_parallel({k: v[group * BATCH : (group + 1) * BATCH] for k, v in rows.items()}, mesh)
+        count = torch.tensor(float((mine["labels"] != IGNORE).sum()))
+        dist.all_reduce(count)  # every rank's targets: the global count
+        s = loss_sum(model, mine)
+        # FSDP averages gradients over the replicate x shard x cp ranks: scale the sum back up to a sum.
+        (s * dist.get_world_size() / count).backward()
+        total = s.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / count).item())
+        ref_loss = loss_sum(ref, rows) / (rows["labels"] != IGNORE).sum()
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, p in model.named_parameters():
+        full = p.full_tensor().detach()
+        r = ref_params[name].detach()
+        rel = ((full - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+        if rel > worst:
+            worst, worst_name = rel, name
+    return {
+        "label": case.label,
+        "worst_rel": worst,
+        "worst_param": worst_name,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "meshes": sorted({p.device_mesh.mesh_dim_names for p in model.parameters()}),
+        "attn": model.config._attn_implementation,
+    }
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
+def run_errors() -> dict:
+    """The clear errors, raised before any collective (a collective on one rank only would hang the others)."""
+    out = {}
+    # meshes are made on every rank (their sub-groups are collectives)
+    mesh4, flat4, mesh22 = fk.make_mesh(shard=1, cp=4), fk.make_mesh(shard=4), fk.make_mesh(shard=2, cp=2)
+    # tiny Llama: 4 heads, 2 KV heads; cp 4 cannot split the KV heads. Raised on rank 0 only: no collective ran.
+    if dist.get_rank() == 0:
+        out["heads"] = _error(lambda: fk.apply_context_parallel(build("llama", "sdpa"), mesh4))
+        out["ring"] = _error(lambda: fk.apply_context_parallel(build("llama", "sdpa"), mesh4, style="ring"))
+        out["no_cp"] = _error(lambda: fk.apply_context_parallel(build("llama", "sdpa"), flat4))
+        out["odd_seq"] = _error(lambda: fk.split_for_context_parallel(torch.zeros(1, 12), mesh4))
+        flex = build("llama", "sdpa")
+        flex.config._attn_implementation = "flex_attention"
+        out["kernel"] = _error(lambda: fk.apply_context_parallel(flex, mesh22))
+    dist.barrier()
+    return out
+
+
+def run_registry() -> dict:
+    """The registered attention function is this model's alone and goes with it."""
+    import gc
+
+    from transformers import AttentionInterface
+
+    model = build("qwen3", "sdpa")
+    other = build("qwen3", "sdpa")
+    fk.apply_context_parallel(model, fk.make_mesh(shard=2, cp=2))
+    name = model.config._attn_implementation
+    out = {"registered": name in AttentionInterface._global_mapping, "other": other.config._attn_implementation}
+    del model
+    gc.collect()
+    out["after_gc"] = name in AttentionInterface._global_mapping
+    return out
+
+
+def run_checkpoint(work: str) -> dict:
+    """A checkpoint saved at FSDP 2 x cp 2 loads at cp 1 (FSDP 4), parameters and optimizer state alike."""
+    mesh = fk.make_mesh(shard=2, cp=2)
+    model = build("llama", "sdpa")
+    fk.apply_context_parallel(model, mesh)
+    fk.shard_model(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows = packed_rows(BATCH, torch.Generator().manual_seed(5), True)
+    loss_sum(model, fk.split_for_context_parallel(rows, mesh)).backward()
+    opt.step()
+    ck = fk.Checkpointer(f"{work}/ckpt")
+    ck.save(1, model, optimizer=opt)
+    saved = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    saved_avg = {n: opt.state[p]["exp_avg"].full_tensor().clone() for n, p in model.named_parameters()}
+
+    flat = fk.make_mesh(shard=4)
+    plain = build("llama", "sdpa", seed=1)
+    fk.shard_model(plain, flat)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    step = fk.Checkpointer(f"{work}/ckpt").load(plain, optimizer=plain_opt)
+    params = all(torch.equal(p.full_tensor(), saved[n]) for n, p in plain.named_parameters())
+    named = list(plain.named_parameters())
+    state = all(torch.equal(plain_opt.state[p]["exp_avg"].full_tensor(), saved_avg[n]) for n, p in named)
+    return {"step": step, "params": params, "state": state}
+
+
+def run_world4(cases: list[CPCase], work: str) -> dict:
+    return {
+        "parity": [run_parity(c) for c in cases],
+        "errors": run_errors(),
+        "registry": run_registry(),
+        "checkpoint": run_checkpoint(work),
+    }

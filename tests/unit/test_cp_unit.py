@@ -1,0 +1,59 @@
+"""Context parallelism without a process group: the sequence layout, document masks, the FSDP view of a cp mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp2kit.dist import fsdp_mesh_shape
+from fsdp2kit.parallel.cp_inputs import _split, chunk_order, document_mask
+
+
+def test_chunk_order_pairs_head_and_tail() -> None:
+    assert chunk_order(1) == [0, 1]
+    assert chunk_order(2) == [0, 3, 1, 2]
+    assert chunk_order(4) == [0, 7, 1, 6, 2, 5, 3, 4]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_split_is_load_balanced_and_covers_the_sequence(cp: int) -> None:
+    seq = torch.arange(8 * cp).view(1, -1)
+    parts = [_split(seq, cp, r, 1, "ids") for r in range(cp)]
+    # every token exactly once, in the layout order
+    assert torch.equal(torch.cat(parts, dim=1).sort().values, seq)
+    n = seq.shape[1] // (2 * cp)
+    for r, part in enumerate(parts):
+        assert part[0, :n].tolist() == list(range(r * n, (r + 1) * n))
+        tail = 2 * cp - 1 - r
+        assert part[0, n:].tolist() == list(range(tail * n, (tail + 1) * n))
+    # causal work (keys each token attends to) is equal on every rank
+    work = [int((p + 1).sum()) for p in parts]
+    assert len(set(work)) == 1, work
+
+
+def test_split_refuses_a_sequence_that_does_not_divide() -> None:
+    with pytest.raises(ValueError, match="does not divide into 2 x cp = 4 equal chunks.*seq_len 8"):
+        _split(torch.zeros(2, 6), 2, 0, 1, "ids")
+
+
+def test_document_mask_keeps_packed_documents_apart() -> None:
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    mask = document_mask(pos)[0, 0]
+    doc = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    for i in range(8):
+        for j in range(8):
+            assert bool(mask[i, j]) == (doc[i] == doc[j] and j <= i), (i, j)
+
+
+def test_document_mask_none_for_one_document_per_row() -> None:
+    # one document per row (positions may start past 0: a continued document): the causal flag suffices
+    assert document_mask(torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]])) is None
+    # not causal: the document mask is still built
+    assert document_mask(torch.tensor([[0, 1, 2, 3]]), causal=False).all()
+
+
+def test_fsdp_view_folds_cp_into_shard() -> None:
+    assert fsdp_mesh_shape((2, 2), ("shard", "cp")) == ((4,), ("shard_cp",))
+    names = ("replicate", "shard", "cp", "tp")
+    assert fsdp_mesh_shape((2, 1, 2, 2), names) == ((2, 2, 2), ("replicate", "shard_cp", "tp"))
+    assert fsdp_mesh_shape((2, 4), ("replicate", "shard")) == ((2, 4), ("replicate", "shard"))
