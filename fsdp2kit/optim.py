@@ -14,12 +14,17 @@ name               state per parameter                         needs
 ``adamw_bf16sr``   2 x 2 B (bf16)                              bf16 parameters: ``mixed_precision="pure_bf16"``
 =================  ==========================================  ===============================================
 
-torchao's low-bit states are block-wise quantized over each rank's *local shard*, and only for
-shards of at least 4096 elements whose size is a multiple of the block (256; 128 for 4-bit):
-smaller ones keep a full-precision state (bitsandbytes' rule). Whether a shard qualifies depends
-on the mesh, so `make_optimizer` warns, naming them, when a parameter that would be quantized
-unsharded is not on this rank. Where shard boundaries fall on block boundaries the blocks are
-those of the unsharded tensor, and a sharded run quantizes exactly as a single process does.
+The low-bit states do not depend on the mesh (pytorch/ao#4912). torchao quantizes each rank's
+*local shard* in blocks of 256 (4-bit: 128) consecutive elements, and keeps full precision for a
+shard under 4096 elements or not a multiple of the block: at world 3 a 128 x 128 weight's 43-row
+shards (5504 elements) kept fp32 state while world 2's 64-row shards were quantized, and where a
+shard started mid-block its blocks (and so its scales) were other than the unsharded tensor's.
+`make_optimizer`'s classes decide from the parameter's *global* shape instead (`block_for`): a
+tensor of 2+ dims and at least 4096 elements is quantized, in blocks that divide its row (the
+class's block where the row is a multiple of it, else the row's largest even divisor below it, at
+least 1/8 of it); 1-D tensors (biases, norms) keep full precision. FSDP2 shards whole rows, so every
+block of every shard is a block of the whole tensor, at any world size and on HSDP meshes: a
+sharded state equals the single-process state up to the gradients' fp32 rounding.
 
 With bf16 parameters (``pure_bf16``) every torchao choice rounds the update stochastically
 (``bf16_stochastic_round=True``) unless told otherwise: a round-to-nearest bf16 update smaller
@@ -30,20 +35,24 @@ exactly.
 
 from __future__ import annotations
 
-import warnings
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "state_bytes"]
+__all__ = ["OPTIMIZERS", "block_for", "make_optimizer", "state_bytes"]
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adamw_bf16sr")
 
 # torchao/optim/adam.py: each class's default block size, and the smallest tensor it quantizes.
 _BLOCK = {"adamw8bit": 256, "adamw4bit": 128, "adamw_fp8": 256}
 _MIN_QUANTIZED = 4096
+# A block a row's divisor smaller than this fraction of the class's block is refused (full-precision
+# state): each block carries a 4-byte scale, 1/8 of 256 is 32 elements, 0.125 B an element.
+_MIN_BLOCK_FRACTION = 8
 
 
 def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
@@ -52,9 +61,55 @@ def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
 
     base = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit, "adamw_fp8": AdamWFp8, "adamw_bf16sr": _AdamW}[name]
     if base not in _UNCACHED:
+        mixins = (_NoAutogradCache,) if base is _AdamW else (_NoAutogradCache, _RowBlocks)
         # Same class name as torchao's: checkpoints and logs name the optimizer the user chose.
-        _UNCACHED[base] = type(base.__name__, (_NoAutogradCache, base), {"__module__": __name__, "_base": base})
+        _UNCACHED[base] = type(base.__name__, (*mixins, base), {"__module__": __name__, "_base": base})
     return _UNCACHED[base]
+
+
+def block_for(shape: Sequence[int], block: int) -> int | None:
+    """The block a quantized state of a parameter of global ``shape`` uses, or None (full precision).
+
+    Decided on the global shape, so every mesh decides alike. Blocks divide the row (the elements
+    of one index of dim 0), so FSDP2's row shards split no block: 2+ dims, at least 4096 elements,
+    and the class's ``block`` if it divides the row, else the row's largest even divisor below it,
+    if that is at least ``block / 8`` (each block costs a 4-byte scale).
+    """
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel < _MIN_QUANTIZED:
+        return None
+    row = numel // shape[0]
+    b = next((d for d in range(min(block, row), 0, -1) if row % d == 0 and d % 2 == 0), None)
+    return b if b is not None and b * _MIN_BLOCK_FRACTION >= block else None
+
+
+class _RowBlocks:
+    """torchao's low-bit AdamW with the quantize decision and block taken from the global shape.
+
+    Replaces ``_AdamBase._new_buffer`` (torchao 0.18), which decides on the local shard; see the
+    module docstring and `block_for`. The state's own classes read the block back from their
+    codes and scales, so a per-parameter block needs nothing else.
+    """
+
+    block_size: int
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        local = _local(p)
+        block = block_for(p.shape, self.block_size)
+        placements = p.placements if isinstance(p, DTensor) else ()
+        if block is not None and any(isinstance(pl, Shard) and pl.dim != 0 for pl in placements):
+            # a tensor-parallel shard of dim 1+: blocks must divide its local rows too (not mesh-independent)
+            local_row = local.numel() // max(local.shape[0], 1) if local.dim() else 0
+            block = block if local_row % block == 0 else None
+        if block is None or local.numel() == 0:  # an empty shard (fewer rows than ranks) has no block
+            out = torch.zeros_like(local)
+        else:
+            out = self._subclass_zeros(local, signed, block)
+        if isinstance(p, DTensor):  # as torchao does: shards may differ in shape, so give the global one
+            out = DTensor.from_local(
+                out, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        return out.to(p.device)  # from_local moves to the mesh's device; a CPU-offloaded p stays on the host
 
 
 class _NoAutogradCache:
@@ -86,23 +141,28 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def quantized(numel: int, block: int) -> bool:
-    """Whether torchao keeps a low-bit state for a (local) tensor of ``numel`` elements."""
-    return numel >= _MIN_QUANTIZED and numel % block == 0
-
-
-def state_bytes(numel: int, dtype: torch.dtype, name: str, *, block: int | None = None) -> int:
+def state_bytes(
+    numel: int, dtype: torch.dtype, name: str, *, block: int | None = None, shape: Sequence[int] | None = None
+) -> int:
     """Bytes of optimizer state ``name`` keeps for one local tensor of ``numel`` elements in ``dtype``.
 
     Follows the classes' own allocation: torch AdamW's exp_avg and exp_avg_sq like the parameter;
     for each of torchao's two states, 8-bit/FP8 codes (1 B) or 4-bit codes (two a byte), one fp32
     scale a block, and the code table each 8-bit (256 fp32) or 4-bit (16 fp32) state carries, or a
-    pair like the parameter below the quantizing threshold. The 0-d ``step`` is not counted.
+    pair like the parameter where it is not quantized. The 0-d ``step`` is not counted.
+
+    ``shape`` is the parameter's global shape, from which `make_optimizer` decides (`block_for`);
+    without it the tensor is taken as rows that are a multiple of the block (a transformer's
+    weights): quantized from 4096 elements when ``numel`` is a multiple of the block.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r}: expected one of {list(OPTIMIZERS)}")
     block = block or _BLOCK.get(name)
-    if block is None or not quantized(numel, block):
+    if block is not None and shape is not None:
+        block = block_for(shape, block)
+    elif block is not None and (numel < _MIN_QUANTIZED or numel % block):
+        block = None
+    if block is None or numel == 0:
         return 2 * numel * dtype.itemsize
     codes = numel // 2 if name == "adamw4bit" else numel
     table = {"adamw8bit": 256, "adamw4bit": 16, "adamw_fp8": 0}[name] * 4
@@ -166,22 +226,6 @@ def make_optimizer(
                 "mixed_precision='pure_bf16', or choose 'adamw' to keep fp32 master weights"
             )
         kwargs.setdefault("bf16_stochastic_round", True)
-    else:
-        if bf16:  # a round-to-nearest bf16 update smaller than half a bf16 step would be lost
-            kwargs.setdefault("bf16_stochastic_round", True)
-        _warn_unquantized(named, name, kwargs.get("block_size", _BLOCK[name]))
+    elif bf16:  # a round-to-nearest bf16 update smaller than half a bf16 step would be lost
+        kwargs.setdefault("bf16_stochastic_round", True)
     return _torchao_class(name)(params, **hyper, **kwargs)
-
-
-def _warn_unquantized(named: list[tuple[str, torch.Tensor]], name: str, block: int) -> None:
-    """Warn about parameters whose state torchao would quantize unsharded but not on this rank's shard."""
-    lost = [n for n, p in named if quantized(p.numel(), block) and not quantized(_local(p).numel(), block)]
-    if lost:
-        warnings.warn(
-            f"make_optimizer({name!r}): {len(lost)} parameter(s) keep a full-precision state on this rank "
-            f"because their local shard is under {_MIN_QUANTIZED} elements or not a multiple of the block "
-            f"({block}), though the whole tensor would be quantized: {', '.join(lost[:4])}"
-            f"{' ...' if len(lost) > 4 else ''}. Their state costs 4-8x the bytes the planner counts; a mesh "
-            "whose shard sizes are multiples of the block avoids it.",
-            stacklevel=2,
-        )

@@ -9,12 +9,12 @@ shard is a block of the unsharded tensor. The biases (128 elements) keep full-pr
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
 from fsdp2kit._internal.dtensor import gather_full
@@ -174,14 +174,18 @@ def resume(name: str, root: str) -> dict:
     return out
 
 
-def warns_unquantized() -> list[str]:
-    """A 40 x 160 weight (6400 = 25 blocks) is quantized whole but not as 20 x 160 shards (3200 < 4096)."""
+def odd_rows() -> list[tuple[str, int | None, int]]:
+    """Weights whose shards torchao alone would keep in fp32 (3200 local elements < 4096): 40 x 160
+    (rows of 160: blocks of 160) and 160 x 40 (blocks of 40). Each state's class, block, local numel."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(160, 40), nn.Linear(40, 160))
     fk.shard_model(model, fk.make_mesh())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fk.make_optimizer(model, "adamw8bit", lr=1e-3)
-    return [str(w.message) for w in caught if "full-precision state" in str(w.message)]
+    opt = fk.make_optimizer(model, "adamw8bit", lr=1e-3)
+    out = []
+    for w in (model[0].weight, model[1].weight):
+        local = opt._new_buffer(w, True)._local_tensor  # the state the first step would allocate
+        out.append((type(local).__name__, getattr(local, "block_size", None), local.numel()))
+    return out
 
 
 def errors() -> dict:
@@ -206,7 +210,58 @@ def errors() -> dict:
 
 
 def run_cases(root: str, names: tuple[str, ...]) -> dict:
-    out = {"errors": errors(), "warns": warns_unquantized()}
+    out = {"errors": errors(), "odd_rows": odd_rows()}
     for name in names:
         out[name] = {"parity": parity(name), "resume": resume(name, root)}
+    mesh = tuple(n for n in names if n != "adamw_bf16sr")  # stochastic rounding: other draws on other shapes
+    one = mesh_states(mesh, sharded=False) if dist.get_rank() == 0 else None  # no collective inside
+    out["mesh"] = {"world": mesh_states(mesh), "one": one}
+    return out
+
+
+MESH_ROWS, MESH_STEPS = 6, 3  # a global batch every world of 1, 2 and 3 splits evenly
+
+
+def _mesh_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(MESH_ROWS, DIM, generator=g), torch.randn(MESH_ROWS, DIM, generator=g)
+
+
+def _state_summary(opt, model) -> dict:
+    """Per parameter and state: the local tensor's class, its block, and the whole state dequantized
+    (gathered from the row shards, which FSDP2 lays out in rank order). Classes and blocks are rank 0's."""
+    out = {}
+    for fqn, p in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = opt.state[p][key]
+            local = v._local_tensor if isinstance(v, DTensor) else v
+            value = local.dequantize() if hasattr(local, "dequantize") else local.float()
+            if isinstance(v, DTensor):
+                parts = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, value.reshape(-1, *p.shape[1:]))
+                value = torch.cat(parts)
+            out[f"{fqn}.{key}"] = {
+                "type": type(local).__name__,
+                "block": getattr(local, "block_size", None),
+                "value": value.reshape(p.shape).numpy(),  # a tensor would not outlive the rank's process
+            }
+    return out
+
+
+def mesh_states(names: tuple[str, ...], sharded: bool = True) -> dict:
+    """Each optimizer's state after MESH_STEPS steps on the same global batches, every rank taking its
+    rows: on this world's FSDP2 mesh, or (``sharded=False``) one process with the whole batch."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if sharded else (1, 0)
+    rows = MESH_ROWS // world
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = Net()
+        if sharded:
+            fk.shard_model(model, fk.make_mesh())
+        opt = fk.make_optimizer(model, name, lr=LR, weight_decay=0.1)
+        for step in range(MESH_STEPS):
+            x, y = _mesh_batch(step)
+            _step(model, opt, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows], torch.float32)
+        out[name] = _state_summary(opt, model)
     return out
