@@ -18,6 +18,20 @@ MAX_LISTED = 8
 UPCASTS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
+def check_optimizer(info: dict, optimizer: torch.optim.Optimizer | None) -> list[str]:
+    """The checkpoint's optimizer (``fsdp2kit.json``'s ``optimizer``, its class name) against the one
+    given. AdamW's and the low-bit AdamWs' states have the same keys and shapes, so without this an
+    8-bit state would load into a full-precision AdamW (or the reverse) without a word."""
+    saved = info.get("optimizer")
+    if optimizer is None or saved is None or saved == type(optimizer).__name__:
+        return []
+    return [
+        f"the checkpoint holds the state of optimizer {saved}, but it is being loaded into {type(optimizer).__name__}: "
+        f"build the optimizer the run was saved with ({saved}), or load with optimizer=None to start the "
+        "optimizer afresh"
+    ]
+
+
 def check_against(
     state: dict, metadata: Metadata, path: Path, with_optimizer: bool, upcast: list[str] | None = None
 ) -> list[str]:
