@@ -26,7 +26,8 @@ least 1/8 of it); 1-D tensors (biases, norms) keep full precision. FSDP2 shards 
 block of every shard is a block of the whole tensor, at any world size and on HSDP meshes: a
 sharded state equals the single-process state up to the gradients' fp32 rounding.
 
-With bf16 parameters (``pure_bf16``) every torchao choice rounds the update stochastically
+With bf16 parameters (``pure_bf16``) ``adamw`` (torch's, round-to-nearest) warns, and every
+torchao choice rounds the update stochastically
 (``bf16_stochastic_round=True``) unless told otherwise: a round-to-nearest bf16 update smaller
 than half a bf16 step is lost. The rounding noise is drawn from each rank's global RNG stream,
 as dropout's is; the Checkpointer saves those streams, so a resume at the same world continues
@@ -36,6 +37,7 @@ exactly.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -214,6 +216,15 @@ def make_optimizer(
     params = [p for _, p in named]
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if name == "adamw":
+        low = [n for n, p in named if p.dtype in (torch.bfloat16, torch.float16)]
+        if low:  # pure_bf16 chosen, but with round-to-nearest updates: say so rather than switch silently
+            warnings.warn(
+                f"make_optimizer('adamw'): {len(low)} trainable parameter(s) are 16-bit (e.g. {low[0]}): torch's "
+                "AdamW rounds each update to the nearest representable value, so updates under half a step "
+                "of that dtype are lost. 'adamw_bf16sr' rounds them stochastically (bf16); fp32 master "
+                "weights (mixed_precision='bf16') keep them.",
+                stacklevel=2,
+            )
         return torch.optim.AdamW(params, **hyper, **kwargs)
 
     bf16 = [n for n, p in named if p.dtype == torch.bfloat16]

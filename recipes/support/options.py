@@ -41,6 +41,17 @@ def _trackers(value: str) -> str:
     return value
 
 
+def _betas(value: str) -> str:
+    parts = [v.strip() for v in str(value).split(",")]
+    try:
+        b1, b2 = (float(v) for v in parts)
+    except ValueError:
+        raise ValueError("expected two numbers, beta1,beta2 (e.g. 0.9,0.95)") from None
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError("each beta must be in [0, 1)")
+    return f"{b1},{b2}"
+
+
 def _targets(value: str) -> str:
     if not [t for t in value.split(",") if t.strip()]:
         raise ValueError("empty: name the Linear modules to adapt (e.g. q_proj,v_proj), or all-linear")
@@ -168,6 +179,8 @@ class OptimConfig:
     )
     lr: float | None = opt(None, "peak learning rate; none: [train] lr, its older name (set one of the two)")
     weight_decay: float | None = opt(None, "decoupled weight decay; none: [train] weight_decay, its older name")
+    betas: str = opt("0.9,0.999", "AdamW's beta1,beta2 (the decay of the gradient's mean and square)", check=_betas)
+    eps: float = opt(1e-8, "AdamW's epsilon, added to the root of the squared-gradient average", minimum=0.0)
     offload: bool = opt(False, "optimizer state in host memory: not available yet (refused)")
 
 
@@ -175,7 +188,12 @@ def optimizer_args(cfg: Config) -> dict:
     """`fk.make_optimizer`'s keyword arguments from ``[optim]`` (and the older ``[train] lr`` /
     ``weight_decay``); ValueError for what cannot run, before any process group exists."""
     o, t, default = cfg.optim, cfg.train, TrainConfig()
-    out = {"name": o.name, "offload": o.offload}
+    out = {
+        "name": o.name,
+        "offload": o.offload,
+        "betas": tuple(float(b) for b in _betas(o.betas).split(",")),
+        "eps": o.eps,
+    }
     for key in ("lr", "weight_decay"):
         new, old = getattr(o, key), getattr(t, key)
         if new is not None and old != getattr(default, key) and new != old:

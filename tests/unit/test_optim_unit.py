@@ -77,6 +77,8 @@ def test_refusals():
         fk.make_optimizer(model, "adamw_bf16sr", lr=1e-3)
     with pytest.raises(NotImplementedError, match="CPUOffloadOptimizer"):
         fk.make_optimizer(model, "adamw", lr=1e-3, offload=True)
+    with pytest.warns(UserWarning, match="6 trainable parameter.*adamw_bf16sr"):  # pure_bf16, round-to-nearest
+        fk.make_optimizer(_model(torch.bfloat16), "adamw", lr=1e-3)
     for p in model.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
@@ -86,9 +88,10 @@ def test_refusals():
 def test_recipe_optim_table():
     from support.options import Config, OptimConfig, ParallelConfig, TrainConfig, optimizer_args
 
-    assert optimizer_args(Config()) == {"name": "adamw", "offload": False, "lr": 3e-3, "weight_decay": 0.1}
+    adam = {"betas": (0.9, 0.999), "eps": 1e-8}
+    assert optimizer_args(Config()) == {"name": "adamw", "offload": False, "lr": 3e-3, "weight_decay": 0.1, **adam}
     older = Config(train=TrainConfig(lr=1e-4, weight_decay=0.0))  # configs written before [optim]
-    assert optimizer_args(older) == {"name": "adamw", "offload": False, "lr": 1e-4, "weight_decay": 0.0}
+    assert optimizer_args(older) == {"name": "adamw", "offload": False, "lr": 1e-4, "weight_decay": 0.0, **adam}
     newer = Config(optim=OptimConfig(name="adamw8bit", lr=2e-4))
     assert optimizer_args(newer)["lr"] == 2e-4 and optimizer_args(newer)["name"] == "adamw8bit"
     for cfg, match in [
@@ -103,5 +106,14 @@ def test_recipe_optim_table():
 
     with pytest.raises(ConfigError, match="optim.name = 'lion' .*expected one of adamw, adamw8bit"):
         parse_config(Config, ["--optim.name", "lion"], description="", prog="train.py")
+    cfg = parse_config(Config, ["--optim.betas", "0.9, 0.95", "--optim.eps", "1e-6"], description="", prog="train.py")
+    assert (optimizer_args(cfg)["betas"], optimizer_args(cfg)["eps"]) == ((0.9, 0.95), 1e-6)
+    for flags, match in [
+        (["--optim.betas", "0.9"], "beta1,beta2"),
+        (["--optim.betas", "0.9,1.0"], r"\[0, 1\)"),
+        (["--optim.eps", "-1"], ">= 0.0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_config(Config, flags, description="", prog="train.py")
     bf16 = Config(optim=OptimConfig(name="adamw_bf16sr"), parallel=ParallelConfig(mixed_precision="pure_bf16"))
     assert optimizer_args(bf16)["name"] == "adamw_bf16sr"
