@@ -156,9 +156,9 @@ def resume(name: str, root: str) -> dict:
     for step in range(2):
         _step(model, opt, *_batch(rank, step), dtype)
     ck.save(2, model, optimizer=opt)
+    out = {"saved": _state_summary(opt, model)}  # what reshard_hop's chain starts from
     losses = [_step(model, opt, *_batch(rank, step), dtype) for step in (2, 3)]
     end = _full(model)
-    out = {}
     for label, mesh in (("same_mesh", fk.make_mesh()), ("replicated", fk.make_mesh(shard=1, replicate=2))):
         other, other_opt = _sharded(name, mesh, seed=1)  # another init: everything must come from the checkpoint
         assert ck.load(other, optimizer=other_opt) == 2
@@ -229,23 +229,30 @@ def _mesh_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _state_summary(opt, model) -> dict:
     """Per parameter and state: the local tensor's class, its block, and the whole state dequantized
-    (gathered from the row shards, which FSDP2 lays out in rank order). Classes and blocks are rank 0's."""
+    (gathered over the mesh: rows in order, replicas once); each parameter whole too. Classes and
+    blocks are this rank's."""
     out = {}
     for fqn, p in model.named_parameters():
+        out[f"{fqn}.param"] = {"type": "param", "block": None, "value": _full_value(p)}
         for key in ("exp_avg", "exp_avg_sq"):
             v = opt.state[p][key]
             local = v._local_tensor if isinstance(v, DTensor) else v
             value = local.dequantize() if hasattr(local, "dequantize") else local.float()
             if isinstance(v, DTensor):
-                parts = [None] * dist.get_world_size()
-                dist.all_gather_object(parts, value.reshape(-1, *p.shape[1:]))
-                value = torch.cat(parts)
+                value = DTensor.from_local(
+                    value.reshape(local.shape), v.device_mesh, v.placements, shape=v.shape, stride=v.stride()
+                )
             out[f"{fqn}.{key}"] = {
                 "type": type(local).__name__,
                 "block": getattr(local, "block_size", None),
-                "value": value.reshape(p.shape).numpy(),  # a tensor would not outlive the rank's process
+                "value": _full_value(value),
             }
     return out
+
+
+def _full_value(t: torch.Tensor):
+    # a numpy array: a tensor would not outlive the rank's process on the way back to the test
+    return (gather_full(t) if isinstance(t, DTensor) else t).detach().float().clone().numpy()
 
 
 def mesh_states(names: tuple[str, ...], sharded: bool = True) -> dict:
@@ -265,3 +272,38 @@ def mesh_states(names: tuple[str, ...], sharded: bool = True) -> dict:
             _step(model, opt, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows], torch.float32)
         out[name] = _state_summary(opt, model)
     return out
+
+
+def reshard_hop(src: str, dst: str | None, names: tuple[str, ...], shape: tuple[int, ...] = ()) -> dict:
+    """Load each optimizer's newest checkpoint under ``src/<name>`` into a fresh model (another init)
+    on this world's mesh (``shape``: make_mesh's shard, replicate), describe what was loaded, and save
+    it unchanged under ``dst/<name>`` for the next hop of a chain (2 -> 3 -> 1 ranks, 2x2 -> 4)."""
+    mesh = fk.make_mesh(*shape)
+    out = {}
+    for name in names:
+        model, opt = _sharded(name, mesh, seed=1)
+        step = fk.Checkpointer(f"{src}/{name}", keep_last=None).load(model, optimizer=opt)
+        out[name] = _state_summary(opt, model)
+        if dst is not None:
+            with fk.Checkpointer(f"{dst}/{name}", keep_last=None) as ck:
+                ck.save(step + 1, model, optimizer=opt)
+    return out
+
+
+def hsdp_to_flat(root: str, names: tuple[str, ...]) -> dict:
+    """World 4: train 2 steps on a 2 x 2 HSDP mesh and save; load into a 1-D mesh of 4 (reshard_hop)."""
+    rank = dist.get_rank()
+    saved = {}
+    for name in names:
+        model, opt = _sharded(name, fk.make_mesh(shard=2, replicate=2))
+        for step in range(2):
+            _step(model, opt, *_batch(rank, step), _precision(name)[1])
+        with fk.Checkpointer(f"{root}/{name}", keep_last=None) as ck:
+            ck.save(2, model, optimizer=opt)
+        saved[name] = _state_summary(opt, model)
+    return {"saved": saved, "loaded": reshard_hop(root, None, names, (4, 1))}
+
+
+def world3_cases(root: str, mesh_names: tuple[str, ...], hop_names: tuple[str, ...]) -> dict:
+    """World 3's spawn: the mesh-independence states, and the 2 -> 3 hop of the reshard chain."""
+    return {"mesh": mesh_states(mesh_names), "hop": reshard_hop(root, f"{root}/w3", hop_names)}
