@@ -190,9 +190,9 @@ def make_optimizer(
         name: one of ``OPTIMIZERS``.
         lr, weight_decay, betas, eps: AdamW's hyper-parameters (decoupled weight decay).
         offload: keep the optimizer state in host memory. Not available yet: raises
-            NotImplementedError (torchao's ``CPUOffloadOptimizer`` runs on CUDA/XPU only, takes
-            one plain tensor per parameter rather than FSDP2's DTensor shards, and its state dict
-            is not the one DCP reshards).
+            NotImplementedError (torchao's ``CPUOffloadOptimizer`` runs on CUDA/XPU only, its
+            gradient hook does not fire for FSDP2's sharded parameters, and its state dict is not
+            the one DCP reshards: docs/optimizers.md, Offload).
         kwargs: passed to the optimizer class: torch.optim.AdamW's (``fused``, ``foreach``, ...)
             or torchao's (``block_size``, ``bf16_stochastic_round``).
 
