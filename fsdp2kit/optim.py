@@ -189,32 +189,26 @@ def make_optimizer(
             its weights are filled; a plain module works too.
         name: one of ``OPTIMIZERS``.
         lr, weight_decay, betas, eps: AdamW's hyper-parameters (decoupled weight decay).
-        offload: keep the optimizer state in host memory. Not available yet: raises
-            NotImplementedError (torchao's ``CPUOffloadOptimizer`` runs on CUDA/XPU only, its
-            gradient hook does not fire for FSDP2's sharded parameters, and its state dict is not
-            the one DCP reshards: docs/optimizers.md, Offload).
+        offload: keep AdamW's state (and its step) in pinned host memory, parameters and gradients
+            on the GPU (`fsdp2kit.optim_offload.OffloadedAdamW`); ``adamw`` over CUDA parameters
+            only: on CPU there is no device/host split to make (ValueError).
         kwargs: passed to the optimizer class: torch.optim.AdamW's (``fused``, ``foreach``, ...)
             or torchao's (``block_size``, ``bf16_stochastic_round``).
 
     Raises:
         ValueError: an unknown name; a model with no trainable parameter; ``adamw_bf16sr`` over
-            parameters that are not bf16.
+            parameters that are not bf16; ``offload`` with another name than ``adamw``, or over
+            parameters that are not on a CUDA device.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
-    if offload:
-        raise NotImplementedError(
-            "make_optimizer(offload=True): optimizer-state offload is not available yet. torchao's "
-            "CPUOffloadOptimizer runs on CUDA/XPU only, copies each parameter as one plain tensor (not "
-            "FSDP2's DTensor shard), and saves a state dict DCP cannot reshard; nothing here has been "
-            "verified on a GPU. Use shard_model(..., cpu_offload=True) to keep parameters, gradients and "
-            "state on the host, or a low-bit optimizer (adamw8bit, adamw4bit) to shrink the state."
-        )
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("make_optimizer: the model has no trainable parameter (requires_grad=True)")
     params = [p for _, p in named]
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if offload:
+        return _offloaded(named, name, hyper, kwargs)
     if name == "adamw":
         low = [n for n, p in named if p.dtype in (torch.bfloat16, torch.float16)]
         if low:  # pure_bf16 chosen, but with round-to-nearest updates: say so rather than switch silently
@@ -240,3 +234,26 @@ def make_optimizer(
     elif bf16:  # a round-to-nearest bf16 update smaller than half a bf16 step would be lost
         kwargs.setdefault("bf16_stochastic_round", True)
     return _torchao_class(name)(params, **hyper, **kwargs)
+
+
+def _offloaded(named: list[tuple[str, torch.Tensor]], name: str, hyper: dict, kwargs: dict) -> torch.optim.Optimizer:
+    from fsdp2kit.optim_offload import OffloadedAdamW
+
+    if name != "adamw":
+        raise ValueError(
+            f"make_optimizer({name!r}, offload=True): state offload is for 'adamw' (its fp32 state is what "
+            "offload moves; a low-bit state is already 4-8x smaller and its step is compiled for the device)"
+        )
+    off = [f"{n} ({_local(p).device})" for n, p in named if _local(p).device.type != "cuda"]
+    if off:
+        raise ValueError(
+            f"make_optimizer(offload=True) keeps parameters and gradients on the GPU and the optimizer state in "
+            f"host memory, but {len(off)} trainable parameter(s) are not on a CUDA device, e.g. {', '.join(off[:2])}: "
+            "on CPU there is nothing to offload (use offload=False); shard_model(..., cpu_offload=True) moves "
+            "parameters, gradients and state to the host together"
+        )
+    if kwargs:
+        raise ValueError(
+            f"make_optimizer(offload=True) takes AdamW's lr, betas, eps, weight_decay only, not {sorted(kwargs)}"
+        )
+    return OffloadedAdamW([p for _, p in named], **hyper)

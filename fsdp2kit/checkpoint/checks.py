@@ -23,10 +23,12 @@ def check_optimizer(info: dict, optimizer: torch.optim.Optimizer | None) -> list
     given. AdamW's and the low-bit AdamWs' states have the same keys and shapes, so without this an
     8-bit state would load into a full-precision AdamW (or the reverse) without a word."""
     saved = info.get("optimizer")
-    if optimizer is None or saved is None or saved == type(optimizer).__name__:
+    family = {"OffloadedAdamW": "AdamW"}  # the same state, held in host memory
+    here = type(optimizer).__name__ if optimizer is not None else None
+    if here is None or saved is None or family.get(saved, saved) == family.get(here, here):
         return []
     return [
-        f"the checkpoint holds the state of optimizer {saved}, but it is being loaded into {type(optimizer).__name__}: "
+        f"the checkpoint holds the state of optimizer {saved}, but it is being loaded into {here}: "
         f"build the optimizer the run was saved with ({saved}), or load with optimizer=None to start the "
         "optimizer afresh"
     ]

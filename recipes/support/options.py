@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from fsdp2kit.diagnostics import ON_NONFINITE
 from fsdp2kit.optim import OPTIMIZERS
 from fsdp2kit.precision import PRECISIONS
@@ -181,7 +183,9 @@ class OptimConfig:
     weight_decay: float | None = opt(None, "decoupled weight decay; none: [train] weight_decay, its older name")
     betas: str = opt("0.9,0.999", "AdamW's beta1,beta2 (the decay of the gradient's mean and square)", check=_betas)
     eps: float = opt(1e-8, "AdamW's epsilon, added to the root of the squared-gradient average", minimum=0.0)
-    offload: bool = opt(False, "optimizer state in host memory: not available yet (refused)")
+    offload: bool = opt(
+        False, "AdamW's state and update in pinned host memory, parameters and gradients on the GPU (CUDA only)"
+    )
 
 
 def optimizer_args(cfg: Config) -> dict:
@@ -201,8 +205,16 @@ def optimizer_args(cfg: Config) -> dict:
         out[key] = old if new is None else new
     if o.name == "adamw_bf16sr" and cfg.parallel.mixed_precision != "pure_bf16":
         raise ValueError("optim.name=adamw_bf16sr steps bf16 parameters: set parallel.mixed_precision=pure_bf16")
-    if o.offload:
-        raise ValueError("optim.offload: optimizer-state offload is not available yet (parallel.cpu_offload is)")
+    if o.offload and o.name != "adamw":
+        raise ValueError(f"optim.offload is for optim.name=adamw (not {o.name}: a low-bit state is already small)")
+    if o.offload and cfg.parallel.cpu_offload:
+        raise ValueError(
+            "optim.offload and parallel.cpu_offload: choose one (cpu_offload already keeps the state on the host)"
+        )
+    if o.offload and not torch.cuda.is_available():
+        raise ValueError(
+            "optim.offload keeps parameters on the GPU and the state in host memory: this machine has no GPU"
+        )
     return out
 
 

@@ -195,7 +195,8 @@ def errors() -> dict:
     for label, call in {
         "bf16sr_fp32": lambda: fk.make_optimizer(model, "adamw_bf16sr", lr=1e-3),
         "unknown": lambda: fk.make_optimizer(model, "lion", lr=1e-3),
-        "offload": lambda: fk.make_optimizer(model, "adamw8bit", lr=1e-3, offload=True),
+        "offload": lambda: fk.make_optimizer(model, "adamw", lr=1e-3, offload=True),  # CPU parameters
+        "offload_low_bit": lambda: fk.make_optimizer(model, "adamw8bit", lr=1e-3, offload=True),
     }.items():
         try:
             call()
@@ -209,8 +210,49 @@ def errors() -> dict:
     return out
 
 
+def offloaded(root: str) -> dict:
+    """OffloadedAdamW's update and checkpoint on CPU ranks (host buffers unpinned: make_optimizer builds
+    it for CUDA parameters only): against torch's AdamW step by step, and a save loaded into a plain
+    AdamW on the 2 x 1 mesh and into an OffloadedAdamW on the same mesh."""
+    from fsdp2kit.optim_offload import OffloadedAdamW
+
+    rank = dist.get_rank()
+    model, plain = _sharded("adamw", fk.make_mesh())
+    torch.manual_seed(0)
+    other = Net()
+    fk.shard_model(other, fk.make_mesh())
+    off = OffloadedAdamW(other.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(2):
+        _step(model, plain, *_batch(rank, step), torch.float32)
+        _step(other, off, *_batch(rank, step), torch.float32)
+    out = {
+        "param_diff": _diff(_full(model), _full(other)),
+        "state_device": str(off.state[other.head.weight]["exp_avg"].to_local().device),
+    }
+    ck = fk.Checkpointer(f"{root}/offloaded", keep_last=None)
+    ck.save(2, other, optimizer=off)
+    for _ in range(1):
+        _step(other, off, *_batch(rank, 2), torch.float32)
+    end = _full(other)
+    for label, mesh, kind in (
+        ("into_adamw_2x1", fk.make_mesh(shard=1, replicate=2), "adamw"),
+        ("into_offloaded", fk.make_mesh(), "offloaded"),
+    ):
+        again, _ = _sharded("adamw", mesh, seed=1)
+        opt = (
+            fk.make_optimizer(again, "adamw", lr=LR, weight_decay=0.1)
+            if kind == "adamw"
+            else OffloadedAdamW(again.parameters(), lr=LR, weight_decay=0.1)
+        )
+        assert ck.load(again, optimizer=opt) == 2
+        _step(again, opt, *_batch(rank, 2), torch.float32)
+        out[label] = _diff(end, _full(again))
+    ck.close()
+    return out
+
+
 def run_cases(root: str, names: tuple[str, ...]) -> dict:
-    out = {"errors": errors(), "odd_rows": odd_rows()}
+    out = {"errors": errors(), "odd_rows": odd_rows(), "offloaded": offloaded(root)}
     for name in names:
         out[name] = {"parity": parity(name), "resume": resume(name, root)}
     mesh = tuple(n for n in names if n != "adamw_bf16sr")  # stochastic rounding: other draws on other shapes

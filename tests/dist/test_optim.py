@@ -98,10 +98,20 @@ def test_refusals_and_warnings(world2):
         e = r["errors"]
         assert e["unknown"].startswith("ValueError") and all(n in e["unknown"] for n in OPTIMIZERS), e
         assert e["bf16sr_fp32"].startswith("ValueError") and "pure_bf16" in e["bf16sr_fp32"], e
-        assert e["offload"].startswith("NotImplementedError") and "CPUOffloadOptimizer" in e["offload"], e
+        assert e["offload"].startswith("ValueError") and "not on a CUDA device" in e["offload"], e
+        assert e["offload_low_bit"].startswith("ValueError") and "for 'adamw'" in e["offload_low_bit"], e
         assert e["trainable_only"] == 2  # the head's weight and bias: frozen blocks keep no state
         # 3200-element shards, quantized because the whole weights are, in blocks that divide their rows
         assert r["odd_rows"] == [("OptimState8bit", 160, 3200), ("OptimState8bit", 40, 3200)], r["odd_rows"]
+
+
+def test_offloaded_adamw_steps_and_checkpoints_like_adamw(world2):
+    """OffloadedAdamW on CPU ranks (its CUDA placement: tests/cuda): the same update as torch's AdamW
+    (both single-tensor on CPU: bitwise), and its checkpoint continues exactly in either optimizer."""
+    for r in world2:
+        o = r["offloaded"]
+        assert o["param_diff"] == 0.0 and o["state_device"] == "cpu", o
+        assert o["into_adamw_2x1"] == 0.0 and o["into_offloaded"] == 0.0, o
 
 
 def _state_agrees(a: dict, b: dict, quantized: bool) -> tuple[bool, str]:

@@ -75,8 +75,10 @@ def test_refusals():
         fk.make_optimizer(model, "adam8bit", lr=1e-3)
     with pytest.raises(ValueError, match="pure_bf16"):
         fk.make_optimizer(model, "adamw_bf16sr", lr=1e-3)
-    with pytest.raises(NotImplementedError, match="CPUOffloadOptimizer"):
+    with pytest.raises(ValueError, match="not on a CUDA device.*nothing to offload"):
         fk.make_optimizer(model, "adamw", lr=1e-3, offload=True)
+    with pytest.raises(ValueError, match="offload is for 'adamw'"):
+        fk.make_optimizer(model, "adamw4bit", lr=1e-3, offload=True)
     with pytest.warns(UserWarning, match="6 trainable parameter.*adamw_bf16sr"):  # pure_bf16, round-to-nearest
         fk.make_optimizer(_model(torch.bfloat16), "adamw", lr=1e-3)
     for p in model.parameters():
@@ -97,10 +99,13 @@ def test_recipe_optim_table():
     for cfg, match in [
         (Config(train=TrainConfig(lr=1e-4), optim=OptimConfig(lr=2e-4)), "set it once"),
         (Config(optim=OptimConfig(name="adamw_bf16sr")), "pure_bf16"),
-        (Config(optim=OptimConfig(offload=True)), "not available yet"),
+        (Config(optim=OptimConfig(offload=True, name="adamw8bit")), "is for optim.name=adamw"),
     ]:
         with pytest.raises(ValueError, match=match):
             optimizer_args(cfg)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="has no GPU"):
+            optimizer_args(Config(optim=OptimConfig(offload=True)))
     from support.config import parse_config
     from support.errors import ConfigError
 
