@@ -14,28 +14,34 @@ name               state per parameter                         needs
 ``adamw_bf16sr``   2 x 2 B (bf16)                              bf16 parameters: ``mixed_precision="pure_bf16"``
 =================  ==========================================  ===============================================
 
-torchao's low-bit states are quantized per *local shard* (so whether a small parameter's state is
-quantized depends on the mesh: `make_optimizer` warns, naming them), and with bf16 parameters its
-updates are rounded stochastically from each rank's RNG stream: docs/optimizers.md says why and
-what the tests bound.
+Low-bit states do not depend on the mesh (pytorch/ao#4912): whether a parameter's state is
+quantized, and in which blocks, is decided from its *global* shape (`block_for`), so every block of
+every shard is a block of the whole tensor. With bf16 parameters (``pure_bf16``) torch's ``adamw``
+warns and every torchao choice rounds stochastically. docs/optimizers.md says why and what the
+tests bound.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "state_bytes"]
+__all__ = ["OPTIMIZERS", "block_for", "make_optimizer", "state_bytes"]
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adamw_bf16sr")
 
 # torchao/optim/adam.py: each class's default block size, and the smallest tensor it quantizes.
 _BLOCK = {"adamw8bit": 256, "adamw4bit": 128, "adamw_fp8": 256}
 _MIN_QUANTIZED = 4096
+# A block a row's divisor smaller than this fraction of the class's block is refused (full-precision
+# state): each block carries a 4-byte scale, 1/8 of 256 is 32 elements, 0.125 B an element.
+_MIN_BLOCK_FRACTION = 8
 
 
 def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
@@ -44,9 +50,55 @@ def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
 
     base = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit, "adamw_fp8": AdamWFp8, "adamw_bf16sr": _AdamW}[name]
     if base not in _UNCACHED:
+        mixins = (_NoAutogradCache,) if base is _AdamW else (_NoAutogradCache, _RowBlocks)
         # Same class name as torchao's: checkpoints and logs name the optimizer the user chose.
-        _UNCACHED[base] = type(base.__name__, (_NoAutogradCache, base), {"__module__": __name__, "_base": base})
+        _UNCACHED[base] = type(base.__name__, (*mixins, base), {"__module__": __name__, "_base": base})
     return _UNCACHED[base]
+
+
+def block_for(shape: Sequence[int], block: int) -> int | None:
+    """The block a quantized state of a parameter of global ``shape`` uses, or None (full precision).
+
+    Decided on the global shape, so every mesh decides alike. Blocks divide the row (the elements
+    of one index of dim 0), so FSDP2's row shards split no block: 2+ dims, at least 4096 elements,
+    and the class's ``block`` if it divides the row, else the row's largest even divisor below it,
+    if that is at least ``block / 8`` (each block costs a 4-byte scale).
+    """
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel < _MIN_QUANTIZED:
+        return None
+    row = numel // shape[0]
+    b = next((d for d in range(min(block, row), 0, -1) if row % d == 0 and d % 2 == 0), None)
+    return b if b is not None and b * _MIN_BLOCK_FRACTION >= block else None
+
+
+class _RowBlocks:
+    """torchao's low-bit AdamW with the quantize decision and block taken from the global shape.
+
+    Replaces ``_AdamBase._new_buffer`` (torchao 0.18), which decides on the local shard; see the
+    module docstring and `block_for`. The state's own classes read the block back from their
+    codes and scales, so a per-parameter block needs nothing else.
+    """
+
+    block_size: int
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        local = _local(p)
+        block = block_for(p.shape, self.block_size)
+        placements = p.placements if isinstance(p, DTensor) else ()
+        if block is not None and any(isinstance(pl, Shard) and pl.dim != 0 for pl in placements):
+            # a tensor-parallel shard of dim 1+: blocks must divide its local rows too (not mesh-independent)
+            local_row = local.numel() // max(local.shape[0], 1) if local.dim() else 0
+            block = block if local_row % block == 0 else None
+        if block is None or local.numel() == 0:  # an empty shard (fewer rows than ranks) has no block
+            out = torch.zeros_like(local)
+        else:
+            out = self._subclass_zeros(local, signed, block)
+        if isinstance(p, DTensor):  # as torchao does: shards may differ in shape, so give the global one
+            out = DTensor.from_local(
+                out, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        return out.to(p.device)  # from_local moves to the mesh's device; a CPU-offloaded p stays on the host
 
 
 class _NoAutogradCache:
@@ -78,23 +130,28 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def quantized(numel: int, block: int) -> bool:
-    """Whether torchao keeps a low-bit state for a (local) tensor of ``numel`` elements."""
-    return numel >= _MIN_QUANTIZED and numel % block == 0
-
-
-def state_bytes(numel: int, dtype: torch.dtype, name: str, *, block: int | None = None) -> int:
+def state_bytes(
+    numel: int, dtype: torch.dtype, name: str, *, block: int | None = None, shape: Sequence[int] | None = None
+) -> int:
     """Bytes of optimizer state ``name`` keeps for one local tensor of ``numel`` elements in ``dtype``.
 
     Follows the classes' own allocation: torch AdamW's exp_avg and exp_avg_sq like the parameter;
     for each of torchao's two states, 8-bit/FP8 codes (1 B) or 4-bit codes (two a byte), one fp32
     scale a block, and the code table each 8-bit (256 fp32) or 4-bit (16 fp32) state carries, or a
-    pair like the parameter below the quantizing threshold. The 0-d ``step`` is not counted.
+    pair like the parameter where it is not quantized. The 0-d ``step`` is not counted.
+
+    ``shape`` is the parameter's global shape, from which `make_optimizer` decides (`block_for`);
+    without it the tensor is taken as rows that are a multiple of the block (a transformer's
+    weights): quantized from 4096 elements when ``numel`` is a multiple of the block.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r}: expected one of {list(OPTIMIZERS)}")
     block = block or _BLOCK.get(name)
-    if block is None or not quantized(numel, block):
+    if block is not None and shape is not None:
+        block = block_for(shape, block)
+    elif block is not None and (numel < _MIN_QUANTIZED or numel % block):
+        block = None
+    if block is None or numel == 0:
         return 2 * numel * dtype.itemsize
     codes = numel // 2 if name == "adamw4bit" else numel
     table = {"adamw8bit": 256, "adamw4bit": 16, "adamw_fp8": 0}[name] * 4
@@ -119,33 +176,36 @@ def make_optimizer(
             its weights are filled; a plain module works too.
         name: one of ``OPTIMIZERS``.
         lr, weight_decay, betas, eps: AdamW's hyper-parameters (decoupled weight decay).
-        offload: keep the optimizer state in host memory. Not available yet: raises
-            NotImplementedError (torchao's ``CPUOffloadOptimizer`` runs on CUDA/XPU only, takes
-            one plain tensor per parameter rather than FSDP2's DTensor shards, and its state dict
-            is not the one DCP reshards).
+        offload: keep AdamW's state (and its step) in pinned host memory, parameters and gradients
+            on the GPU (`fsdp2kit.optim_offload.OffloadedAdamW`); ``adamw`` over CUDA parameters
+            only: on CPU there is no device/host split to make (ValueError).
         kwargs: passed to the optimizer class: torch.optim.AdamW's (``fused``, ``foreach``, ...)
             or torchao's (``block_size``, ``bf16_stochastic_round``).
 
     Raises:
         ValueError: an unknown name; a model with no trainable parameter; ``adamw_bf16sr`` over
-            parameters that are not bf16.
+            parameters that are not bf16; ``offload`` with another name than ``adamw``, or over
+            parameters that are not on a CUDA device.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r}: expected one of {', '.join(OPTIMIZERS)}")
-    if offload:
-        raise NotImplementedError(
-            "make_optimizer(offload=True): optimizer-state offload is not available yet. torchao's "
-            "CPUOffloadOptimizer runs on CUDA/XPU only, copies each parameter as one plain tensor (not "
-            "FSDP2's DTensor shard), and saves a state dict DCP cannot reshard; nothing here has been "
-            "verified on a GPU. Use shard_model(..., cpu_offload=True) to keep parameters, gradients and "
-            "state on the host, or a low-bit optimizer (adamw8bit, adamw4bit) to shrink the state."
-        )
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("make_optimizer: the model has no trainable parameter (requires_grad=True)")
     params = [p for _, p in named]
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if offload:
+        return _offloaded(named, name, hyper, kwargs)
     if name == "adamw":
+        low = [n for n, p in named if p.dtype in (torch.bfloat16, torch.float16)]
+        if low:  # pure_bf16 chosen, but with round-to-nearest updates: say so rather than switch silently
+            warnings.warn(
+                f"make_optimizer('adamw'): {len(low)} trainable parameter(s) are 16-bit (e.g. {low[0]}): torch's "
+                "AdamW rounds each update to the nearest representable value, so updates under half a step "
+                "of that dtype are lost. 'adamw_bf16sr' rounds them stochastically (bf16); fp32 master "
+                "weights (mixed_precision='bf16') keep them.",
+                stacklevel=2,
+            )
         return torch.optim.AdamW(params, **hyper, **kwargs)
 
     bf16 = [n for n, p in named if p.dtype == torch.bfloat16]
@@ -158,22 +218,29 @@ def make_optimizer(
                 "mixed_precision='pure_bf16', or choose 'adamw' to keep fp32 master weights"
             )
         kwargs.setdefault("bf16_stochastic_round", True)
-    else:
-        if bf16:  # a round-to-nearest bf16 update smaller than half a bf16 step would be lost
-            kwargs.setdefault("bf16_stochastic_round", True)
-        _warn_unquantized(named, name, kwargs.get("block_size", _BLOCK[name]))
+    elif bf16:  # a round-to-nearest bf16 update smaller than half a bf16 step would be lost
+        kwargs.setdefault("bf16_stochastic_round", True)
     return _torchao_class(name)(params, **hyper, **kwargs)
 
 
-def _warn_unquantized(named: list[tuple[str, torch.Tensor]], name: str, block: int) -> None:
-    """Warn about parameters whose state torchao would quantize unsharded but not on this rank's shard."""
-    lost = [n for n, p in named if quantized(p.numel(), block) and not quantized(_local(p).numel(), block)]
-    if lost:
-        warnings.warn(
-            f"make_optimizer({name!r}): {len(lost)} parameter(s) keep a full-precision state on this rank "
-            f"because their local shard is under {_MIN_QUANTIZED} elements or not a multiple of the block "
-            f"({block}), though the whole tensor would be quantized: {', '.join(lost[:4])}"
-            f"{' ...' if len(lost) > 4 else ''}. Their state costs 4-8x the bytes the planner counts; a mesh "
-            "whose shard sizes are multiples of the block avoids it.",
-            stacklevel=2,
+def _offloaded(named: list[tuple[str, torch.Tensor]], name: str, hyper: dict, kwargs: dict) -> torch.optim.Optimizer:
+    from fsdp2kit.optim_offload import OffloadedAdamW
+
+    if name != "adamw":
+        raise ValueError(
+            f"make_optimizer({name!r}, offload=True): state offload is for 'adamw' (its fp32 state is what "
+            "offload moves; a low-bit state is already 4-8x smaller and its step is compiled for the device)"
         )
+    off = [f"{n} ({_local(p).device})" for n, p in named if _local(p).device.type != "cuda"]
+    if off:
+        raise ValueError(
+            f"make_optimizer(offload=True) keeps parameters and gradients on the GPU and the optimizer state in "
+            f"host memory, but {len(off)} trainable parameter(s) are not on a CUDA device, e.g. {', '.join(off[:2])}: "
+            "on CPU there is nothing to offload (use offload=False); shard_model(..., cpu_offload=True) moves "
+            "parameters, gradients and state to the host together"
+        )
+    if kwargs:
+        raise ValueError(
+            f"make_optimizer(offload=True) takes AdamW's lr, betas, eps, weight_decay only, not {sorted(kwargs)}"
+        )
+    return OffloadedAdamW([p for _, p in named], **hyper)

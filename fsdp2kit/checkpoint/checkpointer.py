@@ -20,12 +20,12 @@ import torch.nn as nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files
+from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files, check_optimizer
 from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_dcp
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
 from fsdp2kit.checkpoint.layout import INFO_FILE, CheckpointError, check_step, list_steps, resolve_step, step_dir
-from fsdp2kit.checkpoint.optim import restore_optimizer
+from fsdp2kit.checkpoint.optim import restore_optimizer, state_kinds
 from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
 from fsdp2kit.checkpoint.state import (
     resolve_trainable_only,
@@ -246,6 +246,7 @@ class Checkpointer:
             "world_size": world,
             "async": self.async_save,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "optimizer_state": state_kinds(optimizer) if optimizer is not None else None,
             "extra": sorted(set(extra or {}) - per_rank),
             "extra_per_rank": sorted(per_rank),
             "rng": self.rng,
@@ -377,7 +378,9 @@ class Checkpointer:
             metadata = read_metadata(path)
             trainable_only = resolve_trainable_only(model, self.trainable_only)
             state = state_to_load(model, optimizer, metadata, rank=comm.rank, trainable_only=trainable_only)
-            problems = check_against(state, metadata, path, optimizer is not None, upcast) + check_files(metadata, path)
+            problems = check_optimizer(_read_info(path), optimizer)
+            problems += check_against(state, metadata, path, optimizer is not None, upcast)
+            problems += check_files(metadata, path)
             problems += check_extra_keys(extra, metadata)
             if not problems and self.verify and _has_checksums(path):
                 problems = verify_files(metadata, path, comm.rank, comm.world)
@@ -417,13 +420,21 @@ class Checkpointer:
         return choice
 
 
-def _has_checksums(path: Path) -> bool:
-    """Whether the step says its records carry CRC-32s to verify (steps before fsdp2kit recorded it
-    do not: they load unchecked). An unreadable ``fsdp2kit.json`` is itself a problem."""
+def _read_info(path: Path) -> dict:
+    """The step's ``fsdp2kit.json`` ({} for a plain DCP checkpoint). An unreadable one is a problem."""
     info = path / INFO_FILE
     if not info.is_file():
-        return False
+        return {}
     try:
-        return json.loads(info.read_text()).get("checksums") == CHECKSUMS
-    except (ValueError, AttributeError) as e:
+        value = json.loads(info.read_text())
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON {type(value).__name__}, not an object")
+        return value
+    except ValueError as e:
         raise CheckpointError(f"{info} is corrupt ({type(e).__name__}: {e})") from e
+
+
+def _has_checksums(path: Path) -> bool:
+    """Whether the step says its records carry CRC-32s to verify (steps before fsdp2kit recorded it
+    do not: they load unchecked)."""
+    return _read_info(path).get("checksums") == CHECKSUMS

@@ -18,6 +18,22 @@ MAX_LISTED = 8
 UPCASTS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
+def check_optimizer(info: dict, optimizer: torch.optim.Optimizer | None) -> list[str]:
+    """The checkpoint's optimizer (``fsdp2kit.json``'s ``optimizer``, its class name) against the one
+    given. AdamW's and the low-bit AdamWs' states have the same keys and shapes, so without this an
+    8-bit state would load into a full-precision AdamW (or the reverse) without a word."""
+    saved = info.get("optimizer")
+    family = {"OffloadedAdamW": "AdamW"}  # the same state, held in host memory
+    here = type(optimizer).__name__ if optimizer is not None else None
+    if here is None or saved is None or family.get(saved, saved) == family.get(here, here):
+        return []
+    return [
+        f"the checkpoint holds the state of optimizer {saved}, but it is being loaded into {here}: "
+        f"build the optimizer the run was saved with ({saved}), or load with optimizer=None to start the "
+        "optimizer afresh"
+    ]
+
+
 def check_against(
     state: dict, metadata: Metadata, path: Path, with_optimizer: bool, upcast: list[str] | None = None
 ) -> list[str]:

@@ -28,6 +28,7 @@ __all__ = [
     "optimizer_template",
     "optimizer_to_save",
     "restore_optimizer",
+    "state_kinds",
 ]
 
 FORMAT = 2
@@ -65,6 +66,25 @@ def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
         "values": values,
     }
     return {"state": state, PACKED: encode(packed, "optimizer state")}
+
+
+def state_kinds(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """How this rank's optimizer holds its tensor states in memory, counted: ``{"OptimState8bit, blocks of
+    128": 6, "float32": 6}``. Recorded in ``fsdp2kit.json`` for ``fsdp2kit inspect``: DCP stores a
+    quantized state dequantized (its records say float32), so the files alone do not tell."""
+    kinds: dict[str, int] = {}
+    for entries in optimizer.state.values():
+        for value in entries.values():
+            if not _sharded(value):
+                continue
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if type(local) is torch.Tensor:
+                label = str(local.dtype).removeprefix("torch.")
+            else:  # a tensor subclass: torchao's low-bit states carry their block
+                block = getattr(local, "block_size", None)
+                label = type(local).__name__ + (f", blocks of {block}" if block else "")
+            kinds[label] = kinds.get(label, 0) + 1
+    return dict(sorted(kinds.items()))
 
 
 def optimizer_format(metadata: Metadata) -> int | None:

@@ -80,6 +80,10 @@ def _print_inspect(report: dict, out) -> None:
             f"optimizer {info.get('optimizer') or 'none'}",
             file=out,
         )
+        kinds = info.get("optimizer_state")
+        if kinds:
+            held = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+            print(f"  optimizer state in memory (rank 0): {held}; stored as the records below say", file=out)
         print(f"  extra: {extras}; per rank: {', '.join(per_rank) or 'none'}", file=out)
     hf = ", Hugging Face config.json" if contents["has_hf_config"] else ""
     print(f"  {contents['data_files']} data file(s), {fmt_bytes(contents['data_bytes'])} on disk{hf}", file=out)

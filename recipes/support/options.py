@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from fsdp2kit.diagnostics import ON_NONFINITE
 from fsdp2kit.optim import OPTIMIZERS
 from fsdp2kit.precision import PRECISIONS
@@ -39,6 +41,17 @@ def _trackers(value: str) -> str:
     if unknown:
         raise ValueError(f"unknown tracker {unknown[0]!r}; known: {', '.join(TRACKERS)}")
     return value
+
+
+def _betas(value: str) -> str:
+    parts = [v.strip() for v in str(value).split(",")]
+    try:
+        b1, b2 = (float(v) for v in parts)
+    except ValueError:
+        raise ValueError("expected two numbers, beta1,beta2 (e.g. 0.9,0.95)") from None
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError("each beta must be in [0, 1)")
+    return f"{b1},{b2}"
 
 
 def _targets(value: str) -> str:
@@ -168,14 +181,23 @@ class OptimConfig:
     )
     lr: float | None = opt(None, "peak learning rate; none: [train] lr, its older name (set one of the two)")
     weight_decay: float | None = opt(None, "decoupled weight decay; none: [train] weight_decay, its older name")
-    offload: bool = opt(False, "optimizer state in host memory: not available yet (refused)")
+    betas: str = opt("0.9,0.999", "AdamW's beta1,beta2 (the decay of the gradient's mean and square)", check=_betas)
+    eps: float = opt(1e-8, "AdamW's epsilon, added to the root of the squared-gradient average", minimum=0.0)
+    offload: bool = opt(
+        False, "AdamW's state and update in pinned host memory, parameters and gradients on the GPU (CUDA only)"
+    )
 
 
 def optimizer_args(cfg: Config) -> dict:
     """`fk.make_optimizer`'s keyword arguments from ``[optim]`` (and the older ``[train] lr`` /
     ``weight_decay``); ValueError for what cannot run, before any process group exists."""
     o, t, default = cfg.optim, cfg.train, TrainConfig()
-    out = {"name": o.name, "offload": o.offload}
+    out = {
+        "name": o.name,
+        "offload": o.offload,
+        "betas": tuple(float(b) for b in _betas(o.betas).split(",")),
+        "eps": o.eps,
+    }
     for key in ("lr", "weight_decay"):
         new, old = getattr(o, key), getattr(t, key)
         if new is not None and old != getattr(default, key) and new != old:
@@ -183,8 +205,16 @@ def optimizer_args(cfg: Config) -> dict:
         out[key] = old if new is None else new
     if o.name == "adamw_bf16sr" and cfg.parallel.mixed_precision != "pure_bf16":
         raise ValueError("optim.name=adamw_bf16sr steps bf16 parameters: set parallel.mixed_precision=pure_bf16")
-    if o.offload:
-        raise ValueError("optim.offload: optimizer-state offload is not available yet (parallel.cpu_offload is)")
+    if o.offload and o.name != "adamw":
+        raise ValueError(f"optim.offload is for optim.name=adamw (not {o.name}: a low-bit state is already small)")
+    if o.offload and cfg.parallel.cpu_offload:
+        raise ValueError(
+            "optim.offload and parallel.cpu_offload: choose one (cpu_offload already keeps the state on the host)"
+        )
+    if o.offload and not torch.cuda.is_available():
+        raise ValueError(
+            "optim.offload keeps parameters on the GPU and the state in host memory: this machine has no GPU"
+        )
     return out
 
 

@@ -86,6 +86,8 @@ def summary(cfg: Config, plan: fk.ShardPlan, memory: MemoryPlan | str, device: t
             f"AdamW state {plan.state_dtype}", f"{cfg.optim.name} state {optimizer_state_dtype(cfg, plan)}"
         ),
     ]
+    if cfg.parallel.mixed_precision == "pure_bf16" and cfg.optim.name == "adamw":
+        lines[-1] += " (round-to-nearest updates: optim.name=adamw_bf16sr rounds them stochastically)"
     if isinstance(memory, MemoryPlan):
         # On CPU the planner predicts live tensor bytes, not the process's RSS (support/metrics.py).
         what = "live tensors" if device.type == "cpu" else "allocated, with the allocator's margin"

@@ -308,6 +308,58 @@ def case_compile() -> dict:
     }
 
 
+def case_low_bit_optimizers() -> dict:
+    """make_optimizer's torchao states on the device's shards (quantized, compiled for the GPU), each
+    against one process with the same optimizer on the concatenated batch; offload still refused."""
+    info = _info()
+    out = {}
+    for name in ("adamw8bit", "adamw4bit", "adamw_fp8"):
+        ref = build("llama").to(info.device)
+        model = copy.deepcopy(ref)
+        start = _full(ref)
+        fk.shard_model(model, fk.make_mesh())
+        opt = fk.make_optimizer(model, name, lr=1e-3, weight_decay=0.1)
+        batches = _batches(dist.get_world_size())
+        losses = _train_sharded(model, opt, batches, info.device)
+        ref_losses = _train_ref(ref, fk.make_optimizer(ref, name, lr=1e-3, weight_decay=0.1), batches, info.device)
+        states = [opt.state[p]["exp_avg"].to_local() for p in model.parameters() if p.dim() >= 2 and p.numel() >= 4096]
+        out[name] = {
+            "state_types": sorted({type(t).__name__ for t in states}),
+            "state_devices": sorted({str(t.device) for t in states}),
+            "loss_rel": _loss_rel(losses, ref_losses),
+            **_compare(start, _full(model), _full(ref)),
+        }
+    try:
+        fk.make_optimizer(model, "adamw8bit", lr=1e-3, offload=True)
+        out["offload"] = None
+    except ValueError as e:
+        out["offload"] = str(e)
+    return out
+
+
+def case_state_offload() -> dict:
+    """make_optimizer(offload=True): parameters and gradients on the GPU, AdamW's state in pinned host
+    memory and its update on the CPU; against torch's AdamW on the GPU in one process."""
+    info = _info()
+    ref = build("llama").to(info.device)
+    model = copy.deepcopy(ref)
+    start = _full(ref)
+    fk.shard_model(model, fk.make_mesh())
+    opt = fk.make_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1, eps=1e-5, offload=True)
+    batches = _batches(dist.get_world_size())
+    losses = _train_sharded(model, opt, batches, info.device)
+    ref_losses = _train_ref(ref, _optimizer("adamw", ref.parameters()), batches, info.device)
+    states = [opt.state[p][k].to_local() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+    return {
+        "optimizer": type(opt).__name__,
+        "state_devices": sorted({str(t.device) for t in states}),
+        "state_pinned": all(t.is_pinned() for t in states if t.numel()),
+        "param_devices": sorted({str(p.to_local().device) for p in model.parameters()}),
+        "loss_rel": _loss_rel(losses, ref_losses),
+        **_compare(start, _full(model), _full(ref)),
+    }
+
+
 CASES = {
     "nccl": lambda root, hf_dir: case_nccl(),
     "bf16": lambda root, hf_dir: case_bf16_parity(),
@@ -316,6 +368,8 @@ CASES = {
     "checkpoint": lambda root, hf_dir: case_checkpoint(root),
     "load_pretrained": lambda root, hf_dir: case_load_pretrained(hf_dir),
     "compile": lambda root, hf_dir: case_compile(),
+    "low_bit_optimizers": lambda root, hf_dir: case_low_bit_optimizers(),
+    "state_offload": lambda root, hf_dir: case_state_offload(),
 }
 
 

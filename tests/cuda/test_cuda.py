@@ -93,6 +93,33 @@ def test_cpu_offload_pinned(world):
 
 
 @pytest.mark.timeout(540)
+def test_low_bit_optimizers_on_the_device(world):
+    """Quantized state on the GPU's shards; against one process on the same GPU: the update's cosine
+    >= 0.99 and losses within 1e-3 (on CPU ranks, world 2, 8-bit and 4-bit agree to fp32 rounding;
+    FP8 flips a few codes: tests/dist/test_optim.py). State offload is for adamw only."""
+    for rank, res in enumerate(_results(world, "low_bit_optimizers")):
+        for name, kind in (
+            ("adamw8bit", "OptimState8bit"),
+            ("adamw4bit", "OptimState4bit"),
+            ("adamw_fp8", "OptimStateFp8"),
+        ):
+            r = res[name]
+            assert r["state_types"] == [kind] and r["state_devices"] == [f"cuda:{rank}"], (name, r)
+            assert r["loss_rel"] < 1e-3 and r["update_cos"] > 0.99, (name, r)
+        assert res["offload"] is not None and "for 'adamw'" in res["offload"], res["offload"]
+
+
+@pytest.mark.timeout(540)
+def test_state_offload_keeps_parameters_on_the_gpu(world):
+    """make_optimizer(offload=True): state pinned on the host, parameters on the GPU, the update as
+    torch's AdamW on the GPU within RTOL (the step runs on the CPU, as with cpu_offload)."""
+    for rank, res in enumerate(_results(world, "state_offload")):
+        assert res["optimizer"] == "OffloadedAdamW" and res["param_devices"] == [f"cuda:{rank}"], res
+        assert res["state_devices"] == ["cpu"] and res["state_pinned"], res
+        assert res["loss_rel"] < RTOL and res["worst_rel"] < RTOL, res
+
+
+@pytest.mark.timeout(540)
 def test_checkpoint_async_staging_from_gpu(world):
     for rank, res in enumerate(_results(world, "checkpoint")):
         assert res["published"] == 1 and res["loaded_step"] == 1

@@ -9,12 +9,12 @@ shard is a block of the unsharded tensor. The biases (128 elements) keep full-pr
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
 from fsdp2kit._internal.dtensor import gather_full
@@ -156,9 +156,9 @@ def resume(name: str, root: str) -> dict:
     for step in range(2):
         _step(model, opt, *_batch(rank, step), dtype)
     ck.save(2, model, optimizer=opt)
+    out = {"saved": _state_summary(opt, model)}  # what reshard_hop's chain starts from
     losses = [_step(model, opt, *_batch(rank, step), dtype) for step in (2, 3)]
     end = _full(model)
-    out = {}
     for label, mesh in (("same_mesh", fk.make_mesh()), ("replicated", fk.make_mesh(shard=1, replicate=2))):
         other, other_opt = _sharded(name, mesh, seed=1)  # another init: everything must come from the checkpoint
         assert ck.load(other, optimizer=other_opt) == 2
@@ -174,14 +174,18 @@ def resume(name: str, root: str) -> dict:
     return out
 
 
-def warns_unquantized() -> list[str]:
-    """A 40 x 160 weight (6400 = 25 blocks) is quantized whole but not as 20 x 160 shards (3200 < 4096)."""
+def odd_rows() -> list[tuple[str, int | None, int]]:
+    """Weights whose shards torchao alone would keep in fp32 (3200 local elements < 4096): 40 x 160
+    (rows of 160: blocks of 160) and 160 x 40 (blocks of 40). Each state's class, block, local numel."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(160, 40), nn.Linear(40, 160))
     fk.shard_model(model, fk.make_mesh())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fk.make_optimizer(model, "adamw8bit", lr=1e-3)
-    return [str(w.message) for w in caught if "full-precision state" in str(w.message)]
+    opt = fk.make_optimizer(model, "adamw8bit", lr=1e-3)
+    out = []
+    for w in (model[0].weight, model[1].weight):
+        local = opt._new_buffer(w, True)._local_tensor  # the state the first step would allocate
+        out.append((type(local).__name__, getattr(local, "block_size", None), local.numel()))
+    return out
 
 
 def errors() -> dict:
@@ -191,7 +195,8 @@ def errors() -> dict:
     for label, call in {
         "bf16sr_fp32": lambda: fk.make_optimizer(model, "adamw_bf16sr", lr=1e-3),
         "unknown": lambda: fk.make_optimizer(model, "lion", lr=1e-3),
-        "offload": lambda: fk.make_optimizer(model, "adamw8bit", lr=1e-3, offload=True),
+        "offload": lambda: fk.make_optimizer(model, "adamw", lr=1e-3, offload=True),  # CPU parameters
+        "offload_low_bit": lambda: fk.make_optimizer(model, "adamw8bit", lr=1e-3, offload=True),
     }.items():
         try:
             call()
@@ -205,8 +210,142 @@ def errors() -> dict:
     return out
 
 
+def offloaded(root: str) -> dict:
+    """OffloadedAdamW's update and checkpoint on CPU ranks (host buffers unpinned: make_optimizer builds
+    it for CUDA parameters only): against torch's AdamW step by step, and a save loaded into a plain
+    AdamW on the 2 x 1 mesh and into an OffloadedAdamW on the same mesh."""
+    from fsdp2kit.optim_offload import OffloadedAdamW
+
+    rank = dist.get_rank()
+    model, plain = _sharded("adamw", fk.make_mesh())
+    torch.manual_seed(0)
+    other = Net()
+    fk.shard_model(other, fk.make_mesh())
+    off = OffloadedAdamW(other.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(2):
+        _step(model, plain, *_batch(rank, step), torch.float32)
+        _step(other, off, *_batch(rank, step), torch.float32)
+    out = {
+        "param_diff": _diff(_full(model), _full(other)),
+        "state_device": str(off.state[other.head.weight]["exp_avg"].to_local().device),
+    }
+    ck = fk.Checkpointer(f"{root}/offloaded", keep_last=None)
+    ck.save(2, other, optimizer=off)
+    for _ in range(1):
+        _step(other, off, *_batch(rank, 2), torch.float32)
+    end = _full(other)
+    for label, mesh, kind in (
+        ("into_adamw_2x1", fk.make_mesh(shard=1, replicate=2), "adamw"),
+        ("into_offloaded", fk.make_mesh(), "offloaded"),
+    ):
+        again, _ = _sharded("adamw", mesh, seed=1)
+        opt = (
+            fk.make_optimizer(again, "adamw", lr=LR, weight_decay=0.1)
+            if kind == "adamw"
+            else OffloadedAdamW(again.parameters(), lr=LR, weight_decay=0.1)
+        )
+        assert ck.load(again, optimizer=opt) == 2
+        _step(again, opt, *_batch(rank, 2), torch.float32)
+        out[label] = _diff(end, _full(again))
+    ck.close()
+    return out
+
+
 def run_cases(root: str, names: tuple[str, ...]) -> dict:
-    out = {"errors": errors(), "warns": warns_unquantized()}
+    out = {"errors": errors(), "odd_rows": odd_rows(), "offloaded": offloaded(root)}
     for name in names:
         out[name] = {"parity": parity(name), "resume": resume(name, root)}
+    mesh = tuple(n for n in names if n != "adamw_bf16sr")  # stochastic rounding: other draws on other shapes
+    one = mesh_states(mesh, sharded=False) if dist.get_rank() == 0 else None  # no collective inside
+    out["mesh"] = {"world": mesh_states(mesh), "one": one}
     return out
+
+
+MESH_ROWS, MESH_STEPS = 6, 3  # a global batch every world of 1, 2 and 3 splits evenly
+
+
+def _mesh_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(MESH_ROWS, DIM, generator=g), torch.randn(MESH_ROWS, DIM, generator=g)
+
+
+def _state_summary(opt, model) -> dict:
+    """Per parameter and state: the local tensor's class, its block, and the whole state dequantized
+    (gathered over the mesh: rows in order, replicas once); each parameter whole too. Classes and
+    blocks are this rank's."""
+    out = {}
+    for fqn, p in model.named_parameters():
+        out[f"{fqn}.param"] = {"type": "param", "block": None, "value": _full_value(p)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = opt.state[p][key]
+            local = v._local_tensor if isinstance(v, DTensor) else v
+            value = local.dequantize() if hasattr(local, "dequantize") else local.float()
+            if isinstance(v, DTensor):
+                value = DTensor.from_local(
+                    value.reshape(local.shape), v.device_mesh, v.placements, shape=v.shape, stride=v.stride()
+                )
+            out[f"{fqn}.{key}"] = {
+                "type": type(local).__name__,
+                "block": getattr(local, "block_size", None),
+                "value": _full_value(value),
+            }
+    return out
+
+
+def _full_value(t: torch.Tensor):
+    # a numpy array: a tensor would not outlive the rank's process on the way back to the test
+    return (gather_full(t) if isinstance(t, DTensor) else t).detach().float().clone().numpy()
+
+
+def mesh_states(names: tuple[str, ...], sharded: bool = True) -> dict:
+    """Each optimizer's state after MESH_STEPS steps on the same global batches, every rank taking its
+    rows: on this world's FSDP2 mesh, or (``sharded=False``) one process with the whole batch."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if sharded else (1, 0)
+    rows = MESH_ROWS // world
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = Net()
+        if sharded:
+            fk.shard_model(model, fk.make_mesh())
+        opt = fk.make_optimizer(model, name, lr=LR, weight_decay=0.1)
+        for step in range(MESH_STEPS):
+            x, y = _mesh_batch(step)
+            _step(model, opt, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows], torch.float32)
+        out[name] = _state_summary(opt, model)
+    return out
+
+
+def reshard_hop(src: str, dst: str | None, names: tuple[str, ...], shape: tuple[int, ...] = ()) -> dict:
+    """Load each optimizer's newest checkpoint under ``src/<name>`` into a fresh model (another init)
+    on this world's mesh (``shape``: make_mesh's shard, replicate), describe what was loaded, and save
+    it unchanged under ``dst/<name>`` for the next hop of a chain (2 -> 3 -> 1 ranks, 2x2 -> 4)."""
+    mesh = fk.make_mesh(*shape)
+    out = {}
+    for name in names:
+        model, opt = _sharded(name, mesh, seed=1)
+        step = fk.Checkpointer(f"{src}/{name}", keep_last=None).load(model, optimizer=opt)
+        out[name] = _state_summary(opt, model)
+        if dst is not None:
+            with fk.Checkpointer(f"{dst}/{name}", keep_last=None) as ck:
+                ck.save(step + 1, model, optimizer=opt)
+    return out
+
+
+def hsdp_to_flat(root: str, names: tuple[str, ...]) -> dict:
+    """World 4: train 2 steps on a 2 x 2 HSDP mesh and save; load into a 1-D mesh of 4 (reshard_hop)."""
+    rank = dist.get_rank()
+    saved = {}
+    for name in names:
+        model, opt = _sharded(name, fk.make_mesh(shard=2, replicate=2))
+        for step in range(2):
+            _step(model, opt, *_batch(rank, step), _precision(name)[1])
+        with fk.Checkpointer(f"{root}/{name}", keep_last=None) as ck:
+            ck.save(2, model, optimizer=opt)
+        saved[name] = _state_summary(opt, model)
+    return {"saved": saved, "loaded": reshard_hop(root, None, names, (4, 1))}
+
+
+def world3_cases(root: str, mesh_names: tuple[str, ...], hop_names: tuple[str, ...]) -> dict:
+    """World 3's spawn: the mesh-independence states, and the 2 -> 3 hop of the reshard chain."""
+    return {"mesh": mesh_states(mesh_names), "hop": reshard_hop(root, f"{root}/w3", hop_names)}

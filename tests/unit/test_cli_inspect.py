@@ -77,3 +77,40 @@ def test_inspect_errors(root, tmp_path, capsys):
     assert main([]) == 2
     with pytest.raises(SystemExit):
         main(["inspect"])
+
+
+def test_low_bit_optimizer_state_is_named_and_guarded(mesh, tmp_path, capsys):
+    """inspect names the optimizer and how it held its state (the records are dequantized float32),
+    and loading that state into another optimizer is a CheckpointError naming both."""
+    import torch.nn as nn
+
+    import fsdp2kit as fk
+    from fsdp2kit.checkpoint import CheckpointError
+
+    def model_and(name):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 8))
+        fk.shard_model(model, mesh)
+        opt = fk.make_optimizer(model, name, lr=1e-3)
+        new = getattr(opt, "_new_buffer", lambda p, signed: torch.zeros_like(p))
+        for p in model.parameters():  # the state the first step allocates, without compiling torchao's step
+            opt.state[p].update(step=torch.tensor(0.0), exp_avg=new(p, True), exp_avg_sq=new(p, False))
+        return model, opt
+
+    ck = Checkpointer(tmp_path, keep_last=None)
+    model, opt = model_and("adamw8bit")
+    ck.save(1, model, optimizer=opt)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer AdamW8bit" in out
+    # the 64 x 128 weight in blocks of 128; the 8 x 64 one (512 elements) and the biases in fp32
+    assert "optimizer state in memory (rank 0): 2 OptimState8bit, blocks of 128, 6 float32" in out, out
+    for other in ("adamw", "adamw4bit"):
+        model, opt = model_and(other)
+        with pytest.raises(
+            CheckpointError, match=f"state of optimizer AdamW8bit, but .* loaded into {type(opt).__name__}"
+        ):
+            ck.load(model, optimizer=opt)
+    model, opt = model_and("adamw8bit")
+    assert ck.load(model, optimizer=opt) == 1
+    assert ck.load(model_and("adamw")[0]) == 1  # the model alone, the optimizer afresh

@@ -28,3 +28,15 @@ def test_lora_run_without_a_log_and_no_memory_plan():
     )
     assert lines[1] == f"precision: {plan.precision_line}"
     assert lines[2:] == [memory, "log: none", "checkpoints: outputs/ckpt (at the end)"]
+
+
+def test_pure_bf16_with_round_to_nearest_adamw_is_said():
+    cfg = Config()
+    cfg.parallel.mixed_precision = "pure_bf16"
+    model = build_causal_lm("demo", meta=True)
+    plan = plan_shards(model, shard=2, mixed_precision="pure_bf16")
+    line = summary(cfg, plan, "memory plan unavailable", torch.device("cpu")).splitlines()[1]
+    assert "master weights bf16" in line and "optim.name=adamw_bf16sr rounds them stochastically" in line, line
+    cfg.optim.name = "adamw_bf16sr"
+    line = summary(cfg, plan, "memory plan unavailable", torch.device("cpu")).splitlines()[1]
+    assert "adamw_bf16sr state bf16" in line and "round-to-nearest" not in line, line
