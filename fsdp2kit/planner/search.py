@@ -148,9 +148,12 @@ def rank_by_step_time(
 
 
 def _settings_of(s: Settings, label: str) -> Settings | None:
-    """The settings a change's label stands for: each ``" + "``-joined part a `_candidates` label of the last."""
+    """The settings a change's label stands for: each ``" + "``-joined part a candidate label of the last."""
+    # The candidate generator by whichever name this module gives it (private here; public where the
+    # optimizer planner's search exports it), so the ranking follows the search it ranks.
+    generate = globals().get("candidates") or globals()["_candidates"]
     for part in label.split(" + "):
-        s = {lab: new for lab, _, new in _candidates(s)}.get(part)
+        s = {lab: new for lab, _, new in generate(s)}.get(part)
         if s is None:
             return None
     return s
