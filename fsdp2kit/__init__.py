@@ -4,6 +4,7 @@ The public face. Every helper takes a module (and a mesh) and changes it in plac
 README.md for the order in which they compose.
 """
 
+from fsdp2kit.accumulation import ACCUMULATION, accumulate
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
 from fsdp2kit.diagnostics import DesyncError, NonFiniteError, RankMonitor, check_finite
@@ -15,6 +16,7 @@ from fsdp2kit.optim import OPTIMIZERS, make_optimizer
 from fsdp2kit.parallel import apply_context_parallel, apply_tensor_parallel, split_for_context_parallel
 from fsdp2kit.plan import ShardPlan, UnitPlan
 from fsdp2kit.planner import MemoryPlan, plan_memory
+from fsdp2kit.planner.comm import CommPlan, plan_comm
 from fsdp2kit.shard import STRATEGIES, estimate_plan, shard_model
 from fsdp2kit.stop import EXIT_PREEMPTED, StopSignal
 from fsdp2kit.weights.adapters import apply_lora
@@ -30,12 +32,14 @@ from fsdp2kit.wrappers.prefetch import set_prefetch
 __version__ = "0.1.0"
 
 __all__ = [
+    "ACCUMULATION",
     "EXIT_PREEMPTED",
     "OPTIMIZERS",
     "STRATEGIES",
     "CheckpointError",
     "Checkpointer",
     "CollectiveCounts",
+    "CommPlan",
     "DesyncError",
     "DistInfo",
     "ImportResult",
@@ -48,6 +52,7 @@ __all__ = [
     "ShardPlan",
     "StopSignal",
     "UnitPlan",
+    "accumulate",
     "apply_activation_checkpointing",
     "apply_context_parallel",
     "apply_lora",
@@ -70,6 +75,7 @@ __all__ = [
     "make_optimizer",
     "materialize",
     "no_sync",
+    "plan_comm",
     "plan_memory",
     "quantize_nf4",
     "set_prefetch",

@@ -21,6 +21,7 @@ FSDP2KIT_DEBUG=1) shows its Python traceback instead: see support/errors.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 import fsdp2kit as fk
 from fsdp2kit._internal.quiet import quiet_imports
+from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.diagnostics import RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
@@ -92,6 +94,7 @@ def check_before_start(cfg: Config) -> None:
         raise ConfigError(problem)
     try:
         optimizer_args(cfg)
+        check_accumulation(cfg.train.accumulation, hsdp=p.replicate > 1)
     except ValueError as e:  # a choice that cannot run with the rest of the config
         raise ConfigError(str(e)) from e
     for role, files in (("data", cfg.data.files), ("eval", cfg.eval.files)):
@@ -311,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
         micro = micro[skip:]
         monitor.step(step + 1)  # steps are counted from 1 in every message, as in the log
         # a collective that fails or times out names every rank's position
-        with monitor.guard(), live_peak.watch(step, model, optimizer):
+        # the first step's collectives, counted by mesh dimension and kind (one JSONL event below)
+        counting = fk.count_collectives(mesh) if step == start else contextlib.nullcontext()
+        with monitor.guard(), live_peak.watch(step, model, optimizer), counting as counts:
             # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py.
             # With TP, each of a TP group's ranks counts the same tokens: the count over all ranks and the
             # world size are both TP times too large, and the factors cancel.
@@ -321,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
                 dp_size=mesh.size(),
                 device=info.device,
                 before_micro=lambda i, b, skip=skip: monitor.micro_step(i + skip, b["input_ids"]),
+                accumulation=t.accumulation,
             )
             monitor.step_end()
             grad_norm = fk.clip_grad_norm_(model.parameters(), t.clip if t.clip > 0 else math.inf)
@@ -333,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad(set_to_none=True)
 
         done = step + 1
+        if counts is not None:  # this rank's collectives in the first step: the log file only
+            log.log({"event": "collectives", "step": done, "accumulation": t.accumulation, "groups": counts.summary()})
         if done % cfg.log.every == 0 or done == t.steps or done == start + 1:
             dist.all_reduce(loss_sum)  # the loss of the global batch: every rank's sum over the global count
             mem = torch.zeros(info.world_size, dtype=torch.float64, device=info.device)

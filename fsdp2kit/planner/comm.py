@@ -39,15 +39,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from fsdp2kit.accumulation import ACCUMULATION as _POLICIES
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.parts import _gathered_bytes, _is_lookup, _padded, unit_params
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["ACCUMULATION", "Collective", "CommPlan", "UnitComm", "comm_of_plan", "comm_of_settings", "plan_comm"]
 
-# Gradient accumulation policies (fsdp2kit.accumulate applies them): what is sent per step of M
-# micro-batches, against what stays in memory between micro-batches.
-ACCUMULATION = ("regather", "keep_gathered", "defer_all_reduce", "no_sync", "keep_gathered_no_sync")
+# Gradient accumulation policies, as fsdp2kit.accumulate applies them (fsdp2kit/accumulation.py).
+ACCUMULATION = tuple(_POLICIES)
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,8 @@ def rank_by_step_time(
 ) -> list[dict]:
     """``changes`` (what `cheapest_changes` returned for ``s``) ranked by their predicted step time on
     ``hardware`` (`fsdp2kit.planner.steptime`, on ``nodes`` nodes, more for a change that adds GPUs) in place
-    of the fixed guesses; changes to what is trained (LoRA) still come last. Each gets ``step_seconds`` and
+    of the fixed guesses; changes to what is trained (LoRA) still come last, and CPU offload (whose
+    transfers the model leaves out) after the changes timed in full. Each gets ``step_seconds`` and
     ``tokens_per_second_per_gpu``, and its ``cost`` says them (against ``baseline``, the unchanged settings'
     `StepTime`, when given). A change whose settings cannot be rebuilt from its label keeps its place, last."""
     import math
@@ -155,6 +156,11 @@ def rank_by_step_time(
         what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
         if baseline is not None:
             what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
+        # CPU offload's host transfers and CPU optimizer step are not in the model: its time is a lower
+        # bound, so it is ranked after the changes whose time is whole.
+        partial = settings.cpu_offload and not s.cpu_offload
+        if partial:
+            what += " at best (offload's transfers not modelled)"
         if change["cost_fraction"] >= 1.0:
             what += ", changes what is trained"
         timed = {
@@ -163,15 +169,18 @@ def rank_by_step_time(
             "step_seconds": step.step_s,
             "tokens_per_second_per_gpu": step.tokens_per_second_per_gpu,
         }
-        ranked.append((change["cost_fraction"] >= 1.0, step.step_s, len(ranked), timed))
-    ranked.sort(key=lambda t: t[:3])
-    return [t[3] for t in ranked] + unranked
+        ranked.append((change["cost_fraction"] >= 1.0, partial, step.step_s, len(ranked), timed))
+    ranked.sort(key=lambda t: t[:4])
+    return [t[4] for t in ranked] + unranked
 
 
 def _settings_of(s: Settings, label: str) -> Settings | None:
-    """The settings a change's label stands for: each ``" + "``-joined part a `_candidates` label of the last."""
+    """The settings a change's label stands for: each ``" + "``-joined part a candidate label of the last."""
+    # The candidate generator by whichever name this module gives it (private here; public where the
+    # optimizer planner's search exports it), so the ranking follows the search it ranks.
+    generate = globals().get("candidates") or globals()["_candidates"]
     for part in label.split(" + "):
-        s = {lab: new for lab, _, new in _candidates(s)}.get(part)
+        s = {lab: new for lab, _, new in generate(s)}.get(part)
         if s is None:
             return None
     return s

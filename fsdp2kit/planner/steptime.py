@@ -167,7 +167,7 @@ def predict_step(
     price_per_gpu_hour: float = DEFAULT_PRICE,
     cache: dict | None = None,
     memory_plan=None,
-    accumulation: str = "regather",
+    accumulation: str | None = None,
 ) -> StepTime:
     """Predict one optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`,
     ``grad_accum`` micro-batches a step, communicating as ``accumulation`` says: `fsdp2kit.planner.comm`)
@@ -215,6 +215,8 @@ def predict_step(
         # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
         # (all-to-all style): 1 / cp of every matmul, whatever its kind.
         flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
+    if accumulation is None:  # the settings' own policy where they carry one, else FSDP2's default
+        accumulation = getattr(s, "accumulation", None) or "regather"
     comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation)
     return _predict(
         hardware,

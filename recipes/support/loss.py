@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -43,6 +42,7 @@ def backward_global_mean(
     dp_size: int,
     device,
     before_micro: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+    accumulation: str = "no_sync",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward of (sum of every rank's answer-token losses) / (global answer-token count).
 
@@ -51,16 +51,16 @@ def backward_global_mean(
     what a mean of per-rank means would do. FSDP averages gradients over the ``dp_size``
     data-parallel ranks and accumulation adds micro-steps, hence each micro-loss is scaled by
     dp_size / count. ``before_micro(i, batch)`` is called before each micro-step (the recipe's rank
-    monitor records where it is). Returns (this rank's loss sum, the global count), both detached.
+    monitor records where it is). ``accumulation`` is the `fsdp2kit.accumulate` policy of the micro-steps
+    (``"no_sync"``: reduce once, on the last). Returns (this rank's loss sum, the global count), both detached.
     """
     count = answer_tokens(micro_batches, device)
     scale = dp_size / count.clamp(min=1.0).item()
     total = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
         if before_micro is not None:
             before_micro(i, batch)
-        with contextlib.nullcontext() if last else fk.no_sync(model):
+        with fk.accumulate(model, accumulation, i, len(micro_batches)):
             s = answer_loss_sum(model, batch)
             (s * scale).backward()
         total += s.detach()

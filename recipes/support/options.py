@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp2kit.accumulation import ACCUMULATION
 from fsdp2kit.diagnostics import ON_NONFINITE
 from fsdp2kit.optim import OPTIMIZERS
 from fsdp2kit.precision import PRECISIONS
@@ -150,6 +151,12 @@ class TrainConfig:
     warmup: int = opt(30, "linear warm-up steps, then cosine decay to 10% of lr")
     weight_decay: float = opt(0.1, "AdamW weight decay (the older name of optim.weight_decay)")
     grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)", minimum=1)
+    accumulation: str = opt(
+        "no_sync",
+        "how micro-steps communicate: regather | keep_gathered | defer_all_reduce (HSDP) | no_sync | "
+        "keep_gathered_no_sync (fewer bytes for more memory: docs/accumulation.md)",
+        choices=tuple(ACCUMULATION),
+    )
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)")
     seed: int = opt(0, "seed for weights and data order")
     smoke: bool = opt(

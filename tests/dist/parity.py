@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from comm_check import counted_calls, predicted_calls
 from models import build, lm_loss
 
 import fsdp2kit as fk
@@ -39,6 +40,8 @@ class Case:
     compile: bool = False  # compile_blocks
     prefetch: tuple[int, int] | None = None  # set_prefetch(forward, backward)
     keep_params: bool = False  # return the final full parameters, to compare cases with each other
+    accumulation: str | None = None  # fk.accumulate's policy for the accum micro-steps (None: fk.no_sync)
+    count: bool = False  # count the first step's collectives, against fsdp2kit.planner.comm's prediction
 
     @property
     def label(self) -> str:
@@ -46,7 +49,11 @@ class Case:
         if self.replicate != 1:
             parts.append(f"mesh {self.replicate}x{dist.get_world_size() // self.replicate}")
         if self.accum > 1:
-            parts.append(f"no_sync x{self.accum}")
+            parts.append(f"{self.accumulation or 'no_sync'} x{self.accum}")
+        elif self.accumulation:
+            parts.append(self.accumulation)
+        if self.count:
+            parts.append("bytes counted")
         if self.clip:
             parts.append(f"clip {self.clip}")
         if self.cpu_offload:
@@ -95,9 +102,23 @@ def run_case(case: Case) -> dict:
         if hasattr(model, "config"):
             model.config.use_cache = False  # no KV cache in training: see compile_blocks
         fk.compile_blocks(model)
+    mesh = _mesh(case.shard, case.replicate)
+    policy = case.accumulation or ("no_sync" if case.accum > 1 else "regather")
+    predicted = None
+    if case.count:  # from the unsharded model, as a user plans before launching
+        predicted = fk.plan_comm(
+            model,
+            shard=mesh.shape[-1],
+            replicate=mesh.shape[0] if mesh.ndim == 2 else 1,
+            strategy=case.strategy,
+            reshard_after_forward=case.reshard_after_forward,
+            mixed_precision=case.mixed_precision,
+            micro_batches=case.accum,
+            accumulation=policy,
+        )
     plan = fk.shard_model(
         model,
-        _mesh(case.shard, case.replicate),
+        mesh,
         strategy=case.strategy,
         cpu_offload=case.cpu_offload,
         reshard_after_forward=case.reshard_after_forward,
@@ -108,19 +129,28 @@ def run_case(case: Case) -> dict:
     opt, ref_opt = _optimizer(case.optim, model.parameters()), _optimizer(case.optim, ref.parameters())
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses, norms, ref_norms = [], [], [], []
-    for _ in range(case.steps):
+    counted = None
+    for step in range(case.steps):
         step_loss, ref_step_loss = torch.zeros(()), torch.zeros(())
-        for micro in range(case.accum):
-            tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=gen)
-            local = tokens[rank * BATCH : (rank + 1) * BATCH]
-            sync = micro == case.accum - 1
-            with contextlib.nullcontext() if sync else fk.no_sync(model):
-                loss = lm_loss(model, local) / case.accum
-                loss.backward()
-            step_loss += loss.detach()
-            ref_loss = lm_loss(ref, tokens) / case.accum
-            ref_loss.backward()
-            ref_step_loss += ref_loss.detach()
+        counting = fk.count_collectives(mesh) if predicted is not None and step == 0 else contextlib.nullcontext()
+        with counting as counts:
+            for micro in range(case.accum):
+                tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=gen)
+                local = tokens[rank * BATCH : (rank + 1) * BATCH]
+                if case.accumulation is None:  # fk.no_sync, as users of earlier versions accumulate
+                    sync = micro == case.accum - 1
+                    accumulating = contextlib.nullcontext() if sync else fk.no_sync(model)
+                else:
+                    accumulating = fk.accumulate(model, case.accumulation, micro, case.accum)
+                with accumulating:
+                    loss = lm_loss(model, local) / case.accum
+                    loss.backward()
+                step_loss += loss.detach()
+                ref_loss = lm_loss(ref, tokens) / case.accum
+                ref_loss.backward()
+                ref_step_loss += ref_loss.detach()
+        if counts is not None:
+            counted = counted_calls(counts)
         if case.clip:
             norms.append(fk.clip_grad_norm_(model.parameters(), case.clip).item())
             ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip).item())
@@ -164,6 +194,9 @@ def run_case(case: Case) -> dict:
         "plan_bytes": plan.param_bytes_per_rank,
         "local_bytes": local_bytes,
         "params": params,
+        "counted": counted,
+        "predicted": predicted_calls(predicted) if predicted is not None else None,
+        "predicted_units": len(predicted.units) if predicted is not None else 0,
     }
 
 

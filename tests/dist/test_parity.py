@@ -15,6 +15,9 @@ RTOL = 1e-5  # fp32, after 3 optimizer steps; measured worst cases sit near 1e-6
 
 MODELS = ("llama", "tinygpt")
 OPTIMS = ("sgd", "adamw")
+# fk.accumulate's policies over 4 micro-batches, counted: parity and exact bytes (docs/accumulation.md)
+ONE_D = ("regather", "keep_gathered", "no_sync", "keep_gathered_no_sync")
+POLICIES = (*ONE_D, "defer_all_reduce")
 
 CASES: dict[int, list[Case]] = {
     2: [
@@ -24,14 +27,17 @@ CASES: dict[int, list[Case]] = {
         for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
     ]
     + [
-        Case(model="llama-tied", optim="sgd"),
+        Case(model="llama-tied", optim="sgd", count=True),
         Case(model="tinygpt-tied"),
-        Case(model="llama", accum=3),
-        Case(model="tinygpt", strategy="SHARD_GRAD_OP", optim="sgd", accum=2, clip=0.05),
+        Case(model="llama", accum=3, count=True),
+        Case(model="tinygpt", strategy="SHARD_GRAD_OP", optim="sgd", accum=2, clip=0.05, count=True),
         Case(model="llama", optim="sgd", clip=0.5),
         Case(model="tinygpt-tied", optim="sgd", cpu_offload=True),
-        Case(model="llama", reshard_after_forward=False),
-    ],
+        Case(model="llama", reshard_after_forward=False, count=True),
+        Case(model="llama", strategy="NO_SHARD", optim="sgd", steps=1, count=True),
+        Case(model="tinygpt", mixed_precision="bf16", steps=1, count=True),  # bytes only: bf16 is no fp32 parity
+    ]
+    + [Case(model="tinygpt", optim="sgd", accum=4, accumulation=a, steps=2, count=True) for a in ONE_D],
     # World size 3 shards every tensor unevenly (hidden 40, vocab 96 + padding rows of 160, 56...).
     3: [
         Case(model=m, strategy=s, optim=o)
@@ -40,8 +46,10 @@ CASES: dict[int, list[Case]] = {
         for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
     ]
     + [
-        Case(model="llama-tied", accum=2, clip=0.3),
+        Case(model="llama-tied", accum=2, clip=0.3, count=True),
         Case(model="tinygpt-tied", optim="sgd"),
+        Case(model="llama", optim="sgd", steps=1, count=True),
+        Case(model="tinygpt", accum=4, accumulation="keep_gathered", steps=2, count=True),
     ],
     4: [
         Case(model=m, strategy=s, optim=o, shard=2, replicate=2)
@@ -50,9 +58,14 @@ CASES: dict[int, list[Case]] = {
         for s in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
     ]
     + [
-        Case(model="llama-tied", shard=2, replicate=2, optim="sgd", accum=2, clip=0.2),
-        Case(model="tinygpt", reshard_after_forward=2),
+        Case(model="llama-tied", shard=2, replicate=2, optim="sgd", accum=2, clip=0.2, count=True),
+        Case(model="tinygpt", reshard_after_forward=2, count=True),
         Case(model="llama", optim="sgd"),
+        Case(model="tinygpt", shard=2, replicate=2, mixed_precision="bf16", steps=1, count=True),
+    ]
+    + [
+        Case(model="tinygpt", shard=2, replicate=2, optim="sgd", accum=4, accumulation=a, steps=2, count=True)
+        for a in POLICIES
     ],
 }
 
@@ -65,7 +78,13 @@ def _world_results(world: int) -> list[list[dict]]:
     return _results[world]
 
 
-PARAMS = [pytest.param(w, i, id=f"w{w}-{i}") for w, cases in CASES.items() for i in range(len(cases))]
+PARAMS = [
+    pytest.param(w, i, id=f"w{w}-{i}")
+    for w, cases in CASES.items()
+    for i, c in enumerate(cases)
+    if c.mixed_precision is None  # fp32 parity; bf16 cases are there for their bytes
+]
+COUNTED = [pytest.param(w, i, id=f"w{w}-{i}") for w, cases in CASES.items() for i, c in enumerate(cases) if c.count]
 
 
 @pytest.mark.timeout(450)
@@ -83,3 +102,15 @@ def test_parity(world: int, index: int, parity_table) -> None:
         assert other[index]["losses"] == res["losses"]
     assert res["tied_ok"], "tied weights came apart"
     assert res["plan_bytes"] == res["local_bytes"], "ShardPlan's bytes per rank disagree with rank 0's shards"
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("world,index", COUNTED)
+def test_counted_bytes_equal_predicted(world: int, index: int) -> None:
+    """fk.count_collectives over the first step equals fsdp2kit.planner.comm's prediction, call for call:
+    each unit's all-gathers, reduce-scatters and all-reduces with their exact bytes, dtype and group."""
+    ranks = _world_results(world)
+    for rank, res in enumerate(ranks):
+        r = res[index]
+        assert r["counted"] == r["predicted"], f"{r['label']} rank {rank}: counted != predicted"
+        assert r["predicted_units"] == r["n_units"]

@@ -81,6 +81,13 @@ def test_train_resume_and_survive_a_killed_worker(tmp_path):
     assert start["event"] == "start" and start["memory_plan"].startswith("Memory plan: demo on shard=2, batch 8 x")
     assert start["shard_plan"].startswith("ShardPlan: 6 FSDP units over mesh (shard=2)"), start["shard_plan"]
     assert plans_agree(start["memory_plan"] + "\n" + start["shard_plan"])
+    # the first step's collectives, counted (fsdp2kit.count_collectives): FSDP2's and the clipping norm's
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    counted = [e for e in events if e.get("event") == "collectives"]
+    assert [e["step"] for e in counted] == [1] and counted[0]["accumulation"] == "no_sync", counted
+    shard = counted[0]["groups"]["shard"]
+    assert shard["all_gather"]["count"] >= 6 and shard["reduce_scatter"]["count"] >= 6, shard
+    assert shard["all_gather"]["dtypes"] == ["float32"] and shard["all_gather"]["ranks"] == 2, shard
     summary = [sys.executable, str(ROOT / "recipes" / "summary.py"), str(log)]
     shown = subprocess.run([*summary, "--plans"], capture_output=True, text=True, timeout=60, check=True).stdout
     assert shown == f"{start['memory_plan']}\n{start['shard_plan']}\n"

@@ -1,0 +1,159 @@
+"""Gradient accumulation policies: what FSDP2 sends per micro-batch, against what it keeps in memory between them.
+
+A step of M micro-batches under FSDP2's defaults all-gathers every unit again in each forward
+(and in each backward, for units that reshard after forward), reduce-scatters every
+micro-batch's gradients and, under HSDP, all-reduces them across replicas every micro-batch.
+Each policy here removes some of that traffic for some memory; `fsdp2kit.planner.comm`
+predicts the bytes of each and docs/accumulation.md compares them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["ACCUMULATION", "accumulate", "check_accumulation"]
+
+ACCUMULATION: dict[str, str] = {
+    "regather": "FSDP2's default: gather, re-gather in backward, reduce-scatter (and all-reduce) every micro-batch",
+    "keep_gathered": "gather once a step and keep the unsharded parameters until the last backward; reduce every "
+    "micro-batch (memory: the whole unsharded model in the compute dtype)",
+    "defer_all_reduce": "HSDP: reduce-scatter every micro-batch, all-reduce across replicas once, on the last "
+    "(memory: one sharded gradient per unit in the reduce dtype)",
+    "no_sync": "gather every micro-batch, reduce once, on the last (memory: every unsharded gradient)",
+    "keep_gathered_no_sync": "gather once and reduce once a step: the fewest bytes, the most memory "
+    "(the unsharded model and its unsharded gradients)",
+}
+
+# Saved reshard-after-forward settings of a model between the first and last micro-batch of a
+# keep_gathered step: FSDP2's public setter takes a bool only, so an int (reshard to a smaller
+# group) is restored from its private per-group field.
+_SAVED = "_fsdp2kit_saved_reshard_after_forward"
+
+
+def check_accumulation(policy: str, *, hsdp: bool | None = None) -> str:
+    """``policy`` if it is a policy name (and fits the mesh when ``hsdp`` is known), else ``ValueError``."""
+    if policy not in ACCUMULATION:
+        raise ValueError(f"accumulation={policy!r}: expected one of {list(ACCUMULATION)}")
+    if policy == "defer_all_reduce" and hsdp is False:
+        raise ValueError(
+            "accumulation='defer_all_reduce' defers the all-reduce across replicas: it needs an HSDP mesh "
+            "(make_mesh(shard=..., replicate=...) with replicate > 1); on a 1-D mesh use 'no_sync' or 'keep_gathered'"
+        )
+    return policy
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(f"accumulate: {type(model).__name__} has no FSDP units; call shard_model first")
+    return modules
+
+
+def _is_hsdp(modules: list[FSDPModule]) -> bool:
+    for m in modules:
+        for p in m.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+            if "replicate" in names and mesh.size(names.index("replicate")) > 1:
+                return True
+    return False
+
+
+def _hold_gathered(modules: list[FSDPModule]) -> list:
+    saved = []
+    for m in modules:
+        state = m._get_fsdp_state()
+        saved.append(
+            (state, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
+        )
+        m.set_reshard_after_forward(False, recurse=False)
+    return saved
+
+
+def _release_gathered(saved: list) -> None:
+    for state, auto, infos in saved:
+        state._auto_reshard_after_forward = auto
+        for group, info in zip(state._fsdp_param_groups, infos):
+            group.post_forward_mesh_info = info
+
+
+@contextlib.contextmanager
+def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Iterator[None]:
+    """Run micro-batch ``micro`` (0-based) of ``n_micro`` under an accumulation ``policy``.
+
+    Wrap each micro-batch's forward and backward::
+
+        for micro, batch in enumerate(micro_batches):
+            with fk.accumulate(model, "keep_gathered", micro, len(micro_batches)):
+                (loss_fn(model, batch) / len(micro_batches)).backward()
+        optimizer.step()
+
+    Policies (`ACCUMULATION`; per step of M micro-batches, per FSDP unit):
+
+    - ``"regather"``: FSDP2's default. M forward all-gathers, M backward re-gathers (units that
+      reshard after forward), M reduce-scatters, M all-reduces under HSDP. No extra memory.
+    - ``"keep_gathered"``: one all-gather a step; the unsharded parameters stay from the first
+      forward to the last backward (``set_reshard_after_forward(False)`` for the step,
+      ``set_reshard_after_backward(False)`` but on the last). Memory: the whole unsharded
+      model in the compute dtype, as ``NO_SHARD`` holds it.
+    - ``"defer_all_reduce"`` (HSDP only): reduce-scatter every micro-batch inside a node, all-reduce
+      across replicas once, on the last (``set_requires_all_reduce(False)`` but on the last).
+      Memory: each unit's sharded partial sum in the reduce dtype.
+    - ``"no_sync"``: gathers as ``"regather"``, one reduce-scatter (and all-reduce) a step
+      (``set_requires_gradient_sync(False)`` but on the last, as `fsdp2kit.no_sync`).
+      Memory: every unsharded gradient, in the compute dtype, for the whole step.
+    - ``"keep_gathered_no_sync"``: both: one all-gather and one reduction a step, the least
+      traffic; memory: the unsharded model and its unsharded gradients.
+
+    Scale each micro-batch's loss by ``1 / n_micro``. Gradients equal one big batch's under
+    every policy (tests/dist/test_accumulation.py). Each setting changed is restored when the
+    block exits (``keep_gathered``'s reshard-after-forward when the last micro-batch's block
+    exits, or any block that raises).
+    """
+    check_accumulation(policy)
+    if isinstance(n_micro, bool) or not isinstance(n_micro, int) or n_micro < 1:
+        raise ValueError(f"n_micro={n_micro!r}: expected a positive int")
+    if isinstance(micro, bool) or not isinstance(micro, int) or not 0 <= micro < n_micro:
+        raise ValueError(f"micro={micro!r}: expected 0 <= micro < n_micro={n_micro}")
+    modules = _fsdp_modules(model)
+    if policy == "defer_all_reduce":
+        check_accumulation(policy, hsdp=_is_hsdp(modules))
+    last = micro == n_micro - 1
+    keep = policy in ("keep_gathered", "keep_gathered_no_sync") and n_micro > 1
+    no_sync = policy in ("no_sync", "keep_gathered_no_sync") and not last
+    defer = policy == "defer_all_reduce" and not last
+    if keep and micro == 0:
+        if getattr(model, _SAVED, None) is not None:
+            raise RuntimeError("accumulate: the previous keep_gathered step did not reach its last micro-batch")
+        setattr(model, _SAVED, _hold_gathered(modules))
+    ok = False
+    try:
+        for m in modules:
+            if no_sync:
+                m.set_requires_gradient_sync(False, recurse=False)
+            if defer:
+                m.set_requires_all_reduce(False, recurse=False)
+            if keep:
+                m.set_reshard_after_backward(last, recurse=False)
+        yield
+        ok = True
+    finally:
+        for m in modules:
+            if no_sync:
+                m.set_requires_gradient_sync(True, recurse=False)
+            if defer:
+                m.set_requires_all_reduce(True, recurse=False)
+            if keep:
+                m.set_reshard_after_backward(True, recurse=False)
+        if keep and (last or not ok):
+            saved = getattr(model, _SAVED, None)
+            if saved is not None:
+                _release_gathered(saved)
+                delattr(model, _SAVED)
+            if not ok:  # a step abandoned half-way frees what it kept gathered
+                for m in modules:
+                    m.reshard()
