@@ -48,6 +48,8 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
     full = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="full", device="cpu")
     sel = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="selective", device="cpu")
     assert full.saved_activations < sel.saved_activations < base.saved_activations
+    op = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="op", device="cpu")
+    assert full.saved_activations < op.saved_activations < sel.saved_activations  # half the matmuls kept
     # The variants below share base's recording (same batch, seq, AC and dtype) through one cache.
     cache: dict = {}
 
