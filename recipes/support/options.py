@@ -187,8 +187,10 @@ def optimizer_args(cfg: Config) -> dict:
         out[key] = old if new is None else new
     if o.name == "adamw_bf16sr" and cfg.parallel.mixed_precision != "pure_bf16":
         raise ValueError("optim.name=adamw_bf16sr steps bf16 parameters: set parallel.mixed_precision=pure_bf16")
-    if o.offload:
+    if o.offload and not cfg.train.plan_only:  # a plan of it is what the planner's suggestions start with
         raise ValueError("optim.offload: optimizer-state offload is not available yet (parallel.cpu_offload is)")
+    if o.offload and cfg.parallel.cpu_offload:
+        raise ValueError("optim.offload with parallel.cpu_offload: cpu_offload keeps the optimizer state on the host")
     return out
 
 

@@ -33,6 +33,7 @@ FLAGS = {
     "--seq": (["128"], "needs both --batch and --seq", CHANGES),
     "--ac": (["full"], "--ac: only a training step's memory plan uses it", CHANGES),
     "--optimizer": (["sgd"], "--optimizer: only a training step's", CHANGES),
+    "--optimizer-offload": ([], "--optimizer-offload: only a training step's", CHANGES),
     "--prefetch": (["0"], "--prefetch: only a training step's", CHANGES),
     "--device": (["cpu"], "--device: only a training step's", CHANGES),
     "--gpu-memory": (["1GiB"], "--gpu-memory: only a training step's", CHANGES),
@@ -44,6 +45,7 @@ COMBINATIONS = [
     ({"--lora": ["8"], "model": ["bench-256x4"]}, "--qlora", [], CHANGES),  # demo's weights split into no NF4 groups
     ({"--lora": ["8"]}, "--tp", ["2"], "lora=8 with tp=2"),
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
+    ({"--cpu-offload": [], "--batch": ["2"], "--seq": ["64"]}, "--optimizer-offload", [], "cpu_offload already keeps"),
 ]
 
 

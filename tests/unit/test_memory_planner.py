@@ -66,6 +66,13 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
     assert cuda.parts["margin"] > 0 and cuda.fits and "fits: yes" in str(cuda)
     offload = variant(cpu_offload=True)
     assert offload.parts["params"] == 0 and offload.host_bytes > 0
+    # optimizer-state offload: parameters and gradients stay, the state and its step go to the host
+    state = variant(optimizer_offload=True)
+    assert state.parts["optimizer"] == 0 and state.parts["params"] == base.parts["params"]
+    assert state.host_bytes == base.optimizer_bytes + base.param_bytes + base.grad_bytes
+    assert state.peak_bytes < base.peak_bytes and state.optimizer_peak < base.optimizer_peak
+    with pytest.raises(ValueError, match="cpu_offload already keeps"):
+        variant(optimizer_offload=True, cpu_offload=True)
     assert variant(lora=4).parts["optimizer"] < base.parts["optimizer"]
     # The model is untouched: still on meta, no hooks left behind.
     assert all(p.is_meta for p in model.parameters()) and not model._forward_hooks
