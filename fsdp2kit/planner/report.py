@@ -139,8 +139,9 @@ class MemoryPlan:
             lines.append(f"fits: {verdict}, headroom {self.headroom / 2**30:.1f} GiB (of {fmt_bytes(self.gpu_memory)})")
         if self.changes:
             lines.append("cheapest changes that fit, cheapest first (then the recipe's options for it):")
+            width = max(44, *(len(ch["change"]) for ch in self.changes))
             for ch in self.changes:
-                lines.append(f"  {ch['change']:<44} peak {fmt_bytes(ch['peak_bytes']):>10}  cost {ch['cost']}")
+                lines.append(f"  {ch['change']:<{width}} peak {fmt_bytes(ch['peak_bytes']):>10}  cost {ch['cost']}")
                 if ch.get("recipe"):
                     lines.append(f"    recipes/train.py {ch['recipe']}")
         elif self.fits is False:
