@@ -34,7 +34,7 @@ def parse_targets(text: str | None) -> str | tuple[str, ...]:
 
 
 # Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
-_STEP_FLAGS = ("ac", "optimizer", "prefetch", "device", "gpu_memory", "json")
+_STEP_FLAGS = ("ac", "optimizer", "optimizer_offload", "prefetch", "device", "gpu_memory", "json")
 
 
 def add_plan(subparsers) -> None:
@@ -85,11 +85,22 @@ def add_plan(subparsers) -> None:
     )
     p.add_argument("--batch", type=int, default=None, help="micro-batch per data-parallel rank (sequences)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
-    p.add_argument("--ac", default=None, help="activation checkpointing: none, full, selective or N (every N-th)")
+    p.add_argument(
+        "--ac",
+        default=None,
+        help="activation checkpointing: none, full, selective, op (torchtitan's per-op policy: attention and every "
+        "other matmul saved) or N (every N-th)",
+    )
     p.add_argument(
         "--optimizer",
         default=None,
         help="adamw (default), adamw8bit, adamw4bit, adamw_fp8, adamw_bf16sr (make_optimizer's names) or sgd",
+    )
+    p.add_argument(
+        "--optimizer-offload",
+        action="store_true",
+        help="optimizer state and its step in host memory, parameters and gradients on the device "
+        "(the recipe's [optim] offload; --cpu-offload moves the parameters too)",
     )
     p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
     p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
@@ -178,6 +189,7 @@ def run_plan(args) -> int:
         mixed_precision=args.mixed_precision,
         optimizer=args.optimizer or "adamw",
         cpu_offload=args.cpu_offload,
+        optimizer_offload=args.optimizer_offload,
         prefetch=1 if args.prefetch is None else args.prefetch,
         strategy=args.strategy,
         device=args.device or "cuda",

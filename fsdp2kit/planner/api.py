@@ -49,6 +49,7 @@ class Settings:
     lora_targets: str | tuple[str, ...] = "all-linear"  # or module names, as fsdp2kit.apply_lora takes them
     grad_accum: int = 1  # micro-batches a step (memory does not depend on it; the search reports it)
     cp: int = 1  # context-parallel ranks a sequence is split over (all-to-all style); FSDP shards over shard x cp
+    optimizer_offload: bool = False  # optimizer state (and its step) in host memory; parameters stay on the device
 
     def check(self) -> None:
         for name in ("shard", "replicate", "tp", "cp", "batch", "seq", "grad_accum"):
@@ -67,6 +68,13 @@ class Settings:
             raise ValueError("optimizer='adamw_bf16sr' steps bf16 parameters: it needs mixed_precision='pure_bf16'")
         if self.activation_checkpointing is not None and not callable(self.activation_checkpointing):
             resolve_ac_mode(self.activation_checkpointing)
+        if self.optimizer_offload and self.cpu_offload:
+            raise ValueError(
+                "optimizer_offload with cpu_offload: cpu_offload already keeps the optimizer state on the host"
+            )
+        if self.optimizer_offload and self.optimizer != "adamw":
+            # as make_optimizer(offload=True): a low-bit state is already small, plain SGD keeps none
+            raise ValueError(f"optimizer_offload is for optimizer='adamw' (not {self.optimizer!r})")
         resolve_precision(self.mixed_precision)
         check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
 
@@ -164,6 +172,7 @@ def plan_memory(
     mixed_precision: str | None = None,
     optimizer: str = "adamw",
     cpu_offload: bool = False,
+    optimizer_offload: bool = False,
     prefetch: int = 1,
     strategy: str | None = None,
     device: str = "cuda",
@@ -211,6 +220,10 @@ def plan_memory(
         optimizer: a `make_optimizer` name (``"adamw"``, ``"adamw8bit"``, ``"adamw4bit"``,
             ``"adamw_fp8"``, ``"adamw_bf16sr"``) or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
+        optimizer_offload: only the optimizer state lives in host memory and its step runs there
+            (``make_optimizer(..., offload=True)``): the device peak leaves out the state and the
+            step's temporaries; ``host_bytes`` counts the state plus a host copy of the sharded
+            parameters and gradients, which the host step reads and writes.
         prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
         lora, qlora, lora_targets: train rank-``lora`` peft adapters (fp32) on ``lora_targets``
             (``"all-linear"``: every Linear but the head; or module names, as `fsdp2kit.apply_lora`
@@ -235,6 +248,7 @@ def plan_memory(
         mixed_precision=mixed_precision,
         optimizer=optimizer,
         cpu_offload=cpu_offload,
+        optimizer_offload=optimizer_offload,
         prefetch=prefetch,
         strategy=strategy,
         device=device,
@@ -326,6 +340,11 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         for parts in (step_parts, opt_parts):
             parts["params"] = parts["grads"] = parts["optimizer"] = 0
         opt_parts["temporaries"] = 0
+    elif s.optimizer_offload:
+        # The state and its step on the host: the device keeps parameters and gradients, and sends
+        # the gradients to (and takes the updated parameters from) a host copy of both.
+        host = step_parts["optimizer"] + params + grads
+        step_parts["optimizer"] = opt_parts["optimizer"] = opt_parts["temporaries"] = 0
     step_peak, opt_peak = sum(step_parts.values()), sum(opt_parts.values())
     if opt_peak > step_peak:
         parts, phase, live = opt_parts, "optimizer step", opt_peak

@@ -46,7 +46,7 @@ class MemoryPlan:
     forward_peak: int = 0
     backward_peak: int = 0
     optimizer_peak: int = 0
-    host_bytes: int = 0  # CPU memory per rank with cpu_offload
+    host_bytes: int = 0  # CPU memory per rank with cpu_offload or optimizer_offload
     # Held all step, per rank (on the host with cpu_offload): for AdamW the ShardPlan's figures.
     param_bytes: int = 0
     grad_bytes: int = 0
@@ -99,6 +99,7 @@ class MemoryPlan:
             f"AC {_ac_name(c['activation_checkpointing'])}, precision {c['mixed_precision'] or 'as built'}, "
             f"optimizer {c['optimizer']}" + (", CPU offload" if c.get("cpu_offload") else "")
         )
+        head += ", optimizer state offloaded" if c.get("optimizer_offload") else ""
         if c.get("lora"):
             targets = c.get("lora_targets", "all-linear")
             head += f", {'QLoRA' if c.get('qlora') else 'LoRA'} r={c['lora']} on "
@@ -127,15 +128,23 @@ class MemoryPlan:
             f"optimizer state {fmt_bytes(self.optimizer_bytes)}"
         )
         if self.host_bytes:
-            lines.append(f"host memory per rank (CPU offload): {fmt_bytes(self.host_bytes)}")
+            what = (
+                "CPU offload"
+                if self.config.get("cpu_offload")
+                else "optimizer state, its step's parameters and gradients"
+            )
+            lines.append(f"host memory per rank ({what}): {fmt_bytes(self.host_bytes)}")
         lines += [f"note: {n}" for n in self.notes]
         if self.gpu_memory is not None:
             verdict = "yes" if self.fits else "no"
             lines.append(f"fits: {verdict}, headroom {self.headroom / 2**30:.1f} GiB (of {fmt_bytes(self.gpu_memory)})")
         if self.changes:
-            lines.append("cheapest changes that fit, cheapest first:")
+            lines.append("cheapest changes that fit, cheapest first (then the recipe's options for it):")
+            width = max(44, *(len(ch["change"]) for ch in self.changes))
             for ch in self.changes:
-                lines.append(f"  {ch['change']:<44} peak {fmt_bytes(ch['peak_bytes']):>10}  cost {ch['cost']}")
+                lines.append(f"  {ch['change']:<{width}} peak {fmt_bytes(ch['peak_bytes']):>10}  cost {ch['cost']}")
+                if ch.get("recipe"):
+                    lines.append(f"    recipes/train.py {ch['recipe']}")
         elif self.fits is False:
             lines.append("no single change in the search fits; try combining them or more ranks")
         return "\n".join(lines)

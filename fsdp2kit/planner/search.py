@@ -12,31 +12,78 @@ import torch.nn as nn
 from fsdp2kit.planner.api import Settings, plan_settings
 from fsdp2kit.planner.report import MemoryPlan
 
-__all__ = ["cheapest_changes"]
+__all__ = ["all_changes", "candidates", "cheapest_changes", "recipe_flags"]
+
+# torchao's low-bit AdamW states, by the cost the search ranks them at (see docs/internals.md).
+_LOW_BIT = {"adamw8bit": 0.05, "adamw_fp8": 0.06, "adamw4bit": 0.08}
+_PURE_BF16 = 0.04
+
+# The recipe option (recipes/support/options.py, `--table.key value`) behind each Settings field a change can move.
+RECIPE_OPTIONS = {
+    "shard": "parallel.shard",
+    "replicate": "parallel.replicate",
+    "batch": "data.batch_size",
+    "grad_accum": "train.grad_accum",
+    "activation_checkpointing": "parallel.activation_checkpointing",
+    "mixed_precision": "parallel.mixed_precision",
+    "optimizer": "optim.name",
+    "optimizer_offload": "optim.offload",
+    "cpu_offload": "parallel.cpu_offload",
+    "cp": "parallel.cp",
+    "lora": "lora.r",
+    "qlora": "lora.qlora",
+}
 
 
 # Context parallelism's total degrees the search tries (one node's 8 GPUs at most).
 _CP = (2, 4, 8)
 
 
-def _candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settings]]:
-    """The single changes to ``s`` with their rough cost; ``long``: activations dominate, so splitting
-    the sequence (context parallelism) is worth trying."""
+def recipe_flags(base: Settings, changed: Settings) -> list[str]:
+    """The recipe's command-line options that turn a run configured as ``base`` into ``changed``."""
+    out = []
+    for f in dataclasses.fields(changed):
+        old, new = getattr(base, f.name), getattr(changed, f.name)
+        if old == new:
+            continue
+        if f.name not in RECIPE_OPTIONS or new is None:
+            raise ValueError(f"{f.name}={new!r}: no recipe option sets it")
+        out += [f"--{RECIPE_OPTIONS[f.name]}", str(new).lower() if isinstance(new, bool) else str(new)]
+    return out
+
+
+def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settings]]:
+    """Every single change the search tries from ``s``: (label in `fsdp2kit plan` flags, cost, settings);
+    ``long``: activations dominate, so splitting the sequence (context parallelism) is worth trying."""
     out: list[tuple[str, float, Settings]] = []
     r = dataclasses.replace
     if s.mixed_precision in (None, "fp32"):
         out.append(("--mixed-precision bf16", 0.0, r(s, mixed_precision="bf16")))
+    if s.mixed_precision != "pure_bf16" and s.lora is None and not s.optimizer_offload:
+        # bf16 weights, gradients and state; its optimizer rounds stochastically (make_optimizer):
+        # plain AdamW becomes torchao's AdamW with bf16 stochastic rounding, a low-bit one stays.
+        if s.optimizer == "adamw":
+            label, pure = "--mixed-precision pure_bf16 --optimizer adamw_bf16sr", r(s, optimizer="adamw_bf16sr")
+            out.append((label, _PURE_BF16, r(pure, mixed_precision="pure_bf16")))
+        elif s.optimizer in _LOW_BIT:
+            out.append(("--mixed-precision pure_bf16", _PURE_BF16, r(s, mixed_precision="pure_bf16")))
     ac = s.activation_checkpointing
-    order = {None: 0, "selective": 1, "full": 3}
+    order = {None: 0, "selective": 1, "op": 1.5, "full": 3}
     current = order.get(ac, 2) if not isinstance(ac, int) or isinstance(ac, bool) else 2
     if current < 1:
         out.append(("--ac selective", 0.10, r(s, activation_checkpointing="selective")))
+    if current < 1.5:
+        out.append(("--ac op (torchtitan's per-op)", 0.15, r(s, activation_checkpointing="op")))
     if current < 2:
         out.append(("--ac 2 (every 2nd block)", 0.17, r(s, activation_checkpointing=2)))
     if current < 3:
         out.append(("--ac full", 0.33, r(s, activation_checkpointing="full")))
-    if s.optimizer == "adamw":
-        out.append(("--optimizer adamw8bit", 0.05, r(s, optimizer="adamw8bit")))
+    if s.optimizer in ("adamw", "adamw_bf16sr") and not s.optimizer_offload:
+        for name, cost in _LOW_BIT.items():
+            out.append((f"--optimizer {name}", cost, r(s, optimizer=name)))
+    # State offload is for fp32 AdamW state (recipes/support/options.py): a low-bit state is already small.
+    if not s.optimizer_offload and not s.cpu_offload and s.optimizer == "adamw":
+        out.append(("--optimizer-offload", 0.25, r(s, optimizer_offload=True)))
     batch, cost = s.batch, 0.0
     while batch > 1:
         batch, cost = batch // 2, cost + 0.10
@@ -56,18 +103,37 @@ def _candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Setti
         if s.shard % k == 0:
             # Same GPUs: k times fewer sequences a step, k times the accumulation keeps the global batch.
             shard, accum = s.shard // k, s.grad_accum * k
-            label = f"--cp {cp} --shard {shard}, {accum}x gradient accumulation (recipe: --parallel.cp {cp})"
+            label = f"--cp {cp} --shard {shard} with {accum}x gradient accumulation"
             out.append((label, cost, r(s, cp=cp, shard=shard, grad_accum=accum)))
         else:
-            out.append((f"--cp {cp} ({k}x the GPUs; recipe: --parallel.cp {cp})", 0.6 + 0.05 * k, r(s, cp=cp)))
+            out.append((f"--cp {cp} ({k}x the GPUs)", 0.6 + 0.05 * k, r(s, cp=cp)))
     if not s.cpu_offload:
-        out.append(("--cpu-offload", 0.50, r(s, cpu_offload=True)))
+        # it offloads the optimizer state too
+        out.append(("--cpu-offload", 0.50, r(s, cpu_offload=True, optimizer_offload=False)))
     for k in (2, 4):
         out.append((f"--shard {s.shard * k} ({k}x the GPUs)", 0.6 + 0.05 * k, r(s, shard=s.shard * k)))
     if s.lora is None:
         out.append(("--lora 16 (train adapters, not the model)", 1.0, r(s, lora=16)))
         out.append(("--lora 16 --qlora", 1.1, r(s, lora=16, qlora=True)))
     return out
+
+
+def _pairs(singles: list[tuple[str, float, Settings]], long: bool = False) -> list[tuple[str, float, Settings]]:
+    """Each change on top of each same-hardware change: each pair once, never the same knob twice."""
+    out = []
+    for label, cost, settings in singles:
+        if cost >= 0.6:
+            continue
+        for label2, cost2, settings2 in candidates(settings, long):
+            if cost2 < cost and label2.split()[0] != label.split()[0]:
+                out.append((f"{label} + {label2}", cost + cost2, settings2))
+    return out
+
+
+def all_changes(s: Settings) -> list[tuple[str, float, Settings]]:
+    """Every change the search can print for ``s``, single and paired (whether it fits or not)."""
+    singles = candidates(s, long=True)
+    return singles + _pairs(singles, long=True)
 
 
 def _plan_or_none(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan | None:
@@ -80,7 +146,11 @@ def _plan_or_none(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan | No
 
 
 def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: int = 6) -> list[dict]:
-    """Single changes to ``s`` whose plan fits in ``gpu_memory``, cheapest first; pairs of them if none does."""
+    """Single changes to ``s`` whose plan fits in ``gpu_memory``, and pairs of them that cost less than the
+    cheapest single one that fits; cheapest first.
+
+    Each change says what it costs, its peak, and ``recipe``: the recipe options (``--table.key value``)
+    that make the change in a run configured like ``s``."""
     cache: dict = {}
     base = _plan_or_none(model, s, cache)
     # A long sequence: what the step saves and the logits outweigh what is held all step.
@@ -88,30 +158,33 @@ def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: i
         base.saved_activations + base.logits_and_loss > base.param_bytes + base.grad_bytes + base.optimizer_bytes
     )
     tried: list[tuple[str, float, Settings, MemoryPlan]] = []
-    for label, cost, settings in _candidates(s, long):
+    for label, cost, settings in candidates(s, long):
         plan = _plan_or_none(model, settings, cache)
         if plan is not None:
             tried.append((label, cost, settings, plan))
     fits = [t for t in tried if t[3].peak_bytes <= gpu_memory]
-    if not fits:
-        # No single change: try each change on top of each same-hardware change.
-        for label, cost, settings, _ in [t for t in tried if t[1] < 0.6]:
-            for label2, cost2, settings2 in _candidates(settings, long):
-                if cost2 >= cost or label2.split()[0] == label.split()[0]:
-                    continue  # each pair once, and never the same knob twice
-                plan = _plan_or_none(model, settings2, cache)
-                if plan is not None and plan.peak_bytes <= gpu_memory:
-                    fits.append((f"{label} + {label2}", cost + cost2, settings2, plan))
+    # Two changes on the same hardware, where they can cost less than the cheapest single change that
+    # fits (a smaller optimizer state and bf16 weights rather than CPU offload, say).
+    best = min((t[1] for t in fits), default=float("inf"))
+    seen: set[Settings] = {t[2] for t in tried}
+    for label, cost, settings in _pairs([t[:3] for t in tried], long):
+        if cost >= best or settings in seen:
+            continue
+        seen.add(settings)
+        plan = _plan_or_none(model, settings, cache)
+        if plan is not None and plan.peak_bytes <= gpu_memory:
+            fits.append((label, cost, settings, plan))
     fits.sort(key=lambda t: (t[1], t[3].peak_bytes))
     return [
         {
             "change": label,
+            "recipe": " ".join(recipe_flags(s, settings)),
             "cost": _describe(cost),
             "cost_fraction": cost,
             "peak_bytes": plan.peak_bytes,
             "headroom_bytes": gpu_memory - plan.peak_bytes,
         }
-        for label, cost, _, plan in fits[:limit]
+        for label, cost, settings, plan in fits[:limit]
     ]
 
 
@@ -176,11 +249,8 @@ def rank_by_step_time(
 
 def _settings_of(s: Settings, label: str) -> Settings | None:
     """The settings a change's label stands for: each ``" + "``-joined part a candidate label of the last."""
-    # The candidate generator by whichever name this module gives it (private here; public where the
-    # optimizer planner's search exports it), so the ranking follows the search it ranks.
-    generate = globals().get("candidates") or globals()["_candidates"]
     for part in label.split(" + "):
-        s = {lab: new for lab, _, new in generate(s)}.get(part)
+        s = {lab: new for lab, _, new in candidates(s, long=True)}.get(part)
         if s is None:
             return None
     return s

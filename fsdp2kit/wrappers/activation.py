@@ -1,4 +1,4 @@
-"""Activation checkpointing: full, every N-th block, or selective by op.
+"""Activation checkpointing: full, every N-th block, selective by op, or torchtitan's op policy.
 
 How it works and why: docs/internals.md, section fsdp2kit/wrappers/activation.py.
 """
@@ -17,9 +17,18 @@ from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded, current_forward, set_forward
 
-__all__ = ["AC_MODES", "SELECTIVE_SAVE", "apply_activation_checkpointing", "resolve_ac_mode", "selective_policy"]
+__all__ = [
+    "AC_MODES",
+    "OP_MATMULS",
+    "OP_SAVE",
+    "SELECTIVE_SAVE",
+    "apply_activation_checkpointing",
+    "op_policy",
+    "resolve_ac_mode",
+    "selective_policy",
+]
 
-AC_MODES = ("full", "selective")
+AC_MODES = ("full", "selective", "op")
 
 
 def _ops(*names: str) -> frozenset:
@@ -67,10 +76,66 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+def _extra_save() -> list:
+    """Ops outside aten in torchtitan's list, where this build has them: a reduce-scatter's output
+    (tensor parallelism's, not recomputed as a second collective) and FlexAttention."""
+    out = []
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
+        out.append(c10d.reduce_scatter_tensor.default)
+    flex = getattr(torch._higher_order_ops, "flex_attention", None)
+    if flex is not None:
+        out.append(flex)
+    return out
+
+
+# The "op" policy is torchtitan's per-op selective AC (torchtitan/distributed/activation_checkpoint.py,
+# `_apply_op_sac` with llama3's `_op_sac_save_list`): save attention's output and every other
+# matmul's, recompute the rest. Saving only half the matmuls halves their share of the saved
+# activations while recomputing a matmul costs one matmul's FLOPs. Its save list:
+OP_SAVE: frozenset = _ops(
+    "mm.default",
+    "linear.default",
+    "addmm.default",
+    "_scaled_mm.default",
+    "_scaled_dot_product_flash_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_efficient_attention.default",
+    "_scaled_dot_product_cudnn_attention.default",
+    "_scaled_dot_product_attention_math.default",
+    "_scaled_dot_product_fused_attention_overrideable.default",
+    "max.default",
+) | frozenset(_extra_save())
+
+# The matmuls it counts, forward and recompute apart, saving the 1st, 3rd, 5th, ... of a block.
+# torchtitan counts mm and linear (its models' Linears have no bias); a Linear with a bias is an
+# addmm and a float8 Linear a _scaled_mm, so both count here too: each is one Linear's matmul.
+OP_MATMULS: frozenset = _ops("mm.default", "linear.default", "addmm.default", "_scaled_mm.default")
+
+
+def op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
+    """The "op" policy for one checkpointed call; ``counts`` numbers its matmuls (fresh per call)."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in OP_MATMULS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] = counts.get(key, 0) + 1
+            if counts[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in OP_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_contexts():
+    # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
+    return create_selective_checkpoint_contexts(op_policy({}))
+
+
 def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
-    """``"full"`` -> ("full", 1); ``N`` -> ("every", N); ``"selective"`` -> ("selective", 1)."""
+    """``"full"`` -> ("full", 1); ``N`` -> ("every", N); ``"selective"``/``"op"`` -> (that mode, 1)."""
     if isinstance(mode, bool) or not isinstance(mode, (str, int)):
-        raise ValueError(f"mode={mode!r}: expected 'full', 'selective' or a positive int N (every N-th block)")
+        raise ValueError(f"mode={mode!r}: expected 'full', 'selective', 'op' or a positive int N (every N-th block)")
     if isinstance(mode, str):
         key = mode.lower()
         if key not in AC_MODES:
@@ -89,9 +154,18 @@ def _checkpoint_selective(function: Callable[..., Any], *args: Any, **kwargs: An
     return checkpoint(function, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
 
 
+def _checkpoint_op(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(function, *args, use_reentrant=False, context_fn=_op_contexts, **kwargs)
+
+
 # Module-level functions, not closures made per call: torch.compile guards on them, so every
 # model wrapped the same way reuses the same compiled graphs.
-_RUN = {"full": _checkpoint_full, "every": _checkpoint_full, "selective": _checkpoint_selective}
+_RUN = {
+    "full": _checkpoint_full,
+    "every": _checkpoint_full,
+    "selective": _checkpoint_selective,
+    "op": _checkpoint_op,
+}
 
 
 def _checkpointed_forward(inner: Callable[..., Any], run: Callable[..., Any]) -> Callable[..., Any]:
@@ -126,7 +200,8 @@ def apply_activation_checkpointing(
         model: the unsharded model.
         mode: ``"full"`` (every block), an int ``N`` (blocks 0, N, 2N, ...) or ``"selective"``
             (every block, op by op: keep matmul and attention outputs, recompute the rest; see
-            `SELECTIVE_SAVE`).
+            `SELECTIVE_SAVE`) or ``"op"`` (torchtitan's per-op policy: keep attention's output
+            and every other matmul's, recompute the rest; see `op_policy`).
         blocks: which modules are blocks, as for `shard_model` (the same blocks should be the
             FSDP units, so keep the default unless you pass the same value to both).
 

@@ -26,9 +26,9 @@ def opt(default, help: str, **rules):
 def _ac_mode(value: str) -> str:
     if value.isdigit() and int(value) >= 1:
         return value
-    if value.lower() in ("full", "selective"):
+    if value.lower() in ("full", "selective", "op"):
         return value.lower()
-    raise ValueError("expected full, selective or a number N >= 1 (every N-th block)")
+    raise ValueError("expected full, selective, op or a number N >= 1 (every N-th block)")
 
 
 def _signals(value: str) -> str:
@@ -130,7 +130,11 @@ class ParallelConfig:
     )
     cpu_offload: bool = opt(False, "keep parameters, gradients and optimizer state in CPU memory")
     prefetch: int = opt(1, "blocks whose all-gather is issued ahead, forward and backward (0: off)", minimum=0)
-    activation_checkpointing: str | None = opt(None, "full | selective | N (every N-th block)", check=_ac_mode)
+    activation_checkpointing: str | None = opt(
+        None,
+        "full | selective | op (torchtitan's: attention and every other matmul) | N (every N-th block)",
+        check=_ac_mode,
+    )
     compile: bool = opt(False, "torch.compile each block")
     float8: bool = opt(False, "float8 matmuls and float8 all-gather (torchao)")
 
@@ -218,7 +222,8 @@ def optimizer_args(cfg: Config) -> dict:
         raise ValueError(
             "optim.offload and parallel.cpu_offload: choose one (cpu_offload already keeps the state on the host)"
         )
-    if o.offload and not torch.cuda.is_available():
+    # A plan of it runs anywhere: it is what the planner's suggestions are started with.
+    if o.offload and not torch.cuda.is_available() and not cfg.train.plan_only:
         raise ValueError(
             "optim.offload keeps parameters on the GPU and the state in host memory: this machine has no GPU"
         )

@@ -39,6 +39,7 @@ def memory_plan(model: nn.Module, cfg: Config, *, shard: int, replicate: int, de
             mixed_precision=p.mixed_precision,
             cpu_offload=p.cpu_offload,
             optimizer=cfg.optim.name,
+            optimizer_offload=cfg.optim.offload,
             prefetch=p.prefetch,
             strategy=p.strategy,
             device=device,

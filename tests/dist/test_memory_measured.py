@@ -21,6 +21,7 @@ CASES = [
     dict(world=2, replicate=1, ac=None, mp=None, batch=2, seq=64, size="s"),
     dict(world=2, replicate=1, ac="full", mp="bf16", batch=2, seq=96, size="s"),
     dict(world=2, replicate=1, ac="selective", mp=None, batch=1, seq=64, size="deep", optimizer="sgd"),
+    dict(world=2, replicate=1, ac="op", mp="bf16", batch=2, seq=64, size="s"),  # torchtitan's per-op policy
     # Peaks in backward's final callback, in the root's reduce-scatter, where gloo's clone of the fp32
     # input outweighs the bf16 gradients it was copied from (-4% without the clone; +4% with it but
     # the embedding reduced before the root).

@@ -233,7 +233,7 @@ def run_all(cases: list[Case], memory_modes: list, with_checks: bool, key_wrappe
     out = {"cases": [_run_counted(c) for c in cases]}
     if memory_modes:
         out["memory"] = ac_memory(memory_modes)
-        out["memory_llama"] = ac_memory([None, "full", "selective"], kind="llama")
+        out["memory_llama"] = ac_memory([None, "full", "selective", "op"], kind="llama")
     if with_checks:
         out["float8_scales"] = float8_scales()
         out["order_errors"] = order_errors()

@@ -34,6 +34,7 @@ FLAGS = {
     "--seq": (["128"], "needs both --batch and --seq", CHANGES),
     "--ac": (["full"], "--ac: only a training step's memory plan uses it", CHANGES),
     "--optimizer": (["sgd"], "--optimizer: only a training step's", CHANGES),
+    "--optimizer-offload": ([], "--optimizer-offload: only a training step's", CHANGES),
     "--prefetch": (["0"], "--prefetch: only a training step's", CHANGES),
     "--device": (["cpu"], "--device: only a training step's", CHANGES),
     "--gpu-memory": (["1GiB"], "--gpu-memory: only a training step's", CHANGES),
@@ -46,6 +47,7 @@ COMBINATIONS = [
     ({"--lora": ["8"]}, "--tp", ["2"], "lora=8 with tp=2"),
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
     ({}, "--cp", ["8"], "context parallelism: 8 must divide the number of attention heads (4)"),  # demo: 4 heads
+    ({"--cpu-offload": [], "--batch": ["2"], "--seq": ["64"]}, "--optimizer-offload", [], "cpu_offload already keeps"),
 ]
 
 # Step time (--gpu): its flags need a step's plan, and the three beside --gpu need it.

@@ -48,6 +48,8 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
     full = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="full", device="cpu")
     sel = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="selective", device="cpu")
     assert full.saved_activations < sel.saved_activations < base.saved_activations
+    op = fk.plan_memory(model, shard=2, batch=2, seq=64, activation_checkpointing="op", device="cpu")
+    assert full.saved_activations < op.saved_activations < sel.saved_activations  # half the matmuls kept
     # The variants below share base's recording (same batch, seq, AC and dtype) through one cache.
     cache: dict = {}
 
@@ -64,6 +66,13 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
     assert cuda.parts["margin"] > 0 and cuda.fits and "fits: yes" in str(cuda)
     offload = variant(cpu_offload=True)
     assert offload.parts["params"] == 0 and offload.host_bytes > 0
+    # optimizer-state offload: parameters and gradients stay, the state and its step go to the host
+    state = variant(optimizer_offload=True)
+    assert state.parts["optimizer"] == 0 and state.parts["params"] == base.parts["params"]
+    assert state.host_bytes == base.optimizer_bytes + base.param_bytes + base.grad_bytes
+    assert state.peak_bytes < base.peak_bytes and state.optimizer_peak < base.optimizer_peak
+    with pytest.raises(ValueError, match="cpu_offload already keeps"):
+        variant(optimizer_offload=True, cpu_offload=True)
     assert variant(lora=4).parts["optimizer"] < base.parts["optimizer"]
     # The model is untouched: still on meta, no hooks left behind.
     assert all(p.is_meta for p in model.parameters()) and not model._forward_hooks
@@ -323,8 +332,9 @@ def test_search_splits_a_long_sequence_and_cli_takes_cp(capsys):
     budget = int(plan.peak_bytes * 0.7)
     changes = cheapest_changes(model, long, budget)
     labels = [c["change"] for c in changes]
-    label = "--cp 2 --shard 2, 2x gradient accumulation (recipe: --parallel.cp 2)"
+    label = "--cp 2 --shard 2 with 2x gradient accumulation"
     assert label in labels, labels
+    assert changes[labels.index(label)]["recipe"] == "--parallel.shard 2 --train.grad_accum 2 --parallel.cp 2"
     # The same GPUs (shard x cp = 4), and the peak the API gives for that change.
     cp2 = fk.plan_memory(model, shard=2, cp=2, batch=1, seq=2048, device="cpu")
     assert cp2.peak_bytes == changes[labels.index(label)]["peak_bytes"] <= budget

@@ -31,13 +31,14 @@ def _tokens(seed: int = 0) -> torch.Tensor:
         (1, ("full", 1)),
         (3, ("every", 3)),
         ("selective", ("selective", 1)),
+        ("op", ("op", 1)),
     ],
 )
 def test_resolve_ac_mode(mode, expected) -> None:
     assert resolve_ac_mode(mode) == expected
 
 
-@pytest.mark.parametrize("mode", ["fulll", "op", 0, -2, True, 1.5, None, ["full"]])
+@pytest.mark.parametrize("mode", ["fulll", "ops", 0, -2, True, 1.5, None, ["full"]])
 def test_bad_ac_mode_raises_and_changes_nothing(mode) -> None:
     model = TinyGPT()
     with pytest.raises(ValueError, match="mode="):
@@ -197,3 +198,30 @@ def test_selective_policy_saves_matmuls_and_attention() -> None:
         assert op in SELECTIVE_SAVE
     for op in (aten.gelu.default, aten.native_layer_norm.default, aten.add.Tensor, aten.mul.Tensor):
         assert op not in SELECTIVE_SAVE
+
+
+def test_op_policy_saves_attention_and_every_other_matmul() -> None:
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from fsdp2kit.wrappers.activation import op_policy
+
+    aten = torch.ops.aten
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    ops = [
+        aten.mm.default,
+        aten.mm.default,
+        aten.addmm.default,
+        sdpa,
+        aten.mul.Tensor,
+        aten.mm.default,
+        aten.max.default,
+    ]
+    expected = [save, recompute, save, save, recompute, recompute, save]
+    policy = op_policy({})
+    forward, again = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    assert [policy(forward, op) for op in ops] == expected
+    # the recompute numbers its matmuls from 1 again, so it recomputes exactly what the forward did not keep
+    assert [policy(again, op) for op in ops] == expected

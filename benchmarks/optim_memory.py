@@ -1,0 +1,218 @@
+"""Memory per rank, measured against the planner, for every `make_optimizer` choice (CPU, gloo, world 2 and 4).
+
+Real gloo ranks train a small Llama (the "q" model of memory_planner_check.py: every block weight's
+local shard is at least 4096 elements and a whole number of torchao's blocks at world 2 and 4, so
+the low-bit states really are quantized) with fsdp2kit as the recipe does, the optimizer built by
+`fk.make_optimizer`. After a warm-up step one step is measured:
+
+- forward and backward by `measure_step` (live tensor storage bytes at every op, by category);
+- the optimizer step outside that dispatch mode (torchao's step is a ``torch.compile(fullgraph=True)``
+  function, which does not trace under it), by torch.profiler's memory timeline: the highest
+  bytes the step allocates above what was live when it started (inductor's own buffers included).
+
+The prediction is `fsdp2kit.plan_memory(..., optimizer=NAME, device="cpu")` on the model built on the
+meta device. Optimizer-state offload (``offload=True``) is not measured: it needs a CUDA device
+(the state moves from the GPU to pinned host memory), which this CPU machine does not have.
+Writes benchmarks/results/optim_memory.{json,md}.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python benchmarks/optim_memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from memory_planner_check import build, lm_loss
+
+CHOICES = [("adamw", "bf16"), ("adamw8bit", "bf16"), ("adamw4bit", "bf16"), ("adamw_fp8", "bf16")]
+CHOICES += [("adamw_bf16sr", "pure_bf16")]
+GRID = [
+    dict(world=w, replicate=1, ac=None, mp=mp, batch=2, seq=64, size="q", optimizer=name)
+    for w in (2, 4)
+    for name, mp in CHOICES
+]
+
+
+class _StepOutside:
+    """The optimizer as `measure_step` sees it: its state, and a step run outside the counting mode
+    under torch.profiler's memory timeline (``step_peak``: live bytes at the step's start plus the
+    most it allocated above them)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.state = optimizer.state
+        self.step_peak = 0
+        self.step_rise = 0
+
+    def step(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+        live = _get_current_dispatch_mode()
+        before = live.update()
+        with _disable_current_modes():
+            # record_shapes and with_stack: without them torch 2.13 keeps no CPU allocation events
+            with profile(
+                activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+            ) as p:
+                self.optimizer.step()
+            now = rise = 0
+            for _, action, _, size in p._memory_profile().timeline:
+                name = str(action)
+                if name.endswith("CREATE"):
+                    now += size
+                elif name.endswith("DESTROY"):
+                    now -= size
+                rise = max(rise, now)
+        self.step_rise = rise
+        self.step_peak = before + rise
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def measure_world(configs: list[dict]) -> list[dict]:
+    import torch.distributed as dist
+    from measure_step import measure_step
+
+    import fsdp2kit as fk
+
+    out = []
+    for c in configs:
+        torch.manual_seed(0)
+        model = build(c["size"], meta=False)
+        model.config.use_cache = False
+        mesh = fk.make_mesh(shard=c["world"] // c["replicate"], replicate=c["replicate"])
+        fk.shard_model(model, mesh, mixed_precision=c["mp"])
+        opt = fk.make_optimizer(model, c["optimizer"], lr=1e-3)
+        vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(dist.get_rank())
+
+        def make_batch(vocab=vocab, shape=(c["batch"], c["seq"] + 1), gen=gen):
+            return torch.randint(0, vocab, shape, generator=gen)
+
+        for _ in range(2):  # warm-up: the state exists, and torchao's step is compiled
+            loss = lm_loss(model, make_batch())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+        outside = _StepOutside(opt)
+        m = measure_step(model, outside, make_batch, lm_loss, list(model._fsdp2kit_blocks))
+        row = m.__dict__ | {"step_peak": outside.step_peak, "step_rise": outside.step_rise}
+        row["peak_all"] = max(m.peak, outside.step_peak)
+        out.append(row)
+        del model, opt, outside
+    return out
+
+
+def predict(c: dict):
+    import fsdp2kit as fk
+
+    return fk.plan_memory(
+        build(c["size"], meta=True),
+        shard=c["world"] // c["replicate"],
+        replicate=c["replicate"],
+        batch=c["batch"],
+        seq=c["seq"],
+        activation_checkpointing=c["ac"],
+        mixed_precision=c["mp"],
+        optimizer=c["optimizer"],
+        device="cpu",
+        prefetch=0,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f}"
+
+
+def _err(p: int, m: int) -> str:
+    return "exact" if p == m else f"{p / m - 1:+.2%}"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    head = (
+        "# Optimizer memory per rank: planner vs measurement (CPU, live tensor bytes)\n\n"
+        "`benchmarks/optim_memory.py`: real gloo ranks train the `q` Llama of memory_planner_check.py "
+        "(2 blocks x 256 wide, vocab 512: every block weight's local shard is quantized at world 2 and 4) with "
+        "`fk.make_optimizer(model, NAME)`; one step after two warm-up steps is measured: forward and backward by "
+        "`measure_step` (live storage bytes at every op), the optimizer step by torch.profiler's memory timeline "
+        "(torchao's compiled step does not run under the counting dispatch mode). Predicted by "
+        '`fsdp2kit.plan_memory(..., optimizer=NAME, device="cpu")`. MiB, the worst rank. '
+        f"torch {meta['torch']}, {meta['seconds']} s, load average {tuple(round(x, 1) for x in meta['load'])} "
+        "(2 shared cores).\n\n"
+        "| world | optimizer | precision | peak predicted | peak measured | error | optimizer state predicted / "
+        "measured | forward+backward peak predicted / measured | step peak predicted / measured |\n"
+        "|---|---|---|---:|---:|---:|---|---|---|\n"
+    )
+    lines, worst_peak, worst_state, worst_fb = [], 0.0, 0.0, 0.0
+    for r in rows:
+        c, p, m = r["config"], r["predicted"], r["measured"]
+        fb = max(p["forward_peak_bytes"], p["backward_peak_bytes"])
+        err = p["peak_bytes"] / m["peak_all"] - 1
+        worst_peak = max(worst_peak, abs(err))
+        worst_state = max(worst_state, abs(p["parts"]["optimizer"] / m["optimizer"] - 1))
+        worst_fb = max(worst_fb, abs(fb / m["peak"] - 1))
+        lines.append(
+            f"| {c['world']} | {c['optimizer']} | {c['mp']} | {_mib(p['peak_bytes'])} | {_mib(m['peak_all'])} | "
+            f"{err:+.2%} | {_mib(p['parts']['optimizer'])} / {_mib(m['optimizer'])} "
+            f"({_err(p['parts']['optimizer'], m['optimizer'])}) | {_mib(fb)} / {_mib(m['peak'])} ({_err(fb, m['peak'])}) "
+            f"| {_mib(p['optimizer_peak_bytes'])} / {_mib(m['step_peak'])} "
+            f"({_err(p['optimizer_peak_bytes'], m['step_peak'])}) |"
+        )
+    foot = (
+        f"\n\n{len(rows)} configurations. Largest error: peak {worst_peak:.2%}, optimizer state {worst_state:.2%}, "
+        f"forward+backward peak {worst_fb:.2%} (the planner's bar: 2%). The step peak is the live bytes when the "
+        "step starts (parameters, gradients, state) plus the most the step allocates; the planner's step "
+        "temporaries for torchao's optimizers are an estimate (four fp32 copies of the largest parameter shard).\n"
+        "\nNot measured: optimizer-state offload (`[optim] offload`), which needs a CUDA device.\n"
+    )
+    return head + "\n".join(lines) + foot
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/optim_memory")
+    ap.add_argument("--worlds", default="2,4")
+    args = ap.parse_args()
+    from fsdp2kit.testing import WorldError, run_world
+
+    worlds = [int(w) for w in args.worlds.split(",")]
+    rows, t0 = [], time.time()
+    for world in worlds:
+        for c in [c for c in GRID if c["world"] == world]:
+            # One spawn per optimizer: four ranks compiling torchao's steps of several optimizers in one
+            # process each ran out of this machine's memory (24 GB shared).
+            try:
+                ranks = run_world(measure_world, world, [c], timeout=1500)
+            except WorldError as e:  # e.g. a rank killed for memory: say so, measure the rest
+                print(f"{c['world']} {c['optimizer']}: not measured: {str(e).splitlines()[:3]}", flush=True)
+                continue
+            measured = max((r[0] for r in ranks), key=lambda m: m["peak_all"])
+            plan = predict(c)
+            rows.append(dict(config=c, predicted=plan.to_dict(), measured=measured))
+            print(
+                f"{c['world']} {c['optimizer']}: predicted {plan.peak_bytes} measured {measured['peak_all']} "
+                f"({plan.peak_bytes / measured['peak_all'] - 1:+.2%}); state {plan.parts['optimizer']} vs "
+                f"{measured['optimizer']}; step {plan.optimizer_peak} vs {measured['step_peak']}",
+                flush=True,
+            )
+    meta = dict(load=os.getloadavg(), seconds=round(time.time() - t0, 1), torch=torch.__version__)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    Path(args.out + ".md").write_text(markdown(rows, meta))
+    print(f"wrote {args.out}.json and .md in {meta['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
