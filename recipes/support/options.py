@@ -211,7 +211,7 @@ def optimizer_args(cfg: Config) -> dict:
         raise ValueError(
             "optim.offload and parallel.cpu_offload: choose one (cpu_offload already keeps the state on the host)"
         )
-    if o.offload and not torch.cuda.is_available():
+    if o.offload and not torch.cuda.is_available() and not cfg.train.plan_only:  # a plan needs no GPU
         raise ValueError(
             "optim.offload keeps parameters on the GPU and the state in host memory: this machine has no GPU"
         )
