@@ -95,8 +95,10 @@ def test_cpu_offload_pinned(world):
 @pytest.mark.timeout(540)
 def test_low_bit_optimizers_on_the_device(world):
     """Quantized state on the GPU's shards; against one process on the same GPU: the update's cosine
-    >= 0.99 and losses within 1e-3 (on CPU ranks, world 2, 8-bit and 4-bit agree to fp32 rounding;
-    FP8 flips a few codes: tests/dist/test_optim.py). State offload is for adamw only."""
+    >= 0.99 and losses within 1e-3 relative. The same case on CPU ranks (world 2): loss 1.0e-7
+    relative, update cosine 1.00000 and update_rel <= 4.4e-5 for all three (FP8's and 8-bit's
+    flipped codes: tests/dist/test_optim.py); the bounds leave room for NCCL's summation order.
+    State offload is for adamw only."""
     for rank, res in enumerate(_results(world, "low_bit_optimizers")):
         for name, kind in (
             ("adamw8bit", "OptimState8bit"),

@@ -21,7 +21,8 @@ rounding can flip an element's code (measured on this test's data: the largest d
 the state's largest value for 8-bit, 0.29% for FP8, 4-bit's within fp32 rounding; the mean under
 1.7e-6 of it), so the bound is 1/32 of the largest value and a mean of 1e-4 of it (a state kept at
 another precision misses both); fp32 AdamW's states agree within 1e-4 of the largest value.
-World 3 runs 8-bit and 4-bit only (its own spawn compiles torchao's step for its shapes).
+World 3 runs 8-bit in the default tier (its own spawn compiles torchao's step for its shapes),
+4-bit and FP8 in the slow one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fsdp2kit.testing import run_world
 QUANTIZED = {"adamw8bit": "OptimState8bit", "adamw4bit": "OptimState4bit", "adamw_fp8": "OptimStateFp8"}
 
 
-LOW_BIT = ("adamw8bit", "adamw4bit")  # world 3 and 1 in the default tier; every optimizer in the slow one
+W3 = ("adamw8bit",)  # world 3 in the default tier (a spawn compiles torchao's step for its shapes); the rest: slow
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def world2(root):
 def world3(world2, root):  # loads what world 2 saved
     from optim_world import world3_cases
 
-    return run_world(world3_cases, 3, root, LOW_BIT, LOW_BIT, timeout=540)[0]
+    return run_world(world3_cases, 3, root, W3, W3, timeout=540)[0]
 
 
 @pytest.mark.timeout(600)
@@ -155,19 +156,26 @@ def _same(saved: dict, loaded: dict, what: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_reshard_2_to_3(world2, world3):
-    for name in LOW_BIT:
+    for name in W3:
         _same(world2[0][name]["resume"]["saved"], world3["hop"][name], f"{name} 2 -> 3")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_reshard_chain_every_optimizer(world2, world3, root, tmp_path):
-    """2 -> 3 -> 1 for every optimizer (the default tier has 8-bit's and 4-bit's 2 -> 3), and 2 x 2
-    HSDP -> 4 for all."""
-    from optim_world import hsdp_to_flat, reshard_hop
+def test_every_optimizer_on_every_mesh_and_reshard_chain(world2, world3, root, tmp_path):
+    """World 3's states for 4-bit and FP8 too; 2 -> 3 -> 1 for every optimizer (the default tier has
+    8-bit's 2 -> 3); and 2 x 2 HSDP -> 4 for all."""
+    from optim_world import hsdp_to_flat, reshard_hop, world3_cases
 
-    rest = tuple(n for n in OPTIMIZERS if n not in LOW_BIT)
-    hop3 = {**world3["hop"], **run_world(reshard_hop, 3, root, f"{root}/w3", rest, timeout=600)[0]}
+    rest = tuple(n for n in OPTIMIZERS if n not in W3)
+    more = run_world(world3_cases, 3, root, ("adamw4bit", "adamw_fp8"), rest, timeout=600)[0]
+    one = world2[0]["mesh"]["one"]
+    for name, states in more["mesh"].items():
+        for key, other in states.items():
+            if not key.endswith(".param"):
+                ok, why = _state_agrees(one[name][key], other, name in QUANTIZED)
+                assert ok, f"{name} {key}: world 1 vs 3: {why}"
+    hop3 = {**world3["hop"], **more["hop"]}
     world1 = run_world(reshard_hop, 1, f"{root}/w3", None, OPTIMIZERS, timeout=300)[0]
     for name in OPTIMIZERS:
         _same(world2[0][name]["resume"]["saved"], hop3[name], f"{name} 2 -> 3")

@@ -106,6 +106,7 @@ def test_recipe_optim_table():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="has no GPU"):
             optimizer_args(Config(optim=OptimConfig(offload=True)))
+    assert optimizer_args(Config(optim=OptimConfig(offload=True), train=TrainConfig(plan_only=True)))["offload"]
     from support.config import parse_config
     from support.errors import ConfigError
 
