@@ -142,6 +142,18 @@ def lm_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
+def cp_loss(mesh):
+    """`lm_loss` on this cp rank's part of the sequence (labels shifted before the split, as the library needs)."""
+    import fsdp2kit as fk
+
+    def loss(model, batch):
+        part = fk.split_for_context_parallel({"input_ids": batch[:, :-1], "labels": batch[:, 1:]}, mesh)
+        logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), part["labels"].flatten())
+
+    return loss
+
+
 def measure_world(configs: list[dict]) -> list[dict]:
     """On every rank: each configuration's measured step (runs under fsdp2kit.testing.run_world)."""
     import torch.distributed as dist
@@ -161,9 +173,12 @@ def measure_world(configs: list[dict]) -> list[dict]:
             if c.get("qlora"):
                 fk.quantize_nf4(model)
             model = fk.apply_lora(model, r=c["lora"])
-        mesh = fk.make_mesh(shard=c["world"] // c["replicate"] // tp, replicate=c["replicate"], tp=tp)
+        cp = c.get("cp", 1)
+        mesh = fk.make_mesh(shard=c["world"] // c["replicate"] // tp // cp, replicate=c["replicate"], tp=tp, cp=cp)
         if tp > 1:
             fk.apply_tensor_parallel(model, mesh)
+        if cp > 1:
+            fk.apply_context_parallel(model, mesh)
         if c["ac"] is not None:
             fk.apply_activation_checkpointing(model, mode=c["ac"])
         fk.shard_model(model, mesh, mixed_precision=c["mp"])
@@ -174,17 +189,18 @@ def measure_world(configs: list[dict]) -> list[dict]:
         else:
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         vocab = model.config.vocab_size
-        gen = torch.Generator().manual_seed(dist.get_rank() // tp)  # one batch per TP group
+        gen = torch.Generator().manual_seed(dist.get_rank() // tp // cp)  # one batch per TP (and cp) group
+        loss_fn = cp_loss(mesh) if cp > 1 else lm_loss
 
         def make_batch(vocab=vocab, shape=(c["batch"], c["seq"] + 1), gen=gen):
             return torch.randint(0, vocab, shape, generator=gen)
 
-        loss = lm_loss(model, make_batch())  # warm-up: the optimizer state exists from here on
+        loss = loss_fn(model, make_batch())  # warm-up: the optimizer state exists from here on
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         del loss
-        m = measure_step(model, opt, make_batch, lm_loss, list(model._fsdp2kit_blocks))
+        m = measure_step(model, opt, make_batch, loss_fn, list(model._fsdp2kit_blocks))
         out.append(m.__dict__)
         del model, opt
     return out
@@ -195,8 +211,9 @@ def predict(c: dict):
 
     return fk.plan_memory(
         build(c["size"], meta=True, dtype=c.get("built")),
-        shard=c["world"] // c["replicate"] // c.get("tp", 1),
+        shard=c["world"] // c["replicate"] // c.get("tp", 1) // c.get("cp", 1),
         tp=c.get("tp", 1),
+        cp=c.get("cp", 1),
         lora=c.get("lora"),
         qlora=c.get("qlora", False),
         replicate=c["replicate"],

@@ -97,13 +97,14 @@ def meta_copy(
 
 
 def cp_heads_error(cp: int, heads: int, kv_heads: int, tp: int = 1) -> ValueError | None:
-    """The error `fsdp2kit.apply_context_parallel` gives when its all-to-all cannot split the heads, or None."""
+    """The error `fsdp2kit.apply_context_parallel` gives when its all-to-all cannot split the heads (one TP
+    rank's), in its words, or None."""
     if heads % cp == 0 and kv_heads % cp == 0:
         return None
-    where = f" (per tensor-parallel rank, tp={tp})" if tp > 1 else ""
+    per = f" per TP rank (tp={tp})" if tp > 1 else ""
     return ValueError(
-        f"context parallelism: {cp} must divide the number of attention heads ({heads}) "
-        f"and KV heads ({kv_heads}){where}"
+        f"all-to-all context parallelism over cp={cp} ranks splits the attention heads: {heads} heads and "
+        f"{kv_heads} KV heads{per} must both divide by {cp}; choose a cp that divides them"
     )
 
 
@@ -402,7 +403,14 @@ def record_step(
             # The batch is counted too: a real loop holds it for the whole step.
             ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
             labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
-            out = clone(ids)
+            if cp > 1:
+                # The loop read the whole sequences and keeps them while the model runs on this rank's
+                # part, which needs its positions (fsdp2kit.split_for_context_parallel).
+                whole = torch.zeros(batch, seq * cp, dtype=torch.long, device="meta")  # noqa: F841
+                positions = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+                out = clone(ids, position_ids=positions)
+            else:
+                out = clone(ids)
             logits = out.logits if hasattr(out, "logits") else out
             del out
             emit("phase", "forward loss")

@@ -6,7 +6,8 @@ category); `fsdp2kit.plan_memory(..., device="cpu")` predicts the same figures f
 built on the meta device. The planner replays what FSDP2 allocates, so on CPU it is expected to
 be exact up to the optimizer's step counters and a few small tensors: the bar is 2% (the
 grid is within 1.5% on every category), far inside the issue's 10%. The second test covers the
-paths that change the model before sharding: tensor parallelism, LoRA, QLoRA and an MoE.
+paths that change the model before sharding: tensor parallelism, LoRA, QLoRA, an MoE and context
+parallelism.
 benchmarks/memory_planner_check.py runs the full grid.
 """
 
@@ -41,6 +42,10 @@ ADAPTED = [
     dict(world=2, replicate=1, ac=None, mp="bf16", batch=1, seq=16, size="q", lora=4, qlora=True),
     dict(world=2, replicate=1, ac=None, mp=None, batch=1, seq=32, size="moe"),
     dict(world=2, replicate=1, ac=None, mp="bf16", batch=2, seq=64, size="s", built="bfloat16"),
+    # Context parallelism (all-to-all style) over the 2 ranks: the all-to-all buffers, the attention
+    # output held twice, the whole batch beside this rank's part; without AC and with full AC in bf16.
+    dict(world=2, replicate=1, ac=None, mp=None, batch=2, seq=64, size="s", cp=2),
+    dict(world=2, replicate=1, ac="full", mp="bf16", batch=1, seq=128, size="s", cp=2),
 ]
 
 

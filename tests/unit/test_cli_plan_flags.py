@@ -46,7 +46,7 @@ COMBINATIONS = [
     ({"--lora": ["8"], "model": ["bench-256x4"]}, "--qlora", [], CHANGES),  # demo's weights split into no NF4 groups
     ({"--lora": ["8"]}, "--tp", ["2"], "lora=8 with tp=2"),
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
-    ({}, "--cp", ["8"], "context parallelism: 8 must divide the number of attention heads (4)"),  # demo: 4 heads
+    ({}, "--cp", ["8"], "cp=8 ranks splits the attention heads: 4 heads and 4 KV heads must both divide by 8"),
     ({"--cpu-offload": [], "--batch": ["2"], "--seq": ["64"]}, "--optimizer-offload", [], "cpu_offload already keeps"),
 ]
 
