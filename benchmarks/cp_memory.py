@@ -107,6 +107,8 @@ def main() -> None:
         "(parameters, gradients and optimizer state shard over the cp ranks too). Tokens/s: C ranks sharing this "
         "machine's cores, so it measures the overhead here, not a GPU's scaling.",
         "",
+        f"Machine: {machine}.",
+        "",
         "| cp | peak live MiB per rank | vs cp 1 | sharded params MiB per rank | step s | tokens/s |",
         "|---|---|---|---|---|---|",
     ]
