@@ -46,6 +46,7 @@ from support.data import DataError, ResumableLoader, check_vocab, describe, setu
 from support.errors import ConfigError, UsageError, run_recipe
 from support.evaluate import evaluate
 from support.export import export_model
+from support.loader import SplitBatches
 from support.lora import apply_lora_table, split_targets
 from support.loss import answer_loss_sum, backward_global_mean
 from support.metrics import LivePeak, Timer, peak_memory_bytes, peak_memory_key
@@ -92,6 +93,12 @@ def check_before_start(cfg: Config) -> None:
         raise UsageError(f"model.name = {cfg.model.name!r}: {e}", kind="model") from e
     if problem:
         raise ConfigError(problem)
+    if cfg.data.seq_len % (2 * p.cp):
+        # context parallelism cuts each sequence into 2 x cp chunks (a head and a tail per rank)
+        raise ConfigError(
+            f"data.seq_len {cfg.data.seq_len} must divide by 2 x parallel.cp = {2 * p.cp} (each cp rank holds a "
+            f"head and a tail chunk of every sequence); use seq_len {-(-cfg.data.seq_len // (2 * p.cp)) * 2 * p.cp}"
+        )
     try:
         optimizer_args(cfg)
         check_accumulation(cfg.train.accumulation, hsdp=p.replicate > 1)
@@ -150,12 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     # 1. process group and mesh
     info = fk.init_distributed(timeout=cfg.train.timeout)
     try:
-        mesh = fk.make_mesh(shard=p.shard, replicate=p.replicate, tp=p.tp)
+        mesh = fk.make_mesh(shard=p.shard, replicate=p.replicate, tp=p.tp, cp=p.cp)
     except ValueError as e:  # sizes that do not fit the world: the same answer on every rank
         raise ConfigError(f"[parallel] {str(e).removeprefix('make_mesh: ')}") from e
     torch.manual_seed(cfg.train.seed)
-    # The ranks of one TP group compute on one batch: data is split over the data-parallel groups.
-    dp_info = dataclasses.replace(info, rank=info.rank // p.tp, world_size=info.world_size // p.tp)
+    # The ranks of one TP group compute on one batch, and so do those of one cp group (each keeps its own
+    # chunks of the sequences): data is split over the data-parallel groups.
+    group = p.tp * p.cp
+    dp_info = dataclasses.replace(info, rank=info.rank // group, world_size=info.world_size // group)
     try:
         tokenizer, loader, eval_rows = build_data(cfg, info, dp_info)
     except FileNotFoundError as e:  # a tokenizer directory: the same answer on every rank
@@ -201,6 +210,17 @@ def main(argv: list[str] | None = None) -> None:
         fk.enable_float8(model)
     if p.tp > 1:
         fk.apply_tensor_parallel(model, mesh)  # the model's own transformers TP plan
+    split = None
+    if p.cp > 1:
+        try:
+            fk.apply_context_parallel(model, mesh)  # all-to-all attention over the sequence's chunks
+        except ValueError as e:  # heads that do not divide by cp, an unsupported attention kernel
+            raise ConfigError(f"[parallel] cp = {p.cp}: {e}") from e
+
+        def split(batch):
+            return fk.split_for_context_parallel(batch, mesh)
+
+        loader = SplitBatches(loader, split)
     if p.activation_checkpointing:
         ac = p.activation_checkpointing
         fk.apply_activation_checkpointing(model, mode=int(ac) if ac.isdigit() else ac)
@@ -319,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
         with monitor.guard(), live_peak.watch(step, model, optimizer), counting as counts:
             # the mean over the answer tokens of the global batch (every rank, every micro-step): support/loss.py.
             # With TP, each of a TP group's ranks counts the same tokens: the count over all ranks and the
-            # world size are both TP times too large, and the factors cancel.
+            # world size are both TP times too large, and the factors cancel. With cp, each rank counts its own
+            # chunks' tokens and FSDP averages over the cp ranks too: the world size is the factor again.
             loss_sum, answer_count = backward_global_mean(
                 model,
                 micro,
@@ -393,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
                 rank=dp_info.rank,
                 world_size=dp_info.world_size,
                 device=info.device,
+                split=split,
             )
             log.log({"step": done, **scores})
             if info.is_main:

@@ -99,6 +99,14 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         pos = position_ids.expand(batch, -1).contiguous()
         every = funcol.all_gather_single(pos, 0, group)  # (cp * batch, local seq), rank order
         every = funcol.wait_tensor(every) if isinstance(every, funcol.AsyncCollectiveTensor) else every
+        made_up = torch.arange(every.shape[1], device=every.device)
+        if not torch.compiler.is_compiling() and bool((every == made_up).all()):
+            # 0..n-1 on every cp rank is what a model makes up when given no position_ids (it sees n tokens):
+            # the split's positions never look so (rank r's head chunk starts at r x n / 2)
+            raise ValueError(
+                "context parallelism got the same positions 0..n-1 on every cp rank, the model's default when no "
+                "position_ids are given: pass the position_ids of fsdp2kit.split_for_context_parallel to the model"
+            )
         every = every.view(cp, batch, -1).transpose(0, 1).reshape(batch, -1)  # layout order
         mask = document_mask(_reorder(every, natural.to(every.device), dim=1), causal=causal)
         if kernel == "eager" and mask is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,16 +35,28 @@ def eval_batches(rows, batch_size: int, *, rank: int, world_size: int) -> Iterat
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, rows, batch_size: int, *, rank: int, world_size: int, device) -> dict[str, float]:
-    """Mean answer-token loss over the whole held-out split and its perplexity; collective, equal on every rank."""
+def evaluate(
+    model: torch.nn.Module,
+    rows,
+    batch_size: int,
+    *,
+    rank: int,
+    world_size: int,
+    device,
+    split: Callable[[dict], dict] | None = None,
+) -> dict[str, float]:
+    """Mean answer-token loss over the whole held-out split and its perplexity; collective, equal on every rank.
+    ``split``: context parallelism's cut of each batch to this rank's part of the sequences."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, answer tokens
     for batch in eval_batches(rows, batch_size, rank=rank, world_size=world_size):
         batch = {k: v.to(device) for k, v in batch.items()}
+        if split is not None:
+            batch = split(batch)
         sums[0] += answer_loss_sum(model, batch).double()
         sums[1] += (batch["labels"] != IGNORE).sum()
-    if world_size > 1:
+    if world_size > 1 or split is not None:  # the cp ranks of one group hold different tokens
         dist.all_reduce(sums)
     model.train(was_training)
     loss = (sums[0] / sums[1].clamp(min=1)).item()

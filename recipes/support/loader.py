@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["ResumableLoader", "to_batch"]
+__all__ = ["ResumableLoader", "SplitBatches", "to_batch"]
 
 
 def to_batch(rows: dict, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -55,3 +55,23 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class SplitBatches:
+    """A loader's batches, each cut to this rank's part of the sequences (context parallelism: the ranks of
+    one cp group read the same rows and keep their own chunks). Its position is the loader's."""
+
+    def __init__(self, loader: ResumableLoader, split: Callable[[dict], dict]):
+        self.loader, self.split = loader, split
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return (self.split(b) for b in self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loader.load_state_dict(state)

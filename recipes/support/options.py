@@ -120,6 +120,12 @@ class ParallelConfig:
     shard: int = opt(-1, "ranks that shard the model (-1: all that replicate leaves)")
     replicate: int = opt(1, "replica groups (HSDP when > 1, e.g. the number of nodes)", minimum=1)
     tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)", minimum=1)
+    cp: int = opt(
+        1,
+        "context-parallel ranks: each sequence split over them, all-to-all attention (long sequences; data.seq_len "
+        "must divide by 2 x cp, heads and KV heads by cp; 1: off)",
+        minimum=1,
+    )
     strategy: str | None = opt(
         None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2", choices=tuple(STRATEGIES)
     )

@@ -165,6 +165,11 @@ def run_errors() -> dict:
         flex.config._attn_implementation = "flex_attention"
         out["kernel"] = _error(lambda: fk.apply_context_parallel(flex, mesh22))
     dist.barrier()
+    # forgetting position_ids: every rank raises together (after the positions' all-gather)
+    model = build("llama", "sdpa")
+    fk.apply_context_parallel(model, mesh22)
+    ids = fk.split_for_context_parallel(torch.zeros(1, 16, dtype=torch.long), mesh22)
+    out["no_positions"] = _error(lambda: model(input_ids=ids, use_cache=False))
     return out
 
 

@@ -63,6 +63,7 @@ def test_cp_errors(world4) -> None:
     assert "needs a mesh with a 'cp' dimension" in errors["no_cp"]
     assert "2 x cp = 8 equal chunks" in errors["odd_seq"] and "seq_len 16" in errors["odd_seq"]
     assert "'flex_attention'" in errors["kernel"]
+    assert "pass the position_ids of fsdp2kit.split_for_context_parallel" in errors["no_positions"]
 
 
 @pytest.mark.timeout(400)

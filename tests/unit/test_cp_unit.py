@@ -57,3 +57,16 @@ def test_fsdp_view_folds_cp_into_shard() -> None:
     names = ("replicate", "shard", "cp", "tp")
     assert fsdp_mesh_shape((2, 1, 2, 2), names) == ((2, 2, 2), ("replicate", "shard_cp", "tp"))
     assert fsdp_mesh_shape((2, 4), ("replicate", "shard")) == ((2, 4), ("replicate", "shard"))
+
+
+def test_recipe_refuses_a_seq_len_cp_cannot_split() -> None:
+    # before any process group: a config error that names the seq_len that works
+    from train import check_before_start
+
+    from support.config import parse_config
+    from support.errors import ConfigError
+    from support.options import Config
+
+    cfg = parse_config(Config, ["--parallel.cp", "4", "--data.seq_len", "66"], prog="train.py")
+    with pytest.raises(ConfigError, match=r"must divide by 2 x parallel.cp = 8 .*use seq_len 72"):
+        check_before_start(cfg)
