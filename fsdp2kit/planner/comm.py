@@ -91,6 +91,10 @@ class CommPlan:
     accumulation: str
     micro_batches: int
     group_sizes: dict[str, int] = field(default_factory=dict)  # ranks in each group named by the collectives
+    # Bytes per rank the policy holds from one micro-batch to the next that "regather" does not: unsharded
+    # parameters (keep_gathered), unsharded gradients in the reduce dtype (no_sync: FSDP2 accumulates them
+    # there), each unit's sharded partial sum in the reduce dtype (defer_all_reduce). 0 for one micro-batch.
+    held_bytes: int = 0
 
     @property
     def bytes_per_step(self) -> int:
@@ -185,9 +189,16 @@ def comm_of_plan(
     if replicate > 1:
         group_sizes[ar_group] = replicate
 
+    many = micro_batches > 1
+    keep = many and shard > 1 and accumulation in ("keep_gathered", "keep_gathered_no_sync")
+    unsynced = many and accumulation in ("no_sync", "keep_gathered_no_sync")
+    deferred = many and accumulation == "defer_all_reduce"
+    held = 0
     units = []
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):
         colls: list[Collective] = []
+        if keep:
+            held += sum(_gathered_bytes(p, shard, _compute_dtype(p, plan)) for p in params)
         if shard > 1 and params:
             gathered = 0
             for p in params:
@@ -209,8 +220,12 @@ def comm_of_plan(
                 colls.append(Collective("reduce_scatter", "shard", rs_in, _dtype_name(rdt), n_rs, "backward"))
             if replicate > 1:
                 colls.append(Collective("all_reduce", ar_group, rs_in // shard, _dtype_name(rdt), n_ar, "backward"))
+            if unsynced:
+                held += sum(p.numel() for p in trainable) * rdt.itemsize
+            if deferred:
+                held += rs_in // shard
         units.append(UnitComm(up.name, tuple(colls)))
-    return CommPlan(units, accumulation, micro_batches, group_sizes)
+    return CommPlan(units, accumulation, micro_batches, group_sizes, held)
 
 
 def plan_comm(
