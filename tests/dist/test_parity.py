@@ -114,3 +114,4 @@ def test_counted_bytes_equal_predicted(world: int, index: int) -> None:
         r = res[index]
         assert r["counted"] == r["predicted"], f"{r['label']} rank {rank}: counted != predicted"
         assert r["predicted_units"] == r["n_units"]
+        assert r["modes_left"] == 0, "count_collectives left a dispatch mode behind"
