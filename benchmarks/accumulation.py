@@ -29,6 +29,7 @@ HELD = {
     "keep_gathered": "unsharded parameters (compute dtype)",
     "defer_all_reduce": "sharded partial gradient sums (reduce dtype)",
     "no_sync": "unsharded gradients (reduce dtype)",
+    "keep_gathered_defer_all_reduce": "unsharded parameters, sharded partial sums",
     "keep_gathered_no_sync": "unsharded parameters and gradients",
 }
 
@@ -63,7 +64,7 @@ def minimum(plan: fk.CommPlan, policy: str, m: int) -> int:
         for c in u.collectives:
             key = c.kind if c.kind != "all_gather" else c.phase
             per[key] += c.nbytes  # one call's bytes: a micro-batch's worth
-    keep = policy in ("keep_gathered", "keep_gathered_no_sync")
+    keep = policy.startswith("keep_gathered")
     unsynced = policy in ("no_sync", "keep_gathered_no_sync")
     gathers = per["forward"] if keep else m * (per["forward"] + per["backward"])
     return gathers + (1 if unsynced else m) * per["reduce_scatter"] + per["all_reduce"]
@@ -77,7 +78,7 @@ def run(micro: int, layers: int, hidden: int) -> list[dict]:
     for label, shape in (("1-D shard=4", dict(shard=4)), ("HSDP 2x2", dict(shard=2, replicate=2))):
         mesh = fk.make_mesh(**shape)
         for policy in fk.ACCUMULATION:
-            if policy == "defer_all_reduce" and "replicate" not in shape:
+            if "defer_all_reduce" in policy and "replicate" not in shape:
                 continue
             model = _model(layers, hidden)
             plan = fk.plan_comm(model, **shape, mixed_precision="bf16", micro_batches=micro, accumulation=policy)

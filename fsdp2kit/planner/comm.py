@@ -145,6 +145,8 @@ def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
         return m, m, m, 1
     if accumulation == "no_sync":
         return m, m, 1, 1
+    if accumulation == "keep_gathered_defer_all_reduce":
+        return 1, 0, m, 1
     if accumulation == "keep_gathered_no_sync":
         return 1, 0, 1, 1
     raise ValueError(f"accumulation={accumulation!r}: expected one of {list(ACCUMULATION)}")
@@ -169,6 +171,7 @@ def comm_of_plan(
             ``"defer_all_reduce"`` (HSDP: reduce-scatter every micro-batch, all-reduce across
             replicas once, on the last), ``"no_sync"`` (gather as ``"regather"``, reduce once,
             on the last micro-batch, holding unsharded gradients until then),
+            ``"keep_gathered_defer_all_reduce"`` (HSDP: gather once, all-reduce once),
             ``"keep_gathered_no_sync"`` (gather once, reduce once: the fewest bytes, the most memory).
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -183,16 +186,16 @@ def comm_of_plan(
         replicate, ar_group = math.prod(s for n, s in names.items() if n != "tp"), "shard"
     else:
         ar_group = "replicate"
-    if accumulation == "defer_all_reduce" and replicate == 1:
-        raise ValueError("accumulation='defer_all_reduce' defers the all-reduce across replicas: it needs HSDP")
+    if accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce") and replicate == 1:
+        raise ValueError(f"accumulation={accumulation!r} defers the all-reduce across replicas: it needs HSDP")
     group_sizes = {"shard": shard} if shard > 1 else {}
     if replicate > 1:
         group_sizes[ar_group] = replicate
 
     many = micro_batches > 1
-    keep = many and shard > 1 and accumulation in ("keep_gathered", "keep_gathered_no_sync")
+    keep = many and shard > 1 and accumulation.startswith("keep_gathered")
     unsynced = many and accumulation in ("no_sync", "keep_gathered_no_sync")
-    deferred = many and accumulation == "defer_all_reduce"
+    deferred = many and accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce")
     held = 0
     units = []
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):

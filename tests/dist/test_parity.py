@@ -17,7 +17,7 @@ MODELS = ("llama", "tinygpt")
 OPTIMS = ("sgd", "adamw")
 # fk.accumulate's policies over 4 micro-batches, counted: parity and exact bytes (docs/accumulation.md)
 ONE_D = ("regather", "keep_gathered", "no_sync", "keep_gathered_no_sync")
-POLICIES = (*ONE_D, "defer_all_reduce")
+POLICIES = (*ONE_D, "defer_all_reduce", "keep_gathered_defer_all_reduce")
 
 CASES: dict[int, list[Case]] = {
     2: [

@@ -30,4 +30,5 @@ def test_defer_all_reduce_needs_hsdp() -> None:
     assert check_accumulation("defer_all_reduce", hsdp=True) == "defer_all_reduce"
     with pytest.raises(ValueError, match="needs an HSDP mesh"):
         check_accumulation("defer_all_reduce", hsdp=False)
-    assert set(fk.ACCUMULATION) == {"regather", "keep_gathered", "defer_all_reduce", "no_sync", "keep_gathered_no_sync"}
+    with pytest.raises(ValueError, match="needs an HSDP mesh"):
+        check_accumulation("keep_gathered_defer_all_reduce", hsdp=False)

@@ -54,6 +54,8 @@ def test_policies_counts_per_step() -> None:
     assert counts["defer_all_reduce"]["replicate"]["all_reduce"] == units
     assert counts["defer_all_reduce"]["shard"] == counts["regather"]["shard"]
     assert counts["no_sync"]["shard"]["reduce_scatter"] == units
+    assert counts["keep_gathered_defer_all_reduce"]["replicate"]["all_reduce"] == units
+    assert counts["keep_gathered_defer_all_reduce"]["shard"] == counts["keep_gathered"]["shard"]
     assert counts["keep_gathered_no_sync"] == {
         "shard": {"all_gather": units, "reduce_scatter": units},
         "replicate": {"all_reduce": units},
@@ -107,3 +109,4 @@ def test_held_bytes_per_policy() -> None:
     assert held("no_sync", mixed_precision="bf16") == numel * 4  # FSDP2 accumulates in the fp32 reduce dtype
     assert held("defer_all_reduce") == _padded_bytes(model, 2, 4) // 2
     assert held("keep_gathered_no_sync") == held("keep_gathered") + held("no_sync")
+    assert held("keep_gathered_defer_all_reduce") == held("keep_gathered") + held("defer_all_reduce")
