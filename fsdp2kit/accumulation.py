@@ -115,7 +115,7 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
       traffic; memory: the unsharded model and its unsharded gradients.
 
     Scale each micro-batch's loss by ``1 / n_micro``. Gradients equal one big batch's under
-    every policy (tests/dist/test_accumulation.py). Each setting changed is restored when the
+    every policy (tests/dist/test_parity.py). Each setting changed is restored when the
     block exits (``keep_gathered``'s reshard-after-forward when the last micro-batch's block
     exits, or any block that raises).
     """
