@@ -125,7 +125,7 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
     if isinstance(micro, bool) or not isinstance(micro, int) or not 0 <= micro < n_micro:
         raise ValueError(f"micro={micro!r}: expected 0 <= micro < n_micro={n_micro}")
     modules = _fsdp_modules(model)
-    if policy in _HSDP_ONLY:
+    if policy in _HSDP_ONLY and micro == 0:  # sharded then: a kept-gathered parameter is no DTensor
         check_accumulation(policy, hsdp=_is_hsdp(modules))
     last = micro == n_micro - 1
     keep = policy.startswith("keep_gathered") and n_micro > 1
