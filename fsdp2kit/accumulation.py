@@ -24,9 +24,12 @@ ACCUMULATION: dict[str, str] = {
     "defer_all_reduce": "HSDP: reduce-scatter every micro-batch, all-reduce across replicas once, on the last "
     "(memory: one sharded gradient per unit in the reduce dtype)",
     "no_sync": "gather every micro-batch, reduce once, on the last (memory: every unsharded gradient)",
+    "keep_gathered_defer_all_reduce": "HSDP: keep_gathered, all-reducing across replicas once, on the last "
+    "(memory: the unsharded model and each unit's sharded partial sum)",
     "keep_gathered_no_sync": "gather once and reduce once a step: the fewest bytes, the most memory "
     "(the unsharded model and its unsharded gradients)",
 }
+_HSDP_ONLY = ("defer_all_reduce", "keep_gathered_defer_all_reduce")
 
 # Saved reshard-after-forward settings of a model between the first and last micro-batch of a
 # keep_gathered step: FSDP2's public setter takes a bool only, so an int (reshard to a smaller
@@ -38,9 +41,9 @@ def check_accumulation(policy: str, *, hsdp: bool | None = None) -> str:
     """``policy`` if it is a policy name (and fits the mesh when ``hsdp`` is known), else ``ValueError``."""
     if policy not in ACCUMULATION:
         raise ValueError(f"accumulation={policy!r}: expected one of {list(ACCUMULATION)}")
-    if policy == "defer_all_reduce" and hsdp is False:
+    if policy in _HSDP_ONLY and hsdp is False:
         raise ValueError(
-            "accumulation='defer_all_reduce' defers the all-reduce across replicas: it needs an HSDP mesh "
+            f"accumulation={policy!r} defers the all-reduce across replicas: it needs an HSDP mesh "
             "(make_mesh(shard=..., replicate=...) with replicate > 1); on a 1-D mesh use 'no_sync' or 'keep_gathered'"
         )
     return policy
@@ -106,11 +109,13 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
     - ``"no_sync"``: gathers as ``"regather"``, one reduce-scatter (and all-reduce) a step
       (``set_requires_gradient_sync(False)`` but on the last, as `fsdp2kit.no_sync`).
       Memory: every unsharded gradient, in the compute dtype, for the whole step.
+    - ``"keep_gathered_defer_all_reduce"`` (HSDP only): ``"keep_gathered"`` with the all-reduce
+      deferred to the last micro-batch, as ``"defer_all_reduce"`` does it.
     - ``"keep_gathered_no_sync"``: both: one all-gather and one reduction a step, the least
       traffic; memory: the unsharded model and its unsharded gradients.
 
     Scale each micro-batch's loss by ``1 / n_micro``. Gradients equal one big batch's under
-    every policy (tests/dist/test_accumulation.py). Each setting changed is restored when the
+    every policy (tests/dist/test_parity.py). Each setting changed is restored when the
     block exits (``keep_gathered``'s reshard-after-forward when the last micro-batch's block
     exits, or any block that raises).
     """
@@ -120,12 +125,12 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
     if isinstance(micro, bool) or not isinstance(micro, int) or not 0 <= micro < n_micro:
         raise ValueError(f"micro={micro!r}: expected 0 <= micro < n_micro={n_micro}")
     modules = _fsdp_modules(model)
-    if policy == "defer_all_reduce":
+    if policy in _HSDP_ONLY and micro == 0:  # sharded then: a kept-gathered parameter is no DTensor
         check_accumulation(policy, hsdp=_is_hsdp(modules))
     last = micro == n_micro - 1
-    keep = policy in ("keep_gathered", "keep_gathered_no_sync") and n_micro > 1
+    keep = policy.startswith("keep_gathered") and n_micro > 1
     no_sync = policy in ("no_sync", "keep_gathered_no_sync") and not last
-    defer = policy == "defer_all_reduce" and not last
+    defer = policy in _HSDP_ONLY and not last
     if keep and micro == 0:
         if getattr(model, _SAVED, None) is not None:
             raise RuntimeError("accumulate: the previous keep_gathered step did not reach its last micro-batch")

@@ -91,6 +91,10 @@ class CommPlan:
     accumulation: str
     micro_batches: int
     group_sizes: dict[str, int] = field(default_factory=dict)  # ranks in each group named by the collectives
+    # Bytes per rank the policy holds from one micro-batch to the next that "regather" does not: unsharded
+    # parameters (keep_gathered), unsharded gradients in the reduce dtype (no_sync: FSDP2 accumulates them
+    # there), each unit's sharded partial sum in the reduce dtype (defer_all_reduce). 0 for one micro-batch.
+    held_bytes: int = 0
 
     @property
     def bytes_per_step(self) -> int:
@@ -141,6 +145,8 @@ def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
         return m, m, m, 1
     if accumulation == "no_sync":
         return m, m, 1, 1
+    if accumulation == "keep_gathered_defer_all_reduce":
+        return 1, 0, m, 1
     if accumulation == "keep_gathered_no_sync":
         return 1, 0, 1, 1
     raise ValueError(f"accumulation={accumulation!r}: expected one of {list(ACCUMULATION)}")
@@ -165,6 +171,7 @@ def comm_of_plan(
             ``"defer_all_reduce"`` (HSDP: reduce-scatter every micro-batch, all-reduce across
             replicas once, on the last), ``"no_sync"`` (gather as ``"regather"``, reduce once,
             on the last micro-batch, holding unsharded gradients until then),
+            ``"keep_gathered_defer_all_reduce"`` (HSDP: gather once, all-reduce once),
             ``"keep_gathered_no_sync"`` (gather once, reduce once: the fewest bytes, the most memory).
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -179,15 +186,22 @@ def comm_of_plan(
         replicate, ar_group = math.prod(s for n, s in names.items() if n != "tp"), "shard"
     else:
         ar_group = "replicate"
-    if accumulation == "defer_all_reduce" and replicate == 1:
-        raise ValueError("accumulation='defer_all_reduce' defers the all-reduce across replicas: it needs HSDP")
+    if accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce") and replicate == 1:
+        raise ValueError(f"accumulation={accumulation!r} defers the all-reduce across replicas: it needs HSDP")
     group_sizes = {"shard": shard} if shard > 1 else {}
     if replicate > 1:
         group_sizes[ar_group] = replicate
 
+    many = micro_batches > 1
+    keep = many and shard > 1 and accumulation.startswith("keep_gathered")
+    unsynced = many and accumulation in ("no_sync", "keep_gathered_no_sync")
+    deferred = many and accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce")
+    held = 0
     units = []
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):
         colls: list[Collective] = []
+        if keep:
+            held += sum(_gathered_bytes(p, shard, _compute_dtype(p, plan)) for p in params)
         if shard > 1 and params:
             gathered = 0
             for p in params:
@@ -209,8 +223,12 @@ def comm_of_plan(
                 colls.append(Collective("reduce_scatter", "shard", rs_in, _dtype_name(rdt), n_rs, "backward"))
             if replicate > 1:
                 colls.append(Collective("all_reduce", ar_group, rs_in // shard, _dtype_name(rdt), n_ar, "backward"))
+            if unsynced:
+                held += sum(p.numel() for p in trainable) * rdt.itemsize
+            if deferred:
+                held += rs_in // shard
         units.append(UnitComm(up.name, tuple(colls)))
-    return CommPlan(units, accumulation, micro_batches, group_sizes)
+    return CommPlan(units, accumulation, micro_batches, group_sizes, held)
 
 
 def plan_comm(

@@ -164,7 +164,8 @@ class TrainConfig:
     accumulation: str = opt(
         "no_sync",
         "how micro-steps communicate: regather | keep_gathered | defer_all_reduce (HSDP) | no_sync | "
-        "keep_gathered_no_sync (fewer bytes for more memory: docs/accumulation.md)",
+        "keep_gathered_defer_all_reduce (HSDP) | keep_gathered_no_sync (fewer bytes, more memory: "
+        "docs/accumulation.md)",
         choices=tuple(ACCUMULATION),
     )
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)")

@@ -7,12 +7,14 @@ same process and compared by logits.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from comm_check import counted_calls, predicted_calls
 from models import lm_loss, tiny_llama
 
 import fsdp2kit as fk
@@ -85,16 +87,21 @@ def shard(case: Case, model, **kw):
     return plan
 
 
-def train_both(case: Case, model, ref, steps: int):
-    """Three AdamW steps on the sharded model and on the reference; returns both loss lists."""
+def train_both(case: Case, model, ref, steps: int, counted: list | None = None):
+    """Three AdamW steps on the sharded model and on the reference; returns both loss lists. With a
+    ``counted`` list, the first step's collectives are appended to it (comm_check.counted_calls)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     opt, ref_opt = _optimizer(model), _optimizer(ref)
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses = [], []
-    for _ in range(steps):
+    for step in range(steps):
         tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=gen)
-        loss = lm_loss(model, tokens[rank * BATCH : (rank + 1) * BATCH])
-        loss.backward()
+        counting = fk.count_collectives(_mesh(case)) if counted is not None and step == 0 else contextlib.nullcontext()
+        with counting as counts:
+            loss = lm_loss(model, tokens[rank * BATCH : (rank + 1) * BATCH])
+            loss.backward()
+        if counts is not None:
+            counted.extend(counted_calls(counts))
         ref_loss = lm_loss(ref, tokens)
         ref_loss.backward()
         for o in (opt, ref_opt):
@@ -155,9 +162,11 @@ def run_lora(case: Case) -> dict:
                 p.requires_grad_(True)
     model = copy.deepcopy(ref)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    predicted = _predicted(case, model)
     plan = shard(case, model, mixed_precision=case.mixed_precision)
     grad_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    losses, ref_losses = train_both(case, model, ref, case.steps)
+    counted: list = []
+    losses, ref_losses = train_both(case, model, ref, case.steps, counted)
     out = _compare(model, ref, before)
     out.update(
         label=case.label,
@@ -166,8 +175,22 @@ def run_lora(case: Case) -> dict:
         plan_grad_bytes=plan.grad_bytes_per_rank,
         grad_bytes=grad_bytes,
         n_units=len(plan.units),
+        counted=counted,
+        predicted=predicted,
     )
     return out
+
+
+def _predicted(case: Case, model) -> list[tuple]:
+    """fsdp2kit.planner.comm's calls for one step of the unsharded (peft) model, as the case shards it."""
+    mesh = _mesh(case)
+    plan = fk.plan_comm(
+        model,
+        shard=mesh.shape[-1],
+        replicate=mesh.shape[0] if mesh.ndim == 2 else 1,
+        mixed_precision=case.mixed_precision,
+    )
+    return predicted_calls(plan)
 
 
 def qlora_llama(seed: int = 0, quantize: bool = True, dtype=torch.float32):
@@ -203,10 +226,12 @@ def run_qlora(case: Case) -> dict:
     plain = dict(lora.named_parameters())
     quant_err = max(((w - plain[n].detach()).norm() / plain[n].detach().norm()).item() for n, w in before.items())
     n_nf4 = sum(type(p).__name__ == "NF4Tensor" for p in model.parameters())
+    predicted = _predicted(case, model)
     plan = shard(case, model, mixed_precision=case.mixed_precision)
     local_bytes = sum(_local_bytes(p) for p in model.parameters())
     fk.shard_model(lora_model, _mesh(case), mixed_precision=case.mixed_precision)
-    losses, ref_losses = train_both(case, model, ref, case.steps)
+    counted: list = []
+    losses, ref_losses = train_both(case, model, ref, case.steps, counted)
     lora_losses, _ = train_both(case, lora_model, lora, case.steps)
     out = _compare(model, ref, before)
     out.update(
@@ -218,6 +243,8 @@ def run_qlora(case: Case) -> dict:
         n_nf4=n_nf4,
         plan_bytes=plan.param_bytes_per_rank,
         local_bytes=local_bytes,
+        counted=counted,
+        predicted=predicted,
     )
     return out
 

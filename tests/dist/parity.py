@@ -129,7 +129,7 @@ def run_case(case: Case) -> dict:
     opt, ref_opt = _optimizer(case.optim, model.parameters()), _optimizer(case.optim, ref.parameters())
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses, norms, ref_norms = [], [], [], []
-    counted = None
+    counted, modes_left = None, 0
     for step in range(case.steps):
         step_loss, ref_step_loss = torch.zeros(()), torch.zeros(())
         counting = fk.count_collectives(mesh) if predicted is not None and step == 0 else contextlib.nullcontext()
@@ -151,6 +151,7 @@ def run_case(case: Case) -> dict:
                 ref_step_loss += ref_loss.detach()
         if counts is not None:
             counted = counted_calls(counts)
+            modes_left = torch._C._len_torch_dispatch_stack()  # the counting mode is gone with its block
         if case.clip:
             norms.append(fk.clip_grad_norm_(model.parameters(), case.clip).item())
             ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip).item())
@@ -197,6 +198,7 @@ def run_case(case: Case) -> dict:
         "counted": counted,
         "predicted": predicted_calls(predicted) if predicted is not None else None,
         "predicted_units": len(predicted.units) if predicted is not None else 0,
+        "modes_left": modes_left,
     }
 
 

@@ -66,6 +66,9 @@ def test_lora(key: str, index: int, tmp_root: str) -> None:
     case = CASES[key][index]
     for other in ranks[1:]:  # every rank saw the same losses
         assert other[index].get("losses") == res.get("losses")
+    if "counted" in res:  # fk.count_collectives equals fsdp2kit.planner.comm, call for call, on every rank
+        for rank, r in enumerate(ranks):
+            assert r[index]["counted"] == r[index]["predicted"], f"{res['label']} rank {rank}: counted != predicted"
     if case.kind in ("lora", "frozen", "mixed"):
         assert not res["frozen_changed"], f"{res['label']}: frozen parameters moved: {res['frozen_changed'][:4]}"
         assert res["plan_grad_bytes"] == res["grad_bytes"], "the plan counts gradients of frozen parameters"

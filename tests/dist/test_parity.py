@@ -17,7 +17,7 @@ MODELS = ("llama", "tinygpt")
 OPTIMS = ("sgd", "adamw")
 # fk.accumulate's policies over 4 micro-batches, counted: parity and exact bytes (docs/accumulation.md)
 ONE_D = ("regather", "keep_gathered", "no_sync", "keep_gathered_no_sync")
-POLICIES = (*ONE_D, "defer_all_reduce")
+POLICIES = (*ONE_D, "defer_all_reduce", "keep_gathered_defer_all_reduce")
 
 CASES: dict[int, list[Case]] = {
     2: [
@@ -114,3 +114,4 @@ def test_counted_bytes_equal_predicted(world: int, index: int) -> None:
         r = res[index]
         assert r["counted"] == r["predicted"], f"{r['label']} rank {rank}: counted != predicted"
         assert r["predicted_units"] == r["n_units"]
+        assert r["modes_left"] == 0, "count_collectives left a dispatch mode behind"

@@ -65,6 +65,10 @@ def test_tp_parity(worlds, world: int, index: int, parity_table) -> None:
         # The plan's per-rank bytes are analytic from the TP slices; rank 0 holds the largest shard.
     assert res["plan_bytes"] == res["local_bytes"], res["plan_text"]
     assert "tp=2" in res["plan_text"]
+    if res["counted"] is not None:  # FSDP's collectives under TP equal fsdp2kit.planner.comm's, on every rank
+        for r in ranks:
+            assert r["counted"] == r["predicted"], f"{r['label']}: counted != predicted"
+            assert r["tp_calls"] > 0, "TP's own collectives were not seen"
     if "tied" in res["label"]:
         assert all(r["tied"] for r in ranks), "the tied head must stay one parameter under TP"
     if res["graphs"] is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from comm_check import counted_calls, predicted_calls
 from models import lm_loss, tiny_llama
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -110,6 +111,11 @@ def run_parity(case: TPCase) -> dict:
     mesh = mesh_for(case.shard, case.replicate, case.tp)
     ref = build(case.model)
     model = copy.deepcopy(ref)
+    predicted = None
+    if not case.compile:  # the FSDP collectives over the data-parallel groups, from the unsharded model
+        accumulation = "no_sync" if case.accum > 1 else "regather"
+        plan_kw = dict(shard=case.shard, replicate=case.replicate, tp=case.tp, micro_batches=case.accum)
+        predicted = predicted_calls(fk.plan_comm(ref, **plan_kw, accumulation=accumulation))
     fk.apply_tensor_parallel(model, mesh, loss_parallel=case.loss_parallel)
     if case.ac:
         fk.apply_activation_checkpointing(model, case.ac)
@@ -125,18 +131,24 @@ def run_parity(case: TPCase) -> dict:
     group, groups = dp_rank(mesh)
     gen = torch.Generator().manual_seed(1234)
     norms, ref_norms, losses = [], [], []
-    for _ in range(case.steps):
-        for micro in range(case.accum):
-            tokens = torch.randint(0, VOCAB, (groups * BATCH, SEQ + 1), generator=gen)
-            local = tokens[group * BATCH : (group + 1) * BATCH]
-            sync = micro == case.accum - 1
-            # loss parallel: the logits stay split over the vocabulary, the loss is computed on the split
-            split_loss = loss_parallel() if case.loss_parallel else contextlib.nullcontext()
-            with contextlib.nullcontext() if sync else fk.no_sync(model), split_loss:
-                loss = lm_loss(model, local) / case.accum
-                loss.backward()
-            (lm_loss(ref, tokens) / case.accum).backward()
-            losses.append(loss.item())
+    counted = None
+    for step in range(case.steps):
+        counting = fk.count_collectives(mesh) if predicted is not None and step == 0 else contextlib.nullcontext()
+        with counting as counts:
+            for micro in range(case.accum):
+                tokens = torch.randint(0, VOCAB, (groups * BATCH, SEQ + 1), generator=gen)
+                local = tokens[group * BATCH : (group + 1) * BATCH]
+                sync = micro == case.accum - 1
+                # loss parallel: the logits stay split over the vocabulary, the loss is computed on the split
+                split_loss = loss_parallel() if case.loss_parallel else contextlib.nullcontext()
+                with contextlib.nullcontext() if sync else fk.no_sync(model), split_loss:
+                    loss = lm_loss(model, local) / case.accum
+                    loss.backward()
+                (lm_loss(ref, tokens) / case.accum).backward()
+                losses.append(loss.item())
+        if counts is not None:
+            counted = counted_calls(counts)
+            tp_calls = sum(1 for e in counts.events if e.group == "tp")
         if case.clip:
             norms.append(fk.clip_grad_norm_(model.parameters(), case.clip).item())
             ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip).item())
@@ -171,6 +183,9 @@ def run_parity(case: TPCase) -> dict:
         "tied": tied,
         "dtensor_meshes": sorted({p.device_mesh.mesh_dim_names for p in model.parameters()}),
         "graphs": graphs,  # compiled cases: (graphs dynamo compiled, graph breaks)
+        "counted": counted,  # the first step's FSDP collectives (data-parallel groups), and predicted
+        "predicted": predicted,
+        "tp_calls": tp_calls if counted is not None else None,  # TP's own: counted, not predicted
     }
 
 

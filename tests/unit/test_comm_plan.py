@@ -54,6 +54,8 @@ def test_policies_counts_per_step() -> None:
     assert counts["defer_all_reduce"]["replicate"]["all_reduce"] == units
     assert counts["defer_all_reduce"]["shard"] == counts["regather"]["shard"]
     assert counts["no_sync"]["shard"]["reduce_scatter"] == units
+    assert counts["keep_gathered_defer_all_reduce"]["replicate"]["all_reduce"] == units
+    assert counts["keep_gathered_defer_all_reduce"]["shard"] == counts["keep_gathered"]["shard"]
     assert counts["keep_gathered_no_sync"] == {
         "shard": {"all_gather": units, "reduce_scatter": units},
         "replicate": {"all_reduce": units},
@@ -90,3 +92,21 @@ def test_settings_agree_with_keywords() -> None:
         model, shard=2, replicate=2, mixed_precision="bf16", lora=4, micro_batches=3, accumulation="no_sync"
     )
     assert got.by_group() == want.by_group() and got.bytes_per_step > 0
+
+
+@pytest.mark.timeout(60)
+def test_held_bytes_per_policy() -> None:
+    model = build("tinygpt")
+    numel = sum(p.numel() for p in model.parameters())
+
+    def held(policy: str, m: int = 4, **kw) -> int:
+        return plan_comm(model, shard=2, replicate=2, micro_batches=m, accumulation=policy, **kw).held_bytes
+
+    assert held("regather") == 0 and held("keep_gathered", m=1) == 0
+    assert held("keep_gathered") == _padded_bytes(model, 2, 4)  # the whole model gathered, padding included
+    assert held("keep_gathered", mixed_precision="bf16") == _padded_bytes(model, 2, 2)
+    assert held("no_sync") == numel * 4
+    assert held("no_sync", mixed_precision="bf16") == numel * 4  # FSDP2 accumulates in the fp32 reduce dtype
+    assert held("defer_all_reduce") == _padded_bytes(model, 2, 4) // 2
+    assert held("keep_gathered_no_sync") == held("keep_gathered") + held("no_sync")
+    assert held("keep_gathered_defer_all_reduce") == held("keep_gathered") + held("defer_all_reduce")
