@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                 shard=p.shard,
                 replicate=p.replicate,
                 tp=p.tp,
+                cp=p.cp,
                 strategy=p.strategy,
                 mixed_precision=p.mixed_precision,
                 cpu_offload=p.cpu_offload,

@@ -144,6 +144,17 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
     return attention
 
 
+def check_heads(cp: int, heads: int, kv_heads: int, tp: int = 1) -> None:
+    """``ValueError`` unless the all-to-all can split one TP rank's ``heads`` and ``kv_heads`` over ``cp``
+    ranks (the planner makes the same check, in the same words)."""
+    if heads % cp or kv_heads % cp:
+        per = f" per TP rank (tp={tp})" if tp > 1 else ""
+        raise ValueError(
+            f"all-to-all context parallelism over cp={cp} ranks splits the attention heads: {heads} heads and "
+            f"{kv_heads} KV heads{per} must both divide by {cp}; choose a cp that divides them"
+        )
+
+
 def _heads(model: nn.Module) -> tuple[int, int]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
@@ -206,13 +217,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     cp = group.size()
     heads, kv = _heads(model)
     tp = (getattr(model, TENSOR_PARALLEL, None) or {}).get("tp", 1)
-    local_heads, local_kv = heads // tp, kv // tp
-    if local_heads % cp or local_kv % cp:
-        per = f" per TP rank (tp={tp})" if tp > 1 else ""
-        raise ValueError(
-            f"all-to-all context parallelism over cp={cp} ranks splits the attention heads: {local_heads} heads and "
-            f"{local_kv} KV heads{per} must both divide by {cp}; choose a cp that divides them"
-        )
+    check_heads(cp, heads // tp, kv // tp, tp)
     kernel = model.config._attn_implementation or "eager"
     if kernel not in KERNELS:
         raise ValueError(

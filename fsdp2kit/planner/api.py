@@ -13,12 +13,13 @@ import torch.nn as nn
 
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.models import max_positions
+from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
 from fsdp2kit.planner.report import MemoryPlan
 from fsdp2kit.planner.timeline import replay
-from fsdp2kit.planner.trace import cp_heads_error, record_step
+from fsdp2kit.planner.trace import record_step
 from fsdp2kit.precision import resolve_precision
 from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
@@ -97,9 +98,7 @@ def check_cp_heads(model: nn.Module, cp: int, tp: int = 1) -> None:
     if cp == 1 or not isinstance(heads, int):
         return
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    error = cp_heads_error(cp, heads // tp, kv_heads // tp, tp)
-    if error is not None:
-        raise error
+    check_heads(cp, heads // tp, kv_heads // tp, tp)
 
 
 def check_lora(lora: int | None, qlora: bool, targets: str | tuple[str, ...], tp: int) -> None:

@@ -18,10 +18,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp2kit._internal.scoped import divert
 from fsdp2kit.blocks import find_blocks
+from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "cp_heads_error", "meta_copy", "record_step"]
+__all__ = ["Recording", "meta_copy", "record_step"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two
 # hold a little more than the rest (the embedding output and the first block's output are still
@@ -96,18 +97,6 @@ def meta_copy(
     return copy.deepcopy(model, memo)
 
 
-def cp_heads_error(cp: int, heads: int, kv_heads: int, tp: int = 1) -> ValueError | None:
-    """The error `fsdp2kit.apply_context_parallel` gives when its all-to-all cannot split the heads (one TP
-    rank's), in its words, or None."""
-    if heads % cp == 0 and kv_heads % cp == 0:
-        return None
-    per = f" per TP rank (tp={tp})" if tp > 1 else ""
-    return ValueError(
-        f"all-to-all context parallelism over cp={cp} ranks splits the attention heads: {heads} heads and "
-        f"{kv_heads} KV heads{per} must both divide by {cp}; choose a cp that divides them"
-    )
-
-
 def _exchange(x: torch.Tensor) -> torch.Tensor:
     """One ``all_to_all_single`` on a rank: a contiguous send buffer, then the receive buffer (the send
     buffer dies when the call returns)."""
@@ -165,9 +154,7 @@ def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
     """Attention as the all-to-all style runs it on a rank (`fsdp2kit.apply_context_parallel`): q goes to
     ``heads/cp`` heads over the whole sequence, k and v together (stacked, one exchange), the kernel
     runs over the whole sequence, and its output comes back to this rank's tokens."""
-    error = cp_heads_error(cp, q.shape[1], k.shape[1])
-    if error is not None:
-        raise error
+    check_heads(cp, q.shape[1], k.shape[1])
     b, kv_heads, s, d = k.shape
     q = _SeqToHeads.apply(q, cp)
     kv = _SeqToHeads.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp)

@@ -33,6 +33,7 @@ def memory_plan(model: nn.Module, cfg: Config, *, shard: int, replicate: int, de
             shard=shard,
             replicate=replicate,
             tp=p.tp,
+            cp=p.cp,
             batch=cfg.data.batch_size,
             seq=cfg.data.seq_len,
             activation_checkpointing=int(ac) if ac and ac.isdigit() else ac,
