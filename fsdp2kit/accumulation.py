@@ -108,16 +108,17 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
       Memory: each unit's sharded partial sum in the reduce dtype.
     - ``"no_sync"``: gathers as ``"regather"``, one reduce-scatter (and all-reduce) a step
       (``set_requires_gradient_sync(False)`` but on the last, as `fsdp2kit.no_sync`).
-      Memory: every unsharded gradient, in the compute dtype, for the whole step.
+      Memory: every unsharded gradient, in the reduce dtype, for the whole step.
     - ``"keep_gathered_defer_all_reduce"`` (HSDP only): ``"keep_gathered"`` with the all-reduce
       deferred to the last micro-batch, as ``"defer_all_reduce"`` does it.
     - ``"keep_gathered_no_sync"``: both: one all-gather and one reduction a step, the least
       traffic; memory: the unsharded model and its unsharded gradients.
 
     Scale each micro-batch's loss by ``1 / n_micro``. Gradients equal one big batch's under
-    every policy (tests/dist/test_parity.py). Each setting changed is restored when the
-    block exits (``keep_gathered``'s reshard-after-forward when the last micro-batch's block
-    exits, or any block that raises).
+    every policy (tests/dist/test_parity.py). Each setting changed goes back to FSDP2's default
+    when the block exits, so do not nest it in `fsdp2kit.no_sync` or under settings of your own
+    (``keep_gathered``'s reshard-after-forward goes back when the last micro-batch's block exits,
+    or any block that raises).
     """
     check_accumulation(policy)
     if isinstance(n_micro, bool) or not isinstance(n_micro, int) or n_micro < 1:

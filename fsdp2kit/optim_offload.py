@@ -67,6 +67,18 @@ class OffloadedAdamW(torch.optim.AdamW):
                 # Made now, not at the first step: a checkpoint loads into them before any step.
                 self.state[p].update(step=torch.tensor(0.0), exp_avg=_like(p, host()), exp_avg_sq=_like(p, host()))
 
+    def load_state_dict(self, state_dict) -> None:
+        # torch's load moves each state tensor to its parameter's device (the GPU); copy the loaded
+        # values back into the pinned host buffers the step works on.
+        host = {p: (s["exp_avg"], s["exp_avg_sq"]) for p, s in self.state.items()}
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for p, (avg, avg_sq) in host.items():
+                state = self.state[p]
+                _local(avg).copy_(_local(state["exp_avg"]))
+                _local(avg_sq).copy_(_local(state["exp_avg_sq"]))
+                state.update(exp_avg=avg, exp_avg_sq=avg_sq, step=state["step"].to("cpu"))
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

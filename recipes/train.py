@@ -39,6 +39,7 @@ from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.diagnostics import RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
+from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.planner.api import plan_shards
 from fsdp2kit.weights.adapters import peft_init_fn
 from support.config import config_to_dict, parse_config
@@ -93,12 +94,10 @@ def check_before_start(cfg: Config) -> None:
         raise UsageError(f"model.name = {cfg.model.name!r}: {e}", kind="model") from e
     if problem:
         raise ConfigError(problem)
-    if cfg.data.seq_len % (2 * p.cp):
-        # context parallelism cuts each sequence into 2 x cp chunks (a head and a tail per rank)
-        raise ConfigError(
-            f"data.seq_len {cfg.data.seq_len} must divide by 2 x parallel.cp = {2 * p.cp} (each cp rank holds a "
-            f"head and a tail chunk of every sequence); use seq_len {-(-cfg.data.seq_len // (2 * p.cp)) * 2 * p.cp}"
-        )
+    try:
+        check_seq(f"data.seq_len {cfg.data.seq_len} with parallel.cp {p.cp}", cfg.data.seq_len, p.cp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     try:
         optimizer_args(cfg)
         check_accumulation(cfg.train.accumulation, hsdp=p.replicate > 1)

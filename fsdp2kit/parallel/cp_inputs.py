@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["chunk_order", "cp_mesh", "document_mask", "split_for_context_parallel"]
+__all__ = ["check_seq", "chunk_order", "cp_mesh", "document_mask", "split_for_context_parallel"]
 
 
 def chunk_order(cp: int) -> list[int]:
@@ -32,14 +32,19 @@ def cp_mesh(mesh: DeviceMesh, what: str) -> DeviceMesh | None:
     return mesh if len(names) == 1 else mesh["cp"]
 
 
+def check_seq(what: str, length: int, cp: int) -> None:
+    """``ValueError`` (its text starting with ``what``) unless ``length`` tokens cut into the ``2 * cp``
+    equal chunks of the causal load balance (the planner and the recipe check with this too)."""
+    if cp > 1 and length % (2 * cp):
+        raise ValueError(
+            f"{what} does not divide into 2 x cp = {2 * cp} equal chunks (each cp rank holds a head and a tail "
+            f"chunk of every sequence); pad to a multiple of {2 * cp}, e.g. seq_len {-(-length // (2 * cp)) * 2 * cp}"
+        )
+
+
 def _split(t: torch.Tensor, cp: int, rank: int, seq_dim: int, name: str) -> torch.Tensor:
     length = t.shape[seq_dim]
-    if length % (2 * cp):
-        raise ValueError(
-            f"split_for_context_parallel: {name} has {length} positions along dim {seq_dim}, which does not divide "
-            f"into 2 x cp = {2 * cp} equal chunks; pad the sequence to a multiple of {2 * cp} (e.g. seq_len "
-            f"{-(-length // (2 * cp)) * 2 * cp})"
-        )
+    check_seq(f"split_for_context_parallel: {name}'s {length} positions along dim {seq_dim}", length, cp)
     chunks = t.unflatten(seq_dim, (2 * cp, length // (2 * cp)))
     index = torch.tensor([rank, 2 * cp - 1 - rank], device=t.device)
     return chunks.index_select(seq_dim, index).flatten(seq_dim, seq_dim + 1).contiguous()

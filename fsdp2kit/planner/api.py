@@ -14,6 +14,7 @@ import torch.nn as nn
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.models import max_positions
 from fsdp2kit.parallel.context_parallel import check_heads
+from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
@@ -25,7 +26,7 @@ from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
 
-__all__ = ["Settings", "check_cp_heads", "check_cp_seq", "check_lora", "plan_memory", "plan_settings", "plan_shards"]
+__all__ = ["Settings", "check_cp_heads", "check_lora", "plan_memory", "plan_settings", "plan_shards"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Settings:
     lora: int | None = None
     qlora: bool = False
     lora_targets: str | tuple[str, ...] = "all-linear"  # or module names, as fsdp2kit.apply_lora takes them
-    grad_accum: int = 1  # micro-batches a step (memory does not depend on it; the search reports it)
+    grad_accum: int = 1  # micro-batches a step (memory does not depend on it under the recipe's default "regather")
     cp: int = 1  # context-parallel ranks a sequence is split over (all-to-all style); FSDP shards over shard x cp
     optimizer_offload: bool = False  # optimizer state (and its step) in host memory; parameters stay on the device
 
@@ -57,7 +58,7 @@ class Settings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected a positive int")
-        check_cp_seq(self.cp, self.seq)
+        check_seq(f"context parallelism: seq={self.seq}", self.seq, self.cp)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch!r}: expected an int >= 0 (0: FSDP2's implicit prefetch)")
         if self.device not in ("cuda", "cpu"):
@@ -78,16 +79,6 @@ class Settings:
             raise ValueError(f"optimizer_offload is for optimizer='adamw' (not {self.optimizer!r})")
         resolve_precision(self.mixed_precision)
         check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
-
-
-def check_cp_seq(cp: int, seq: int) -> None:
-    """The sequence cuts into ``2 * cp`` equal chunks, as `fsdp2kit.split_for_context_parallel` needs
-    (each cp rank holds a head and a tail chunk: the causal load balance), or ``ValueError``."""
-    if cp > 1 and seq % (2 * cp):
-        raise ValueError(
-            f"context parallelism: seq={seq} does not divide into 2 x cp = {2 * cp} equal chunks (each cp rank "
-            f"holds a head and a tail chunk); use a multiple of {2 * cp}"
-        )
 
 
 def check_cp_heads(model: nn.Module, cp: int, tp: int = 1) -> None:

@@ -84,7 +84,7 @@ class CommPlan:
 
     ``units`` follow `ShardPlan.units` (children first). ``by_group()`` sums them as
     ``{group: {kind: bytes}}`` and ``counts()`` as ``{group: {kind: calls}}``: the shape of
-    `fsdp2kit.count_collectives`'s ``bytes_by_group()`` / ``counts_by_group()``.
+    `fsdp2kit.count_collectives`'s ``by_group()`` / ``counts()``.
     """
 
     units: list[UnitComm]
@@ -137,8 +137,8 @@ def _gather_dtype(params: list[nn.Parameter], plan: ShardPlan) -> str:
 
 def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
     """Per step: (forward gathers, backward re-gathers, reduce-scatters, all-reduces), each a multiple of one."""
-    if accumulation == "regather":
-        return m, m, m, m
+    if accumulation == "regather" or (m == 1 and accumulation in ACCUMULATION):
+        return m, m, m, m  # one micro-batch: fk.accumulate changes nothing
     if accumulation == "keep_gathered":  # gathered in the first forward, resharded after the last backward
         return 1, 0, m, m
     if accumulation == "defer_all_reduce":

@@ -123,7 +123,8 @@ def optimizer_bytes(
       default) makes two single-parameter temporaries (sqrt, then the division);
       ``fused`` none.
     - ``adamw8bit``, ``adamw4bit``, ``adamw_fp8`` (torchao): codes, a scale a block and a code
-      table for each of the two states (like the parameter below 4096 elements): `state_bytes`;
+      table for each of the two states: `state_bytes` from the local numel (make_optimizer decides
+      from the global shape; the two agree for weights whose rows are a multiple of the block);
       ``adamw_bf16sr`` (torchao _AdamW): a pair like the (bf16) parameter. Each parameter's
       step computes in fp32 (about four fp32 copies of the largest parameter).
     - ``sgd``: torch's default (no momentum): no state, in-place update.

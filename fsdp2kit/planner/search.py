@@ -229,9 +229,9 @@ def rank_by_step_time(
         what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
         if baseline is not None:
             what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
-        # CPU offload's host transfers and CPU optimizer step are not in the model: its time is a lower
+        # Offload's host transfers and CPU optimizer step are not in the model: its time is a lower
         # bound, so it is ranked after the changes whose time is whole.
-        partial = settings.cpu_offload and not s.cpu_offload
+        partial = any(getattr(settings, k) and not getattr(s, k) for k in ("cpu_offload", "optimizer_offload"))
         if partial:
             what += " at best (offload's transfers not modelled)"
         if change["cost_fraction"] >= 1.0:

@@ -162,7 +162,7 @@ class TrainConfig:
     weight_decay: float = opt(0.1, "AdamW weight decay (the older name of optim.weight_decay)")
     grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)", minimum=1)
     accumulation: str = opt(
-        "no_sync",
+        "regather",
         "how micro-steps communicate: regather | keep_gathered | defer_all_reduce (HSDP) | no_sync | "
         "keep_gathered_defer_all_reduce (HSDP) | keep_gathered_no_sync (fewer bytes, more memory: "
         "docs/accumulation.md)",

@@ -84,7 +84,7 @@ def test_train_resume_and_survive_a_killed_worker(tmp_path):
     # the first step's collectives, counted (fsdp2kit.count_collectives): FSDP2's and the clipping norm's
     events = [json.loads(line) for line in log.read_text().splitlines()]
     counted = [e for e in events if e.get("event") == "collectives"]
-    assert [e["step"] for e in counted] == [1] and counted[0]["accumulation"] == "no_sync", counted
+    assert [e["step"] for e in counted] == [1] and counted[0]["accumulation"] == "regather", counted
     shard = counted[0]["groups"]["shard"]
     assert shard["all_gather"]["count"] >= 6 and shard["reduce_scatter"]["count"] >= 6, shard
     assert shard["all_gather"]["dtypes"] == ["float32"] and shard["all_gather"]["ranks"] == 2, shard

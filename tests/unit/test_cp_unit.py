@@ -68,5 +68,7 @@ def test_recipe_refuses_a_seq_len_cp_cannot_split() -> None:
     from support.options import Config
 
     cfg = parse_config(Config, ["--parallel.cp", "4", "--data.seq_len", "66"], prog="train.py")
-    with pytest.raises(ConfigError, match=r"must divide by 2 x parallel.cp = 8 .*use seq_len 72"):
+    with pytest.raises(
+        ConfigError, match=r"seq_len 66 with parallel.cp 4 does not divide into 2 x cp = 8 .*seq_len 72"
+    ):
         check_before_start(cfg)
