@@ -90,8 +90,10 @@ def _check(cases: list[dict], ranks: list[list[dict]]) -> None:
             _near(predicted, measured, what, rel)
 
         _close(plan.peak_bytes, measured["peak"], f"{label} peak")
-        # the measurement's label stays at the last block backward reached through the final callback
-        end = plan.phase == "backward (end)" and measured["phase"] == "backward model.layers.0"
+        # The measurement's label stays at the last block backward reached through the final callback; and
+        # where the final callback's peak ties with the last blocks' reduce-scatters (gloo frees their
+        # buffers when its thread gets to it), a run can peak in either: the bytes above are checked.
+        end = plan.phase == "backward (end)" and measured["phase"].startswith("backward model.layers.")
         assert plan.phase == measured["phase"] or end, label
         _close(plan.parts["params"], measured["params"], f"{label} sharded parameters")
         _close(plan.measured_like["grads"], measured["grads"], f"{label} gradients")
