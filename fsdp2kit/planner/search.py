@@ -99,7 +99,7 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
         )
     for cp in (c for c in _CP if long and c > s.cp and c % s.cp == 0):
         k = cp // s.cp
-        cost = 0.05 * (1 + k.bit_length() - 1)  # 2x: ~10%, 4x: ~15%, 8x: ~20% (docs/internals.md)
+        cost = 0.05 * k.bit_length()  # 2x: ~10%, 4x: ~15%, 8x: ~20% (docs/internals.md)
         if s.shard % k == 0:
             # Same GPUs: k times fewer sequences a step, k times the accumulation keeps the global batch.
             shard, accum = s.shard // k, s.grad_accum * k
@@ -217,7 +217,7 @@ def rank_by_step_time(
         settings = _settings_of(s, change["change"])
         step = None
         if settings is not None:
-            world = settings.replicate * settings.shard * getattr(settings, "cp", 1) * settings.tp
+            world = settings.replicate * settings.shard * settings.cp * settings.tp
             n = max(nodes, math.ceil(world / hardware.gpus_per_node))
             try:
                 step = predict_step(model, settings, hardware, nodes=n, cache=cache)

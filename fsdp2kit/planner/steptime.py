@@ -93,8 +93,8 @@ class StepTime:
 
 
 def default_nodes(settings, hardware: Hardware) -> int:
-    """The fewest nodes of ``hardware`` that hold the world (replicate x shard x tp) evenly."""
-    world = settings.replicate * settings.shard * getattr(settings, "cp", 1) * settings.tp
+    """The fewest nodes of ``hardware`` that hold the world (replicate x shard x cp x tp) evenly."""
+    world = settings.replicate * settings.shard * settings.cp * settings.tp
     nodes = math.ceil(world / hardware.gpus_per_node)
     while world % nodes:
         nodes += 1
@@ -167,11 +167,11 @@ def predict_step(
     price_per_gpu_hour: float = DEFAULT_PRICE,
     cache: dict | None = None,
     memory_plan=None,
-    accumulation: str | None = None,
+    accumulation: str = "regather",
 ) -> StepTime:
     """Predict one optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`,
     ``grad_accum`` micro-batches a step, communicating as ``accumulation`` says: `fsdp2kit.planner.comm`)
-    on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x tp, split evenly over them).
+    on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x cp x tp, split evenly over them).
     The collective bytes are `fsdp2kit.planner.comm`'s, the ones `fsdp2kit.count_collectives` measures."""
     from fsdp2kit.planner.api import _as_trained, plan_settings
     from fsdp2kit.precision import resolve_precision
@@ -180,7 +180,7 @@ def predict_step(
     cache = {} if cache is None else cache
     s = settings
     s.check()
-    cp = getattr(s, "cp", 1)  # context parallelism: FSDP shards over shard x cp, each rank holds seq / cp tokens
+    cp = s.cp  # context parallelism: FSDP shards over shard x cp, each rank holds seq / cp tokens
     world = s.replicate * s.shard * cp * s.tp
     if nodes < 1 or world % nodes:
         raise ValueError(
@@ -215,8 +215,6 @@ def predict_step(
         # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
         # (all-to-all style): 1 / cp of every matmul, whatever its kind.
         flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
-    if accumulation is None:  # the settings' own policy where they carry one, else FSDP2's default
-        accumulation = getattr(s, "accumulation", None) or "regather"
     comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation)
     return _predict(
         hardware,
@@ -248,7 +246,7 @@ def _predict(
     bwd = [f.backward / rate for f in flops]
     # Mesh (replicate, shard, tp), tp innermost: a shard group is ``shard`` ranks ``tp`` apart, so it has
     # min(shard, per_node / tp) ranks on a node; a replica group's ranks are shard x tp apart.
-    cp = getattr(s, "cp", 1)
+    cp = s.cp
     block = s.shard * cp * s.tp
 
     def link(group: str) -> tuple[float, float, float]:
