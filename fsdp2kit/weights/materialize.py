@@ -25,12 +25,8 @@ from fsdp2kit.weights.nf4 import is_nf4
 
 
 class _NoShardWrites(TorchFunctionMode):
-    """Turns an in-place write to a sharded parameter that bypassed the replay into an error.
-
-    Init code that reaches a DTensor parameter through anything but a ``torch.nn.init`` function
-    (``child.weight.data.normal_()``, ``weight[0].zero_()``) would write each rank's shard with
-    the same random numbers, or write a temporary copy: never silently.
-    """
+    """An in-place write to a sharded parameter that bypassed the replay (``weight.data.normal_()``)
+    would give every rank's shard the same numbers: an error instead."""
 
     def __init__(self, replay: _Replay):
         super().__init__()
@@ -52,13 +48,8 @@ class _NoShardWrites(TorchFunctionMode):
 
 
 class _Replay:
-    """Runs init calls with full-size plain tensors in place of a module's sharded parameters.
-
-    Every rank builds each full tensor, runs the init code on it with the same random state,
-    and keeps its own rows: so the sharded model holds exactly what the same init gives an
-    unsharded model, at any world size, and no rank ever holds more than the parameters of the
-    one module being initialised.
-    """
+    """Runs init calls with full-size plain tensors in place of a module's sharded parameters; every
+    rank runs them from the same random state and keeps its own rows."""
 
     def __init__(self, model: nn.Module, device: torch.device, write: set[str]):
         self.device = device
@@ -142,13 +133,8 @@ def _route_init_functions(replay: _Replay) -> Iterator[None]:
 
 
 def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[], object]]]:
-    """The model's own initialisation as a sequence of per-module calls, in the model's order.
-
-    transformers models: ``owner._init_weights(module)`` children first, each module dispatched
-    to its nearest enclosing PreTrainedModel (what ``PreTrainedModel.initialize_weights`` does).
-    Other modules: ``module.reset_parameters()`` in ``model.modules()`` order, as construction
-    runs them.
-    """
+    """The model's own init as per-module calls: ``owner._init_weights(module)`` children first, by the
+    nearest enclosing PreTrainedModel (as ``initialize_weights``), else ``reset_parameters()`` in order."""
 
     def visit(prefix: str, module: nn.Module, owner: nn.Module | None) -> Iterator:
         label = prefix or "(root)"
@@ -196,35 +182,15 @@ def materialize(
 ) -> nn.Module:
     """Give a model built on the meta device (and usually sharded) real storage and initial values.
 
-    Call it after `fsdp2kit.shard_model`, on every rank of the mesh (it is collective). Only
-    tensors still on the meta device are touched: calling it on a materialised model does nothing.
-
-    Parameters are initialised by the model's own code: transformers models by their
-    ``_init_weights`` (in the order ``initialize_weights`` uses), other modules by their
-    ``reset_parameters``, or by ``init_fn(module)`` for every module in ``model.modules()``
-    order if you pass one. That code runs on full-size, unsharded plain tensors standing in for
-    the module's own parameters, one module at a time, on every rank from a copy of the random
-    state of the mesh's first rank; each rank keeps its own rows. Every rank's own random state
-    (CPU, and the device's) is left exactly as it was: a per-rank seed set before stays per rank.
-    So ``init_fn`` is written as for an unsharded model, and what you get is guaranteed to be:
-
-    - the same, bit for bit, as running the same init on an unsharded copy on the same device
-      from the same random state, at every world size and mesh shape (the sharded and a
-      single-process model agree exactly);
-    - drawn from the model's own distributions (same std, same zeroed padding row...);
-    - not in general equal to an ordinary construction with the same seed: constructing a
-      transformers model on CPU first draws torch's default init for every layer and then
-      overwrites it, so its random stream differs from a replay of ``_init_weights`` alone. For
-      models whose construction is only their modules' ``reset_parameters`` (plain torch
-      layers) the two agree.
-
-    A weight tied between modules stays one tensor and takes the value of its first owner's init.
-    A parameter that no init writes raises a ``ValueError`` naming it (pass ``init_fn``).
-
-    Every buffer that was on the meta device gets exactly the value an ordinary CPU construction
-    gives it (cast to the buffer's dtype): transformers models are rebuilt from their config
-    with parameters on meta (cheap), other buffer owners from their constructor arguments kept
-    as attributes. Buffers neither can recompute must be filled by ``init_fn``, or it raises.
+    Call it after `fsdp2kit.shard_model`, on every rank of the mesh (it is collective); only
+    tensors still on the meta device are touched. Parameters get the model's own init
+    (transformers' ``_init_weights``, else ``reset_parameters``), or ``init_fn(module)`` for every
+    module, run on full-size plain stand-ins one module at a time from a copy of the mesh's first
+    rank's random state; each rank keeps its rows and its own random state. The result is bit for
+    bit the same init on an unsharded copy, at any world size (docs/internals.md). A tied weight
+    takes its first owner's init; a parameter no init writes is a ``ValueError`` naming it.
+    Buffers get the values an ordinary CPU construction gives them; those it cannot recompute
+    must be filled by ``init_fn``, or it raises.
 
     Args:
         model: built under ``torch.device("meta")``, after `shard_model` (or unsharded).

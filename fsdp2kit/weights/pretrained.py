@@ -35,44 +35,22 @@ class LoadResult:
 
 
 def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> LoadResult:
-    """Read a local Hugging Face safetensors checkpoint straight into each rank's shards.
+    """Read a local Hugging Face safetensors checkpoint straight into each rank's shards (docs/loading.md).
 
-    Call it after `shard_model`, on every rank (the model may still be on the meta device: its
-    storage is allocated here). Each rank reads, for every tensor, only the part its shard
-    holds, as the DTensor's placements say: rows ``[a, b)`` of FSDP's ``torch.chunk`` split on
-    the "shard" mesh dimension, everything along "replicate" (every replica group reads its
-    own copy). Rows are one contiguous byte range of a safetensors file. No rank ever holds the
-    full model; a checkpoint whose layout differs from the model's adds one converted tensor at
-    a time.
+    Call it after `shard_model`, on every rank (a meta-device model gets its storage here). Each
+    rank reads only the box of each tensor its shard holds, as a copy: nothing of the model refers
+    to the files once this returns. Every file's header is checked against its size first (a
+    truncated or padded file is a ``ValueError`` naming it). Keys and layouts that differ from
+    the module are mapped with transformers' own renamings and weight converters, as
+    ``from_pretrained`` does; values are cast to each parameter's dtype; a tied weight needs one
+    of its names on disk. NF4 weights (`quantize_nf4` before `shard_model`) are quantized from
+    each rank's rows, bit for bit the shard of ``to_nf4(full weight)`` (docs/lora.md). A peft
+    model's base is read under the base's own names; the adapters keep their init.
 
-    Every shard is a copy (safetensors' ``get_slice`` of the rank's box, copied at once, see
-    docs/loading.md): nothing of the model refers to the files once this returns, so overwriting,
-    truncating or deleting them while the model trains changes nothing. Each file's header is
-    checked against the file's size first (a truncated or padded file is a ``ValueError`` naming
-    it), before any rank reads a tensor.
-
-    Checkpoints whose keys or layout differ from the module (legacy names, MoE experts stored
-    one per key but held fused) are mapped with transformers' own renamings and weight
-    converters, exactly as ``from_pretrained`` would. A fusing converter whose fused dimension
-    is the sharded one reads only this rank's experts; any other conversion reads the whole
-    source tensors of that one weight, converts, and keeps this rank's rows.
-
-    Values are cast to each parameter's dtype (the master dtype, e.g. fp32 for bf16 files).
-    A tied weight needs only one of its names on disk.
-
-    With ``strict=True`` (the default) a key the model needs but the checkpoint lacks, a key the
-    checkpoint has but the model does not, or a shape that differs, is a ``ValueError`` naming
-    the keys, raised before anything is read. With ``strict=False`` mismatched shapes still
-    raise, and the missing / unexpected keys are returned; missing parameters keep the values
-    `materialize` gives them (it is run first when the model is still on the meta device).
-
-    NF4 weights (QLoRA: `quantize_nf4` before `shard_model`, on a real or a meta model) are
-    quantized from the rows each rank reads, one weight at a time, into that rank's NF4 shard:
-    the result is bit for bit the shard of ``to_nf4(full weight)`` (the block scalers' mean,
-    the one value that depends on the whole weight, is agreed over the shard group), and no
-    rank ever holds more than one weight's rows unquantized. They must be in the checkpoint.
-
-    Non-persistent buffers (not in checkpoints) are recomputed as in `materialize`.
+    With ``strict=True`` a missing key, an unexpected key or a different shape is a ``ValueError``
+    naming the keys, raised before anything is read. With ``strict=False`` shapes still raise and
+    the missing / unexpected keys are returned; missing parameters get `materialize`'s values.
+    Non-persistent buffers are recomputed as in `materialize`.
     """
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
@@ -115,12 +93,8 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
 
 
 def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
-    """The model whose checkpoint is read, and its tensors under that checkpoint's names.
-
-    A peft model is read as the model it wraps: its frozen base under the base's own names
-    (``...q_proj.base_layer.weight`` is the checkpoint's ``...q_proj.weight``), the adapters
-    left out, so a plain checkpoint of the base fills the base and the adapters keep their init.
-    """
+    """The model whose checkpoint is read, and its tensors under that checkpoint's names (a peft
+    model's base under the base's own names, the adapters left out)."""
     tensors, aliases = model_tensors(model)
     bad = [f"{n} {why}" for n, t in tensors.items() if is_nf4(t) and (why := nf4_load_problem(t))]
     if bad:
@@ -139,12 +113,7 @@ def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
     if is_nf4(target):
         fill_nf4(target, part)  # quantized with the shard group's agreed scaler mean (collective)
         return
-    local = local_shard(target)
-    if tuple(part.shape) != tuple(local.shape):
-        raise RuntimeError(
-            f"internal: read a part of shape {tuple(part.shape)} for a shard of shape {tuple(local.shape)}"
-        )
-    local.copy_(part)
+    local_shard(target).copy_(part)  # shapes were checked by plan_load
 
 
 def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reader: SafetensorsReader) -> None:
