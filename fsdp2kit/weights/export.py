@@ -6,23 +6,21 @@ How it works and why: docs/internals.md, section fsdp2kit/weights/export.py.
 from __future__ import annotations
 
 import os
-import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.agree import raise_agreed
-from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
+from fsdp2kit._internal.dtensor import gather_full, reshard_all
 from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
-from fsdp2kit.weights.adapters import is_peft_model
+from fsdp2kit.weights.adapters import adapter_keys, base_name, is_peft_model, merged_weight, peft_view
 from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
-from fsdp2kit.weights.hf_writer import ShardedWriter, StagedDir
-
-__all__ = ["dcp_to_hf", "export_hf", "has_tokenizer", "parse_size"]
+from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter, StagedDir
+from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Files one of which every tokenizer directory transformers loads holds.
@@ -30,18 +28,14 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as ``"500MB"``, ``"5GB"`` (powers of 1000) or ``"4GiB"``."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        if size <= 0:
-            raise ValueError(f"size must be positive, got {size}")
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if not match:
-        raise ValueError(f"size {size!r}: expected bytes as an int, or e.g. '500MB', '5GB', '4GiB'")
-    number, unit = float(match.group(1)), match.group(2)
-    base = 1024 if "I" in unit else 1000
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    return max(1, int(number * base**power))
+    """Bytes from an int or a string such as ``"500MB"``, ``"5GB"`` (powers of 1000) or ``"4GiB"``
+    (transformers' reading of them)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    n = convert_file_size_to_int(size)
+    if n <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,20 +86,16 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
     return tokenizer
 
 
-def _special_token_ids(tokenizer) -> dict[str, Any]:
-    """The tokenizer's BOS/EOS/PAD ids (PAD: EOS when it has none), for the exported configs, so the
-    model's ``generate`` stops at the tokenizer's EOS (a named config carries Llama's ids otherwise)."""
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    ids["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return ids
-
-
 def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
     """The config and generation config (copies: the model is not changed), with ``dtype`` and the
-    tokenizer's special token ids, and the tokenizer beside them."""
+    tokenizer's BOS/EOS/PAD ids (PAD: EOS when it has none), so ``generate`` stops at the tokenizer's
+    EOS (a named config carries Llama's ids otherwise), and the tokenizer beside them."""
     import copy
 
-    ids = _special_token_ids(tokenizer) if tokenizer is not None else {}
+    ids = {}
+    if tokenizer is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad}
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)
@@ -143,94 +133,102 @@ def export_hf(
 ) -> Path | None:
     """Write a (sharded) model as a Hugging Face checkpoint that ``from_pretrained`` loads, with its tokenizer.
 
-    A peft ``PeftModel`` is written as peft writes it: the adapters only, as
-    ``adapter_config.json`` + ``adapter_model.safetensors`` under peft's own key names, which
-    ``PeftModel.from_pretrained(base, out_dir)`` loads (one subdirectory per adapter other than
-    ``default``). With ``merge=True`` the active LoRA adapters are folded into the base weights
-    instead (``W + scaling * B @ A``, as peft's ``merge_and_unload``; an NF4 base is dequantized
-    first) and the wrapped model is written as its own checkpoint, which ``from_pretrained`` loads.
-
-    Collective: call it on every rank of the mesh. Parameters are gathered one at a time (or,
-    where a reverse weight conversion needs several, those few together); the mesh's first rank
-    keeps each and writes a file whenever ``max_shard_size`` bytes have accumulated, so no rank
-    holds more than one file's worth plus one full tensor. Only the first rank touches the disk.
-
-    The files follow the model's usual layout: transformers' weight conversions are reversed
-    (fused MoE experts written one tensor per expert, renamed keys written under their
-    checkpoint names), a tied weight is written once, ``_keys_to_ignore_on_save`` is honoured,
-    and the config (with ``dtype``) and generation config are saved beside it. Non-transformers
-    models get the safetensors only.
+    Collective: call it on every rank of the mesh. Tensors are gathered one at a time (a reverse
+    weight conversion's few inputs together) and the mesh's first rank writes a file whenever
+    ``max_shard_size`` bytes have accumulated; only it touches the disk. The files follow the
+    model's usual layout, as ``save_pretrained`` writes it (docs/internals.md), with the config.
+    A peft ``PeftModel`` is written as peft writes it (its adapters, for
+    ``PeftModel.from_pretrained``), or with ``merge=True`` as the wrapped model with the active
+    LoRA adapters folded in, as ``merge_and_unload`` does (docs/lora.md).
 
     Args:
         dtype: cast floating tensors (e.g. ``torch.bfloat16``); default: as held (the master dtype).
         max_shard_size: bytes per file (int or ``"5GB"``); one file ``model.safetensors`` when
             everything fits, else ``model-0000i-of-0000n.safetensors`` plus the index.
         overwrite: replace an existing non-empty ``out_dir`` (else ``FileExistsError``).
-        tokenizer: written beside the weights (``save_pretrained``), its BOS/EOS/PAD ids set in the
-            saved config and generation config (an EOS list that holds the tokenizer's is kept):
-            a tokenizer object, or a directory holding one; by default the tokenizer of the local
-            directory the model's config came from (``config.name_or_path``), if it holds one;
-            ``False``: none. `has_tokenizer(out_dir)` says whether one was written.
+        tokenizer: written beside the weights, its BOS/EOS/PAD ids set in the saved configs: a
+            tokenizer object or a directory holding one; by default the tokenizer of the local
+            directory the model's config came from, if any; ``False``: none.
 
     Returns the output directory on the writing rank, None on the others.
     """
-    out_dir = Path(out_dir)
     max_bytes = parse_size(max_shard_size)
     reshard_all(model)
     tensors, aliases = model_tensors(model)
     full_of = lambda name: gather_full(tensors[name])
+    if merge:
+        if not is_peft_model(model):
+            name = type(model).__name__
+            raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
+        model, tensors, aliases, full_of = _merged_source(model, tensors, aliases)  # the wrapped model
+    out = FirstRankWriter(model, Path(out_dir), overwrite)
+    tok: list = []
+    out.do(lambda: tok.append(_resolve_tokenizer(tokenizer, model)))
     if is_peft_model(model):
-        from fsdp2kit.weights.adapter_export import export_adapters, merged_source
-
-        if not merge:
-
-            def write_tokenizer(directory: Path) -> None:  # on the writing rank; an error there is agreed on
-                tok = _resolve_tokenizer(tokenizer, model)
-                if tok is not None:
-                    tok.save_pretrained(str(directory))
-
-            return export_adapters(model, out_dir, tensors, dtype=dtype, overwrite=overwrite, last=write_tokenizer)
-        model, tensors, aliases, full_of = merged_source(model, tensors, aliases)
-    elif merge:
-        raise ValueError(f"export_hf(merge=True) merges peft adapters; {type(model).__name__} is not a peft PeftModel")
+        return _export_adapters(model, out, tensors, dtype, tok[0] if tok else None)
     names = _export_names(model, tensors, aliases)
-    writer_rank = is_first_rank(model)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-
-    error: BaseException | None = None
-    stage: StagedDir | None = None
-    writer: ShardedWriter | None = None
-    tok = None
-    if writer_rank:
-        try:
-            tok = _resolve_tokenizer(tokenizer, model)
-            stage = StagedDir(out_dir, overwrite)
-            writer = ShardedWriter(stage.dir, max_bytes)
-        except BaseException as exc:
-            error = exc
-    # A failure on the writer must not stop it from taking part in the remaining gathers, or the
-    # other ranks would wait in one forever: it stops writing and reports at the end.
+    writer: list[ShardedWriter] = []
+    out.do(lambda: writer.append(ShardedWriter(out.stage.dir, max_bytes)))
     layout = SaveLayout(model)
     with torch.no_grad():
         for group in layout.groups(list(names)):
-            fulls = {n: full_of(n) for n in group}
-            if writer is None or error is not None:
-                continue
-            try:
+            fulls = {n: full_of(n) for n in group}  # collective: every rank, in the same order
+
+            def write(fulls=fulls) -> None:
                 for name, t in layout.to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
-                    writer.add(name, t)
-            except BaseException as exc:
-                error = exc
+                    writer[0].add(name, t)
+
+            out.do(write)
             del fulls
-    if stage is not None:
 
-        def last() -> None:
-            writer.finish()
-            _save_config(model, stage.dir, dtype or held, tok)
+    def last() -> None:
+        writer[0].finish()
+        _save_config(model, out.stage.dir, dtype or held, tok[0])
 
-        error = stage.close(error, last)
-    raise_agreed(error, model, "export_hf")
-    return out_dir if writer_rank else None
+    return out.finish(last)
+
+
+def _merged_source(
+    model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]
+) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], Callable[[str], torch.Tensor]]:
+    """What export_hf writes for ``merge=True``: the wrapped model, its tensors under its own names,
+    and a collective function that gathers one of them with the active LoRA adapters folded in."""
+    view = peft_view(model, tensors, for_merge=True)
+    base = {b: tensors[n] for b, n in view.names.items()}
+
+    def full_of(name: str) -> torch.Tensor:
+        weight = gather_full(base[name])
+        factors = [
+            (gather_full(tensors[m.a]), gather_full(tensors[m.b]), m.scaling, m.fan_in_fan_out)
+            for m in view.merges.get(name, [])
+        ]
+        return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
+
+    return view.inner, base, {b: base_name(aliases.get(n, n)) for b, n in view.names.items()}, full_of
+
+
+def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
+    """PEFT's adapter directory, written by peft itself (``save_pretrained`` given the full adapter
+    tensors, gathered one at a time): what peft writes for an unsharded model, one subdirectory
+    per adapter other than ``default``."""
+    with torch.no_grad():
+        for adapter in list(model.peft_config):
+            fulls = {n: gather_full(tensors[n]) for n in adapter_keys(model, adapter, tensors)}  # collective
+            out.do(
+                lambda adapter=adapter, fulls=fulls: model.save_pretrained(
+                    str(out.stage.dir),
+                    selected_adapters=[adapter],
+                    state_dict={n: _cast(t, dtype).contiguous() for n, t in fulls.items()},
+                    save_embedding_layers=False,
+                )
+            )
+
+    def last() -> None:
+        if tok is not None:
+            tok.save_pretrained(str(out.stage.dir))
+
+    return out.finish(last)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,26 +277,15 @@ def dcp_to_hf(
 ) -> Path:
     """Convert a DCP checkpoint of a transformers model to Hugging Face safetensors, in one process.
 
-    ``checkpoint`` is a step directory (``ROOT/step_00000100``) or a Checkpointer root, in which
-    case the newest ``step_*`` that has its ``.metadata`` is used. The model's state sits under
-    the top-level key ``prefix`` ("model", as `fsdp2kit.Checkpointer` saves it: DCP flattens it
-    to ``model.<fqn>``); optimizer state and anything else in the checkpoint is not read.
-
-    No process group is needed (or used): each file's worth of tensors is read, reversed to the
-    model's usual layout, cast, and written, so memory holds about ``max_shard_size`` at a time.
-    The config comes from ``config`` (a transformers config, or a path), else the ``config.json``
-    in the step directory, else in the root. The model class is built on the meta device from
-    it to learn the expected keys, ties and conversions; a checkpoint that does not match it is a
-    ``ValueError`` naming the keys. DCP's ``.metadata`` pickle is read with an unpickler that
-    admits only tensor-description classes.
-
-    A LoRA / QLoRA step (saved ``trainable_only``: adapters, no base) needs ``base``, the
-    pretrained model directory the run started from: the PEFT model is rebuilt around it in
-    memory (see `peft_model_from_checkpoint`) and written as `export_hf` writes it, PEFT's
-    adapter directory or, with ``merge=True``, the merged model.
-
-    ``tokenizer`` as for `export_hf`; by default the one in ``base``, else in the ``config``
-    directory, else in the step directory (the directory the model's config comes from).
+    ``checkpoint`` is a step directory or a Checkpointer root (its newest complete step). The model's
+    state is read from under the top-level key ``prefix``, one file's worth at a time, without a
+    process group, and written as `export_hf` writes it. The config comes from ``config`` (a
+    transformers config, or a path), else the ``config.json`` in the step directory, else in the
+    root; a checkpoint that does not match the model built from it is a ``ValueError`` naming the
+    keys. A LoRA / QLoRA step (saved ``trainable_only``) needs ``base``, the pretrained directory
+    the run started from: the PEFT model is rebuilt around it in memory and written as `export_hf`
+    writes it (``merge`` as there). ``tokenizer`` as for `export_hf`; by default the one in
+    ``base``, else in the ``config`` directory, else in the step directory.
     """
     step_dir = resolve_step_dir(checkpoint)
     if read_info(step_dir).get("trainable_only"):

@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
-__all__ = ["ShardedWriter", "StagedDir"]
+from fsdp2kit._internal.agree import raise_agreed
+from fsdp2kit._internal.dtensor import is_first_rank
 
 
 class ShardedWriter:
@@ -86,15 +88,35 @@ class StagedDir:
     def abort(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def close(self, error: BaseException | None, last: Callable[[], None] = lambda: None) -> BaseException | None:
-        """Unless ``error`` came first, write the ``last`` files and publish; on any error remove
-        the directory. Returns the error, if any, for the caller to agree on with the other ranks."""
-        try:
-            if error is None:
-                last()
-                self.commit()
-        except BaseException as exc:
-            error = exc
-        if error is not None:
-            self.abort()
-        return error
+
+class FirstRankWriter:
+    """The writing side of a collective export: the mesh's first rank writes into a `StagedDir`.
+
+    An error there is kept, not raised, so that the rank still takes part in every remaining
+    gather (the others would wait in one forever); `finish` publishes, or removes the directory,
+    and raises the error on every rank.
+    """
+
+    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool):
+        self.model, self.out_dir, self.writes = model, out_dir, is_first_rank(model)
+        self.error: BaseException | None = None
+        self.stage: StagedDir | None = None
+        self.do(lambda: setattr(self, "stage", StagedDir(out_dir, overwrite)))
+
+    def do(self, fn: Callable[[], object]) -> None:
+        """``fn()`` on the writing rank, unless an error came first (then kept for `finish`)."""
+        if self.writes and self.error is None:
+            try:
+                fn()
+            except BaseException as exc:
+                self.error = exc
+
+    def finish(self, last: Callable[[], None] = lambda: None) -> Path | None:
+        """Write the ``last`` files and publish; the output directory on the writing rank, None elsewhere."""
+        if self.stage is not None:
+            self.do(last)
+            self.do(self.stage.commit)
+            if self.error is not None:
+                self.stage.abort()
+        raise_agreed(self.error, self.model, "export_hf")
+        return self.out_dir if self.writes else None
