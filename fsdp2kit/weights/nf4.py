@@ -11,20 +11,6 @@ from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks
 
-__all__ = [
-    "NF4_DEFAULTS",
-    "NF4_INNER_TENSORS",
-    "NF4_ROW_TENSORS",
-    "is_nf4",
-    "meta_nf4",
-    "nf4_shard_problem",
-    "quantize_nf4",
-]
-
-# QLoRA's sizes (Dettmers et al. 2023, and torchao's defaults): one absmax scaler per 64 weights,
-# the scalers themselves quantized to int8 in groups of 256.
-NF4_DEFAULTS = {"block_size": 64, "scaler_block_size": 256}
-
 # A torchao NF4Tensor's inner tensors (attribute names). FSDP2 splits the first three by rows, as
 # torchao's fsdp_pre_all_gather gathers them; the scalers' mean and the 16-value NF4 table are
 # whole on every rank.
@@ -40,12 +26,8 @@ def is_nf4(t: torch.Tensor) -> bool:
 
 
 def nf4_shard_problem(t: torch.Tensor, shard: int) -> str | None:
-    """Why ``t`` (an NF4Tensor) cannot be split into ``shard`` equal row blocks, or None.
-
-    torchao splits the packed data, the block scalers and the scaler factors of an NF4Tensor
-    in the same proportion as the rows, so every rank's rows must hold whole scaler groups.
-    FSDP pads uneven shards, which NF4 cannot represent: the rows must divide evenly.
-    """
+    """Why ``t`` (an NF4Tensor) cannot be split into ``shard`` equal row blocks of whole scaler groups
+    (FSDP would pad, which NF4 cannot represent), or None."""
     rows, numel = t.shape[0], t.numel()
     group = t.block_size * t.scaler_block_size
     if rows % shard:
@@ -59,9 +41,8 @@ def nf4_shard_problem(t: torch.Tensor, shard: int) -> str | None:
 
 
 def meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    """An NF4Tensor on the meta device: torchao's ``to_nf4`` of a meta weight, which has the inner
-    tensors of a real one. A placeholder for a weight that `fsdp2kit.load_pretrained` quantizes
-    later: FSDP2 shards it like a real NF4Tensor, so each rank's shard has the layout the loader fills."""
+    """A meta NF4Tensor (``to_nf4`` of a meta weight: a real one's inner tensors), which FSDP2 shards
+    like a real one: the placeholder `fsdp2kit.load_pretrained` fills."""
     from torchao.quantization import to_nf4
 
     return to_nf4(torch.empty(shape, dtype=dtype, device="meta"), block_size, scaler_block_size)
@@ -75,27 +56,17 @@ def quantize_nf4(
     model: nn.Module,
     *,
     blocks: BlockSpec = "auto",
-    block_size: int = NF4_DEFAULTS["block_size"],
-    scaler_block_size: int = NF4_DEFAULTS["scaler_block_size"],
+    block_size: int = 64,
+    scaler_block_size: int = 256,
     dtype: torch.dtype | None = None,
 ) -> list[str]:
-    """Replace the weight of every ``nn.Linear`` inside the model's blocks by a frozen NF4Tensor.
+    """Replace the weight of every ``nn.Linear`` inside the model's blocks by a frozen NF4Tensor (docs/lora.md).
 
-    QLoRA's base model: 4 bits per weight plus one int8 scaler per ``block_size`` weights and
-    one factor per ``block_size * scaler_block_size``, about 0.52 byte per parameter with the
-    defaults. Call it before wrapping the model with PEFT and before `fsdp2kit.shard_model`:
-    FSDP2 then shards the packed tensors themselves (torchao's NF4Tensor implements FSDP2's
-    all-gather extension), so each rank holds 1/N of the 4-bit base and all-gathers 4-bit data.
-
-    On a model built on the meta device, each weight becomes a meta NF4 placeholder instead:
-    `shard_model` shards it, and `fsdp2kit.load_pretrained` quantizes each rank's rows of the
-    checkpoint as they are read, into that rank's shard, bit for bit the shard that quantizing
-    the whole weight and then sharding gives (the scalers' mean is agreed over the shard group).
-    No rank ever holds more than one weight's rows unquantized (docs/lora.md).
-
-    Only the blocks are quantized: embeddings, the output head and norms stay as they are, as
-    in QLoRA. A Linear's bias (if any) is left alone; the weight becomes frozen
-    (``requires_grad=False``): NF4 weights cannot be trained, the adapters are.
+    QLoRA's base: about 0.52 byte per parameter with the defaults (QLoRA's and torchao's). Call it
+    before wrapping the model with PEFT and before `fsdp2kit.shard_model`, which shards the packed
+    tensors themselves. On a meta-built model each weight becomes a meta NF4 placeholder that
+    `fsdp2kit.load_pretrained` quantizes from each rank's rows. Embeddings, the output head, norms
+    and biases stay as they are.
 
     Args:
         blocks: which modules are the blocks, as for `shard_model` (``"auto"``, classes, predicate).
@@ -106,11 +77,8 @@ def quantize_nf4(
 
     Returns the names of the quantized weights.
     """
-    try:
-        with quiet_imports():  # torchao's import-time log lines on a CPU build (fsdp2kit._internal.quiet)
-            from torchao.quantization import to_nf4
-    except ImportError as exc:  # pragma: no cover - torchao is a dependency
-        raise ImportError("quantize_nf4 needs torchao (pip install torchao)") from exc
+    with quiet_imports():  # torchao's import-time log lines on a CPU build
+        from torchao.quantization import to_nf4
     if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
         isinstance(p, DTensor) for p in model.parameters()
     ):

@@ -10,18 +10,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS, is_nf4
 
-__all__ = ["allocate_nf4", "fill_nf4", "nf4_load_problem", "quantize_rows"]
-
 _PIECE = 1 << 16  # weights quantized at once (a multiple of any block size up to 65536)
 
 
 def nf4_load_problem(t: torch.Tensor) -> str | None:
-    """Why the NF4 weight ``t`` cannot be quantized from its rank's rows, or None.
-
-    A rank's rows must be whole row blocks of FSDP's dim-0 split (``Shard(0)`` on one mesh dim,
-    anything else replicated): tensor parallelism splits the columns, and no rank would then hold
-    whole quantization blocks of the full weight's flat order.
-    """
+    """Why the NF4 weight ``t`` cannot be quantized from its rank's rows (whole row blocks of FSDP's
+    dim-0 split: a column split holds no whole quantization block), or None."""
     if not isinstance(t, DTensor):
         return None
     shards = [p for p in t.placements if not isinstance(p, Replicate)]
@@ -41,26 +35,19 @@ def _shard_group(t: torch.Tensor):
 
 
 def _empty_nf4(local: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A meta NF4 shard's twin with real, uninitialised storage for all five inner tensors.
-
-    (torchao's ``empty_like`` moves only the three sharded inner tensors and leaves the
-    scalers' mean and the NF4 table on meta, so it cannot be used here.)
-    """
+    """A meta NF4 shard's twin with real storage for all five inner tensors (torchao's ``empty_like``
+    leaves the scalers' mean and the NF4 table on meta)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
 
     inner = {name: torch.empty_like(getattr(local, name), device=device) for name in NF4_INNER_TENSORS}
     return NF4Tensor(*construct_nf4_args(local, {**inner, "device": device}))
 
 
-def allocate_nf4(model: nn.Module, device: torch.device) -> list[str]:
-    """Give every meta NF4 weight (from `quantize_nf4` on a meta model) real, empty storage.
-
-    The model's other tensors are left as they are. Goes through ``Module._apply``, so FSDP2
-    re-registers each new shard (its ``_apply`` re-reads the sharded parameters).
-    """
-    names = [n for n, p in model.named_parameters() if p.is_meta and is_nf4(p)]
-    if not names:
-        return names
+def allocate_nf4(model: nn.Module, device: torch.device) -> None:
+    """Give every meta NF4 weight real, empty storage (through ``Module._apply``, so FSDP2 re-registers
+    each new shard); the model's other tensors are left as they are."""
+    if not any(p.is_meta and is_nf4(p) for p in model.parameters()):
+        return
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         if not (t.is_meta and is_nf4(t)):
@@ -71,16 +58,11 @@ def allocate_nf4(model: nn.Module, device: torch.device) -> list[str]:
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
     model._apply(fn)
-    return names
 
 
 def _agreed_mean(absmax: torch.Tensor, group) -> torch.Tensor:
-    """The mean of every block scaler of the whole weight, from this rank's part of them.
-
-    Gathering the scalers (1/block_size of the weight) and taking ``mean()`` of the whole
-    vector in order is what ``to_nf4`` does on the full weight, so the result is the same bits;
-    an all-reduce of partial sums would add in another order and could round differently.
-    """
+    """The mean of every block scaler of the whole weight: gathered and reduced in order, as ``to_nf4``
+    does on the full weight (an all-reduce of partial sums could round differently)."""
     if group is None:
         return absmax.mean()
     # Sent as bytes: the bits travel unchanged, and gloo has no int16 / bfloat16 all-gather.
@@ -93,14 +75,9 @@ def _agreed_mean(absmax: torch.Tensor, group) -> torch.Tensor:
 def quantize_rows(
     rows: torch.Tensor, block_size: int, scaler_block_size: int, *, group=None
 ) -> dict[str, torch.Tensor]:
-    """NF4's inner tensors for ``rows`` (one rank's row block of a weight) in ``rows``' dtype.
-
-    Everything NF4 stores is local to a block of ``block_size`` weights or to a group of
-    ``scaler_block_size`` blocks, except the mean subtracted from the block scalers before they
-    are quantized to int8: with ``group``, that mean is agreed over the ranks of the group
-    (collective), so the result is this rank's part of ``to_nf4(full weight)``, bit for bit.
-    The arithmetic is torchao's ``NF4Tensor.double_quantize_scalers`` with the mean given.
-    """
+    """NF4's inner tensors for ``rows`` (one rank's row block of a weight), bit for bit this rank's part
+    of ``to_nf4(full weight)``: torchao's ``double_quantize_scalers`` with the scalers' mean agreed
+    over ``group`` (collective), the one value that depends on the whole weight."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, get_block_absmax, to_nf4
 
     flat = rows.reshape(-1)
@@ -114,9 +91,8 @@ def quantize_rows(
     # The 16-value table exactly as to_nf4 builds it (dtype and device of the weight).
     ones = torch.ones(block_size * scaler_block_size, dtype=rows.dtype, device=rows.device)
     table = to_nf4(ones, block_size, scaler_block_size).nf4
-    # The 4-bit codes, a piece at a time: each code depends on its own block only, and torchao's
-    # nearest-value search holds 16 values per weight (x2) for up to 1M weights at once (about
-    # 70 MB in bf16): pieces of _PIECE weights keep that scratch near 5 MB, with the same bits.
+    # The 4-bit codes, a piece at a time: torchao's nearest-value search holds 16 values per weight
+    # (about 70 MB in bf16 for 1M weights); pieces of _PIECE weights keep it near 5 MB, same bits.
     data = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=rows.device)
     piece = max(block_size, _PIECE // block_size * block_size)
     for start in range(0, flat.numel(), piece):
@@ -133,13 +109,9 @@ def quantize_rows(
 
 
 def fill_nf4(target: torch.Tensor, rows: torch.Tensor) -> None:
-    """Quantize ``rows`` (this rank's rows of the full weight, any float dtype) into the NF4 shard ``target``.
-
-    Collective over ``target``'s shard group: every rank of it calls this for the same weight.
-    """
+    """Quantize ``rows`` (this rank's rows of the full weight) into the NF4 shard ``target`` (collective
+    over its shard group)."""
     local = local_shard(target)
-    if tuple(rows.shape) != tuple(local.shape):
-        raise RuntimeError(f"internal: read rows of shape {tuple(rows.shape)} for an NF4 shard of {tuple(local.shape)}")
     rows = rows.to(device=local.quantized_data.device, dtype=local.dtype).contiguous()
     parts = quantize_rows(rows, local.block_size, local.scaler_block_size, group=_shard_group(target))
     for name, value in parts.items():
