@@ -12,18 +12,6 @@ from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.weights.hf_layout import clean_fqn
 from fsdp2kit.weights.nf4 import is_nf4
 
-__all__ = [
-    "PeftView",
-    "adapter_keys",
-    "apply_lora",
-    "base_name",
-    "is_peft_model",
-    "merged_weight",
-    "peft_description",
-    "peft_init_fn",
-    "peft_view",
-]
-
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether ``model`` is a peft ``PeftModel`` (without importing peft for other models)."""
@@ -35,12 +23,8 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def peft_description(model: nn.Module) -> dict | None:
-    """What rebuilds a PEFT model around its pretrained base, for a checkpoint of its adapters only.
-
-    peft's own adapter configs (as its ``adapter_config.json`` holds them), the active adapters,
-    the frozen base's storage dtype, and the NF4 groups and weights of a QLoRA base. None for a
-    model that is not a peft ``PeftModel``.
-    """
+    """What rebuilds a PEFT model around its pretrained base, for a checkpoint of its adapters only: peft's
+    adapter configs, the active adapters, the base's storage dtype, a QLoRA base's NF4 groups and weights."""
     if not is_peft_model(model):
         return None
     adapters = {}
@@ -67,12 +51,8 @@ def peft_description(model: nn.Module) -> dict | None:
 
 
 def adapter_keys(model: nn.Module, adapter: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Model parameter name -> the key PEFT writes it under in ``adapter_model.safetensors``.
-
-    Asks peft itself (``get_peft_model_state_dict``) which entries belong to the adapter and
-    how they are named, then maps its values back to our names by identity, so the selection
-    and the renaming stay exactly peft's for every tuner type.
-    """
+    """Model parameter name -> the key PEFT writes it under, as peft's ``get_peft_model_state_dict`` says
+    (its values mapped back to our names by identity)."""
     from peft.utils import get_peft_model_state_dict
 
     by_id = {id(t): n for n, t in tensors.items()}
@@ -110,14 +90,10 @@ def base_name(name: str) -> str:
 
 
 def peft_view(model: nn.Module, tensors: dict[str, torch.Tensor], *, for_merge: bool = False) -> PeftView:
-    """Map a PEFT model's frozen base onto the names of the model it wraps.
-
-    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` is the checkpoint's
-    ``model.layers.0.self_attn.q_proj.weight``. With ``for_merge``, every weight wrapped by
-    a LoRA layer also lists the active adapters' factors to add to it; anything a plain merge
-    cannot express (DoRA, LoRA biases, non-Linear LoRA layers, other tuners, trained copies of
-    whole modules) raises ``ValueError`` naming it.
-    """
+    """Map a PEFT model's frozen base onto the names of the model it wraps (``...q_proj.base_layer.weight``
+    is ``...q_proj.weight``). With ``for_merge``, each LoRA-wrapped weight lists the active adapters'
+    factors; what a plain merge cannot express (DoRA, LoRA biases, other layers or tuners,
+    ``modules_to_save``) is a ``ValueError`` naming it."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
@@ -171,14 +147,9 @@ def peft_view(model: nn.Module, tensors: dict[str, torch.Tensor], *, for_merge: 
 
 
 def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float, bool]]) -> torch.Tensor:
-    """``weight + sum(scaling * B @ A)``, computed as peft's ``merge`` does it.
-
-    peft adds the delta in place into the base weight (``W += delta``): the sum is taken in the
-    wider of the two dtypes and rounded to the weight's dtype, which is what this does, so the
-    result is bit for bit the weight of ``merge_and_unload()``. An NF4 weight is first
-    dequantized (to its compute dtype).
-    """
-    if type(weight).__name__ == "NF4Tensor":
+    """``weight + sum(scaling * B @ A)``, bit for bit peft's ``merge_and_unload()`` (summed in the wider
+    dtype, rounded to the weight's); an NF4 weight is dequantized first."""
+    if is_nf4(weight):
         weight = weight.get_original_weight()
     out = weight
     for a, b, scaling, fan_in_fan_out in factors:
@@ -191,14 +162,8 @@ def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.
 
 
 def peft_init_fn(model: nn.Module):
-    """An ``init_fn`` for `fsdp2kit.materialize` that gives a PEFT model built on meta PEFT's own init.
-
-    On the meta device peft's ``reset_lora_parameters`` runs on storage-less tensors, so the
-    adapters have no values yet. This re-runs what it would have done (``init_lora_weights``
-    True: A Kaiming-uniform, B zero, so the adapted model starts as the base; "gaussian": A
-    normal with std 1/r; False: torch's default Linear init for both) and, for every other
-    module, the wrapped model's own ``_init_weights`` (or ``reset_parameters``).
-    """
+    """An ``init_fn`` for `fsdp2kit.materialize`: peft's own adapter init (``init_lora_weights`` True,
+    "gaussian" or False) re-run on a PEFT model built on meta, and the wrapped model's init elsewhere."""
     import math
 
     from peft.tuners.lora import LoraLayer
@@ -253,9 +218,8 @@ def apply_lora(
 ) -> nn.Module:
     """Wrap ``model`` with peft LoRA adapters (``get_peft_model``), checking the targets first.
 
-    Call it before `fsdp2kit.shard_model` (after `fsdp2kit.quantize_nf4` for QLoRA). Every other
-    parameter is frozen; peft keeps the adapters in fp32 even on a bf16 base, which
-    ``shard_model(..., mixed_precision="bf16")`` then uses as master weights.
+    Call it before `fsdp2kit.shard_model` (after `fsdp2kit.quantize_nf4` for QLoRA); peft keeps
+    the adapters in fp32 even on a bf16 base.
 
     Args:
         targets: ``"all-linear"`` (peft's: every Linear but the output head), or module names

@@ -29,12 +29,8 @@ def target_device(model: nn.Module, device: torch.device | str | None) -> torch.
 
 
 def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]]:
-    """Give every meta tensor storage on ``device``; returns the names of those that were meta.
-
-    ``to_empty`` replaces each module's tensors one module at a time, so a weight shared by two
-    modules would come out as two tensors: we re-tie them (DTensor parameters keep their object,
-    plain ones do not). FSDP2 re-pads its sharded storage inside ``to_empty`` itself.
-    """
+    """Give every meta tensor storage on ``device``; returns the names of those that were meta. Weights
+    shared by two modules come out of ``_apply`` as two plain tensors: they are tied again."""
     params = {n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
     buffers = {n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
     if not params and not buffers:
@@ -52,11 +48,8 @@ def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]
 
 
 def allocate_for_load(model: nn.Module, what: str = "allocating the meta-built model") -> None:
-    """Storage for a meta-built model whose values all come from a checkpoint (no init is run).
-
-    Non-persistent buffers are in no checkpoint: they are recomputed by the model's own
-    construction code, and a model whose buffers cannot be recomputed that way is an error.
-    """
+    """Storage for a meta-built model whose values all come from a checkpoint (no init is run); its
+    non-persistent buffers are recomputed by its construction code, or it is an error."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     with all_ranks_or_none(model, what):

@@ -27,14 +27,8 @@ def _to_meta(register: Callable, module: nn.Module, name: str, param: nn.Paramet
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Build modules for real on CPU, except that each parameter moves to meta as it is registered.
-
-    The constructor's own code computes the buffers; ``torch.empty`` for a parameter reserves
-    address space without touching it, and the meta copy costs nothing, so this is cheap even
-    for a very large model. Construction runs in the caller's
-    default dtype (the buffers are cast to the model's afterwards) and draws, if it draws, from a
-    fork of the random state: the caller's stream is untouched.
-    """
+    """Build modules for real on CPU, except that each parameter moves to meta as it is registered
+    (cheap even for a very large model), drawing from a fork of the random state."""
     with (
         torch.random.fork_rng(devices=[]),
         torch.device("cpu"),
@@ -45,12 +39,8 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:
-    """A new module of the same class, built from the arguments it kept as attributes of the same name.
-
-    Most modules that own a computed buffer store their constructor's arguments (``dim``,
-    ``base``, ``max_seq_len``, ``config``...); when every required argument is found this way we
-    can run the class's own ``__init__`` again. Returns None when it cannot.
-    """
+    """A new module of the same class, built from the constructor arguments it kept as attributes of the
+    same name (``dim``, ``base``, ``config``...), or None when it cannot be."""
     cls = original_class(module)
     try:
         sig = inspect.signature(cls.__init__)
@@ -74,12 +64,8 @@ def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:
 
 
 def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
-    """CPU values for the buffers ``names`` (raw names) as constructing their owners gives them.
-
-    Hugging Face models are rebuilt whole from their config (one call covers every buffer of
-    every submodule, whatever it is called); any other module that owns one of the buffers is
-    rebuilt from its own attributes. Buffers found neither way are left out.
-    """
+    """CPU values for the buffers ``names`` as constructing their owners gives them: transformers models
+    rebuilt whole from their config, other owners from their attributes; buffers found neither way left out."""
     if not names:
         return {}
     found: dict[str, torch.Tensor] = {}

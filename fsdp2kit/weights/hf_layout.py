@@ -17,18 +17,6 @@ import torch.nn as nn
 
 from fsdp2kit._internal.quiet import quiet_imports
 
-__all__ = [
-    "Group",
-    "LoadPlan",
-    "SaveLayout",
-    "clean_fqn",
-    "is_pretrained",
-    "model_tensors",
-    "natural_key",
-    "original_class",
-    "plan_load",
-]
-
 # Wrapper modules that insert a path segment without changing what the module holds:
 # torch's checkpoint_wrapper, torch.compile's OptimizedModule and FSDP1. DCP's own state-dict
 # helpers drop the same segments, so names match what `get_model_state_dict` writes.
@@ -67,14 +55,8 @@ def natural_key(key: str) -> list:
 
 
 def _as_built(model: nn.Module) -> nn.Module:
-    """The model as transformers knows it: a meta-device twin if FSDP renamed any of its classes.
-
-    transformers finds a model's conversions by class name (then model_type), and FSDP2 turns
-    ``MixtralForCausalLM`` into ``FSDPMixtralForCausalLM``: asked about the sharded model it
-    would find none of the class-keyed ones. A twin built on the meta device from the config
-    costs nothing and has the original classes and the same structure (built once per load or
-    export: callers keep it).
-    """
+    """The model as transformers knows it: a meta-device twin if FSDP renamed any of its classes
+    (transformers finds conversions by class name, and FSDP2 makes ``FSDPMixtralForCausalLM``)."""
     if all(type(m) is original_class(m) for m in model.modules()):
         return model
     with torch.device("meta"), quiet_imports():
@@ -108,11 +90,8 @@ def _conversions(model: nn.Module, *, for_saving: bool) -> list:
 
 @dataclass
 class Group:
-    """Model keys filled together from some checkpoint keys.
-
-    A plain rename has one source and one target. A converter may merge many sources into one
-    target (experts stored one per file entry, held fused) or split one into several.
-    """
+    """Model keys filled together from some checkpoint keys: a plain rename (one source, one target),
+    or a converter merging many sources into one target (MoE experts) or splitting one."""
 
     targets: list[str]
     sources: dict[str, list[str]]  # source pattern -> checkpoint keys, in transformers' order
@@ -136,12 +115,8 @@ class Group:
         return {name: (t[0] if isinstance(t, list) else t) for name, t in out.items()}
 
     def merges_dim0(self) -> bool:
-        """True when the converted tensor's dim 0 is the list of sources, untouched by later ops.
-
-        Then a rank that holds rows [a, b) of the target needs only sources a..b-1 of each
-        pattern (the experts it holds) and can convert those alone: dim-0 sharding commutes with
-        the conversion. Anything else is converted from whole tensors and then sliced.
-        """
+        """True when the converted tensor's dim 0 is the list of sources, untouched by later ops: a rank
+        holding rows [a, b) then converts sources a..b-1 alone (dim-0 sharding commutes)."""
         if self.converter is None or len(self.targets) != 1:
             return False
         try:
@@ -186,12 +161,8 @@ def plan_load(
     model_tensors: dict[str, torch.Tensor],
     aliases: dict[str, str],
 ) -> LoadPlan:
-    """Match checkpoint keys to model keys, the way transformers' from_pretrained does.
-
-    ``model_tensors`` maps every model key (clean names, tied names included) to its tensor;
-    ``aliases`` maps each tied name to the first name of its tensor. Every conversion is
-    dry-run on meta tensors, so a shape mismatch is found before a byte is read.
-    """
+    """Match checkpoint keys to model keys (clean names, tied names included; ``aliases``: tied name ->
+    first name) as from_pretrained does; conversions are dry-run on meta tensors to check shapes."""
     transforms = _conversions(model, for_saving=False)
     plan = LoadPlan()
     if transforms:
@@ -244,9 +215,11 @@ def plan_load(
                 src = group.source_keys[0] if group.converter is None else f"{len(group.source_keys)} keys"
                 plan.mismatched.append(f"{name}: checkpoint {src} gives shape {shape}, the model has {want}")
                 bad = True
-        if not bad:
-            filled.update(aliases.get(n, n) for n in group.targets)
+        roots = {aliases.get(n, n) for n in group.targets}
+        if not bad and not roots & filled:  # two checkpoint keys that fill one tied tensor: the first wins
             plan.groups.append(group)
+        if not bad:
+            filled |= roots
 
     # A tied tensor is filled by any one of its names; the others may be absent from the file.
     plan.missing = [k for k in model_tensors if aliases.get(k, k) == k and k not in filled]
@@ -255,16 +228,6 @@ def plan_load(
         set(plan.unexpected) - _ignored(model, plan.unexpected, "_keys_to_ignore_on_load_unexpected"),
         key=natural_key,
     )
-    # Two checkpoint keys that fill the same tied tensor: keep the first, drop the duplicate.
-    seen: set[str] = set()
-    kept = []
-    for group in plan.groups:
-        roots = {aliases.get(n, n) for n in group.targets}
-        if roots & seen:
-            continue
-        seen |= roots
-        kept.append(group)
-    plan.groups = kept
     return plan
 
 
@@ -273,22 +236,14 @@ def plan_load(
 
 
 class SaveLayout:
-    """What writing a model in its usual checkpoint layout needs: transformers' conversions, reversed.
-
-    Looked up once per export (the model as transformers knows it, and its conversions), then
-    used for every group of tensors.
-    """
+    """Writing a model in its usual checkpoint layout: transformers' conversions, looked up once, reversed."""
 
     def __init__(self, model: nn.Module):
         self.model = _as_built(model) if is_pretrained(model) else model
         self.conversions = _conversions(self.model, for_saving=True)
 
     def groups(self, keys: list[str]) -> list[list[str]]:
-        """``keys`` in order, grouped so that every reverse conversion sees all of its inputs at once.
-
-        Most groups hold one key. A model that fuses on load what the checkpoint splits (or the
-        other way round) needs the parts of one fused tensor together to write them back.
-        """
+        """``keys`` in order, grouped so that every reverse conversion sees all of its inputs at once."""
         if not self.conversions:
             return [[k] for k in keys]
         from transformers.core_model_loading import WeightConverter, apply_converters

@@ -42,12 +42,8 @@ def index_files(index: Path) -> dict[str, Path]:
 
 
 def check_file(path: Path) -> list[str]:
-    """The keys of one safetensors file, opened and checked by safetensors' own reader.
-
-    ``safe_open`` refuses a file whose tensors do not tile its data region exactly, from byte 0 to
-    the end of the file: a truncated file (a copy cut short) or a padded one is an error naming the
-    file here, found from the header before any tensor is read.
-    """
+    """The keys of one safetensors file, checked by ``safe_open`` (the tensors tile the data region to
+    the end of the file): a truncated or padded file is a ``ValueError`` naming it."""
     try:
         with safe_open(path, framework="pt") as f:
             return list(f.keys())
@@ -70,12 +66,8 @@ def _described_size(path: Path) -> int | None:
 
 
 class SafetensorsReader:
-    """Tensors, or the box of rows and columns a rank needs, from safetensors files through ``safe_open``.
-
-    ``get_slice`` reads only the bytes of the box, and what it returns is a view of safetensors'
-    memory map of the file: each part is copied out at once (into the shard, or a fresh tensor),
-    so nothing of the model refers to the file once `read` returns.
-    """
+    """Tensors, or the box of rows and columns a rank needs, through ``safe_open``'s ``get_slice``; each
+    part is copied out of the file's memory map at once, so nothing refers to the file afterwards."""
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
