@@ -1,10 +1,5 @@
-"""Rank agreement: a local failure becomes every rank's error instead of a hang on the others.
-
-`agree` is fsdp2kit's one "did any rank fail": every rank's error message (and, if wanted, a
-value) gathered in one collective per group; if any rank has an error, every rank raises the same
-exception naming each failing rank. The checkpointer calls it on its own group, the weight
-loaders and exporters (`all_ranks_or_none`, `raise_agreed`) on the dimensions of the model's mesh.
-"""
+"""Rank agreement, fsdp2kit's one "did any rank fail": a local failure becomes every rank's error
+instead of a hang on the others."""
 
 from __future__ import annotations
 
@@ -26,13 +21,9 @@ def agree(
     groups: Sequence = (None,),
     error_type: type[Exception] = RuntimeError,
 ) -> list[Any]:
-    """Every rank's ``value`` (by rank) once no rank reported an ``error``; if any did, raise
-    ``error_type`` on every rank, the same message there, naming the ranks and their errors.
-
-    ``groups`` are gathered over in turn: ``(None,)`` the default group, a mesh's dimension groups
-    every rank of the mesh, ``()`` this process alone. A rank that died or timed out makes the
-    collective fail, which is raised as ``error_type`` too. Without a process group: this process.
-    """
+    """Every rank's ``value`` (by rank) once no rank reported an ``error``; if any did (or the gather
+    failed: a rank died), raise ``error_type`` on every rank, naming the ranks and their errors.
+    ``groups`` are gathered over in turn (a mesh's dimension groups: every rank of the mesh)."""
     active = dist.is_available() and dist.is_initialized()
     replies = {dist.get_rank() if active else 0: (error, value)}
     for group in groups if active else ():

@@ -15,12 +15,8 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_index(t: torch.Tensor) -> tuple[slice, ...]:
-    """The index of this rank's shard in the full tensor, one slice per dim, from the DTensor's placements.
-
-    torch's own ``compute_local_shape_and_global_offset`` (what DCP uses): FSDP's Shard(0), HSDP,
-    and FSDP over tensor parallelism (``_StridedShard``), whose part is one box of the full tensor
-    whenever the TP-split dims divide by the TP size, which apply_tensor_parallel checks.
-    """
+    """The index of this rank's shard in the full tensor, one slice per dim (torch's own
+    ``compute_local_shape_and_global_offset``, as DCP: FSDP, HSDP, FSDP over TP)."""
     if not isinstance(t, DTensor):
         return tuple(slice(None) for _ in t.shape)
     if t.device_mesh.get_coordinate() is None:
@@ -69,12 +65,8 @@ def gather_full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_nf4(t: DTensor) -> torch.Tensor:
-    """A row-sharded NF4 DTensor, whole, gathered with plain synchronous all-gathers.
-
-    Not ``full_tensor()``: torchao's NF4 all-gather launches one functional all-gather per inner
-    tensor and hands them back unwaited (AsyncCollectiveTensor; torch 2.13, torchao 0.18), and a
-    rank's heap was corrupted in about 1 run in 6 of the LoRA tests after such gathers on gloo.
-    """
+    """A row-sharded NF4 DTensor, whole, gathered with synchronous all-gathers: torchao's own hands back
+    unwaited functional gathers, after which a rank's heap was corrupted in ~1 run in 6 on gloo."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
 
     from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS

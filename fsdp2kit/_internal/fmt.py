@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_count", "fmt_list", "key_problems"]
-
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

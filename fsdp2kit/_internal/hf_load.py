@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["from_pretrained"]
-
 
 def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """``cls.from_pretrained(*args, **kwargs)``, with torch's device-context table filled first."""

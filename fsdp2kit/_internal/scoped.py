@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["divert", "divert_init_functions"]
-
 _lock = threading.Lock()
 _TABLE = "_fsdp2kit_diverted"  # on a stand-in: {thread id: [replacements, innermost last]}
 
