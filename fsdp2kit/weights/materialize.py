@@ -16,7 +16,6 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard, model_meshes
-from fsdp2kit._internal.scoped import divert_init_functions
 from fsdp2kit.dist import mesh_device
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import copy_buffers, fill_buffers
@@ -24,35 +23,23 @@ from fsdp2kit.weights.hf_layout import is_pretrained
 from fsdp2kit.weights.nf4 import is_nf4
 
 
-class _NoShardWrites(TorchFunctionMode):
-    """An in-place write to a sharded parameter that bypassed the replay (``weight.data.normal_()``)
-    would give every rank's shard the same numbers: an error instead."""
-
-    def __init__(self, replay: _Replay):
-        super().__init__()
-        self.replay = replay
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if (
-            args
-            and isinstance(args[0], DTensor)
-            and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_")))
-        ):
-            raise RuntimeError(
-                f"{self.replay.current}'s initialisation calls {name} on a sharded parameter directly; "
-                "materialize replays initialisation through torch.nn.init functions (or on the module's own "
-                "parameters). Use torch.nn.init.* there, or pass materialize(model, init_fn=...)."
-            )
-        return func(*args, **(kwargs or {}))
+def _in_place(name: str) -> bool:
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
 
 
-class _Replay:
+class _Replay(TorchFunctionMode):
     """Runs init calls with full-size plain tensors in place of a module's sharded parameters; every
-    rank runs them from the same random state and keeps its own rows."""
+    rank runs them from the same random state and keeps its own rows.
+
+    Inside, an in-place op on a whole sharded parameter of another module (``torch.nn.init`` on a
+    child's weight) runs on that parameter's full stand-in; one on a slice or copy of it
+    (``weight.data.normal_()``) would give every rank the same numbers: an error.
+    """
 
     def __init__(self, model: nn.Module, device: torch.device, write: set[str]):
+        super().__init__()
         self.device = device
+        self.stand_ins: dict[int, torch.Tensor] = {}
         self.names: dict[int, str] = {}
         self.owners: Counter = Counter()
         self.write: set[int] = set()
@@ -90,7 +77,7 @@ class _Replay:
         self.done.add(pid)
 
     def call(self, module: nn.Module, label: str, fn: Callable[[], object]) -> None:
-        self.current = label
+        self.current, self.stand_ins = label, {}
         saved = {n: p for n, p in module._parameters.items() if p is not None}
         for n, p in saved.items():
             module._parameters[n] = nn.Parameter(self._blank(p), requires_grad=p.requires_grad)
@@ -103,33 +90,30 @@ class _Replay:
         for n, p in saved.items():
             self._commit(p, result[n].detach(), through_owner=True)
 
-    def init_function(self, original: Callable, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """A torch.nn.init function called on a sharded parameter of another module."""
-        if id(tensor) not in self.names:
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by keyword
+        name = getattr(func, "__name__", "")
+        if not isinstance(target, DTensor) or not _in_place(name):
+            return func(*args, **kwargs)
+        if id(target) not in self.names:
             raise RuntimeError(
-                f"{self.current}'s initialisation calls torch.nn.init.{original.__name__} on a slice or copy of "
-                "a sharded parameter; only whole parameters can be initialised after sharding"
+                f"{self.current}'s initialisation calls {name} on a sharded parameter through a slice or copy "
+                "(e.g. .data); materialize replays initialisation on whole parameters only. Use torch.nn.init.* "
+                "on the parameter itself, or pass materialize(model, init_fn=...)."
             )
-        full = self._blank(tensor)
-        original(full, *args, **kwargs)
-        self._commit(tensor, full, through_owner=False)
-        return tensor
+        full = self.stand_ins.get(id(target))
+        if full is None:
+            full = self.stand_ins[id(target)] = self._blank(target)
+        if args:
+            func(full, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, "tensor": full})
+        self._commit(target, full, through_owner=False)
+        return target
 
     def undone(self) -> list[str]:
         return sorted(self.names[pid] for pid in self.write if pid not in self.done)
-
-
-@contextlib.contextmanager
-def _route_init_functions(replay: _Replay) -> Iterator[None]:
-    """torch.nn.init.* (and transformers' wrappers over them) route sharded parameters to ``replay``."""
-
-    def routed(original: Callable, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if isinstance(tensor, DTensor):
-            return replay.init_function(original, tensor, *args, **kwargs)
-        return original(tensor, *args, **kwargs)
-
-    with divert_init_functions(routed), _NoShardWrites(replay):
-        yield
 
 
 def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[], object]]]:
@@ -218,7 +202,7 @@ def materialize(
                 if model.get_buffer(name).is_floating_point():
                     model.get_buffer(name).fill_(math.nan)
             replay = _Replay(model, device, params)
-            with _route_init_functions(replay):
+            with replay:
                 if init_fn is None:
                     calls = _init_calls(model)
                 else:

@@ -1,8 +1,7 @@
 """Scoped patching (fsdp2kit._internal.scoped): seen by the library's own call on its own thread only.
 
-`materialize` diverts torch.nn.init (and transformers' references to it) while it replays a
-model's init. The guarantees: another thread sees torch's own functions meanwhile, diverts
-nest, and nothing outlives the block."""
+The guarantees: another thread sees torch's own functions meanwhile, diverts nest, and nothing
+outlives the block; materialize's replay (a TorchFunctionMode) leaves torch.nn.init as it was."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import fsdp2kit as fk
-from fsdp2kit._internal.scoped import divert, divert_init_functions
+from fsdp2kit._internal.scoped import divert
 from fsdp2kit.models import build_causal_lm
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,7 +29,7 @@ def test_other_threads_see_torch_and_everything_is_undone():
     hf_before = dict(hf_normal)
     seen = []
     other = threading.Thread(target=lambda: seen.append(torch.nn.init.normal_(torch.zeros(64)).std().item()))
-    with divert_init_functions(_skip_meta):
+    with divert(torch.nn.init, "normal_", _skip_meta):
         assert torch.nn.init.normal_ is not normal  # the stand-in: this thread's calls skip meta tensors
         weight = torch.zeros(3, device="meta")
         assert torch.nn.init.normal_(weight) is weight
@@ -49,19 +48,21 @@ def test_divert_nests_and_is_per_thread():
         def f(x):
             return x
 
+    class Other:
+        f = Owner.f
+
     original = Owner.f
-    table = {"f": original}
-    with divert(Owner, "f", lambda orig, x: orig(x) + 1), divert(table, "f", lambda orig, x: orig(x) * 10):
+    with divert(Owner, "f", lambda orig, x: orig(x) + 1), divert(Other, "f", lambda orig, x: orig(x) * 10):
         with divert(Owner, "f", lambda orig, x: orig(x) * 2):
             assert Owner.f(1) == 4  # inner over outer over the original
             results = []
-            thread = threading.Thread(target=lambda: results.append((Owner.f(1), table["f"](1))))
+            thread = threading.Thread(target=lambda: results.append((Owner.f(1), Other.f(1))))
             thread.start()
             thread.join()
             assert results == [(1, 1)]
-        assert Owner.f(1) == 2 and table["f"](1) == 10
+        assert Owner.f(1) == 2 and Other.f(1) == 10
         held = Owner.f  # kept past the block (as `from m import f` would)
-    assert Owner.f is original and table["f"] is original
+    assert Owner.f is original and Other.f is original
     assert held(1) == 1
 
 
