@@ -336,46 +336,33 @@ def dcp_to_hf(
         raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(problems))
 
     max_bytes = parse_size(max_shard_size)
-    held = next(
-        (stored[source[n]].properties.dtype for n in names if stored[source[n]].properties.dtype.is_floating_point),
-        None,
-    )
-
-    def read(batch: list[str]) -> dict[str, torch.Tensor]:
-        want = {source[n]: torch.empty(stored[source[n]].size, dtype=stored[source[n]].properties.dtype) for n in batch}
-        state = {prefix: dict(want)}
-        load_alone(state, step_dir)
-        return {n: state[prefix][source[n]] for n in batch}
-
+    dtypes = {n: stored[source[n]].properties.dtype for n in names}
+    held = next((d for d in dtypes.values() if d.is_floating_point), None)
     layout = SaveLayout(model)
+    batches: list[list[list[str]]] = [[]]  # groups of about one file's worth, read with one dcp.load
+    size = 0
+    for group in layout.groups(list(names)):
+        nbytes = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
+        if batches[-1] and size + nbytes > max_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(group)
+        size += nbytes
     stage = StagedDir(Path(out_dir), overwrite)
     try:
         writer = ShardedWriter(stage.dir, max_bytes)
-        batch: list[list[str]] = []
-        batch_bytes = 0
-
-        def drain() -> None:
-            keys = [n for group in batch for n in group]
-            if not keys:
-                return
-            values = read(keys)
+        for batch in batches:
+            state = {
+                prefix: {source[n]: torch.empty(stored[source[n]].size, dtype=dtypes[n]) for g in batch for n in g}
+            }
+            load_alone(state, step_dir)
             for group in batch:
-                converted = layout.to_hf({n: _cast(values.pop(n), dtype) for n in group})
-                for name, t in converted.items():
+                for name, t in layout.to_hf({n: _cast(state[prefix][source[n]], dtype) for n in group}).items():
                     writer.add(name, t)
-
-        for group in layout.groups(list(names)):
-            size = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
-            if batch and batch_bytes + size > max_bytes:
-                drain()
-                batch, batch_bytes = [], 0
-            batch.append(group)
-            batch_bytes += size
-        drain()
         writer.finish()
         _save_config(model, stage.dir, dtype or held, tok)
+        stage.commit()
     except BaseException:
         stage.abort()
         raise
-    stage.commit()
     return Path(out_dir)
