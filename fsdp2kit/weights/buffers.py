@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,29 +37,21 @@ def parameters_on_meta() -> Iterator[None]:
         yield
 
 
-def _rebuild_from_attributes(module: nn.Module) -> nn.Module | None:
+def _rebuild_from_attributes(module: nn.Module) -> nn.Module:
     """A new module of the same class, built from the constructor arguments it kept as attributes of the
-    same name (``dim``, ``base``, ``config``...), or None when it cannot be."""
+    same name (``dim``, ``base``, ``config``...); raises when it cannot be."""
     cls = original_class(module)
-    try:
-        sig = inspect.signature(cls.__init__)
-    except (TypeError, ValueError):
-        return None
     kwargs = {}
-    for name, p in list(sig.parameters.items())[1:]:
+    for name, p in list(inspect.signature(cls.__init__).parameters.items())[1:]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        if name in module.__dict__ or hasattr(module, name):
-            value = getattr(module, name)
-            if isinstance(value, (nn.Module, torch.Tensor)):
-                return None  # a submodule or tensor argument: rebuilding it is not ours to guess
-            kwargs[name] = value
+        if hasattr(module, name):
+            kwargs[name] = getattr(module, name)
+            if isinstance(kwargs[name], (nn.Module, torch.Tensor)):
+                raise LookupError(f"{name} is a submodule or tensor: rebuilding it is not ours to guess")
         elif p.default is p.empty:
-            return None
-    try:
-        return cls(**kwargs)
-    except Exception:
-        return None
+            raise LookupError(f"{name} is not kept")
+    return cls(**kwargs)
 
 
 def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
@@ -99,18 +90,9 @@ def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.
             twin_buffers(prefix, lambda cls=cls, module=module: cls(copy.deepcopy(module.config)))
 
     # Whatever is left: the owning module, rebuilt from its attributes.
-    owners = defaultdict(list)
-    for n in names:
-        if n not in found:
-            owners[n.rpartition(".")[0]].append(n)
-    for owner in owners:
-        module = modules[owner]
-        twin_buffers(owner, lambda module=module: _rebuild_from_attributes(module) or _fail())
+    for owner in dict.fromkeys(n.rpartition(".")[0] for n in sorted(names) if n not in found):
+        twin_buffers(owner, lambda module=modules[owner]: _rebuild_from_attributes(module))
     return found
-
-
-def _fail() -> nn.Module:
-    raise LookupError
 
 
 def fill_buffers(model: nn.Module, names: set[str], *, missing_ok: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
