@@ -1,8 +1,6 @@
-"""transformers' ``from_pretrained``, called so that it cannot leave ``torch.device(...)`` contexts broken.
-
-Why (transformers 5.x fills torch's cached table of device-context functions with a temporary
-wrapper when its call comes first): docs/internals.md, "fsdp2kit/_internal/hf_load.py".
-"""
+"""transformers' ``from_pretrained``, called so that it cannot leave ``torch.device(...)`` contexts broken
+(transformers 5 can fill torch's cached table of device-context functions with a temporary wrapper:
+docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Keep two known-harmless import-time warnings out of the output of fsdp2kit's own calls and scripts.
-
-How it works and why: docs/internals.md, section fsdp2kit/_internal/quiet.py.
-"""
+"""Two known-harmless import-time warnings kept out of fsdp2kit's own calls and scripts (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The one place fsdp2kit changes other code's functions: only for its own call, only on its own thread.
-
-How it works and why: docs/internals.md, section fsdp2kit/_internal/scoped.py.
-"""
+"""The one place fsdp2kit changes other code's functions: for its own call on its own thread (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -66,33 +65,18 @@ def adapter_keys(model: nn.Module, adapter: str, tensors: dict[str, torch.Tensor
     return keys
 
 
-@dataclass
-class _Merge:
-    a: str
-    b: str
-    scaling: float
-    fan_in_fan_out: bool
-
-
-@dataclass
-class PeftView:
-    """The base model inside a PEFT model, under the names its own checkpoints use."""
-
-    inner: nn.Module  # the transformers model PEFT wraps
-    names: dict[str, str]  # base checkpoint name -> PEFT model parameter/buffer name
-    adapters: set[str]  # PEFT model names of every adapter parameter
-    merges: dict[str, list[_Merge]] = field(default_factory=dict)  # base name -> LoRA factors to fold in
-
-
 def base_name(name: str) -> str:
     name = name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
 
 
-def peft_view(model: nn.Module, tensors: dict[str, torch.Tensor], *, for_merge: bool = False) -> PeftView:
-    """Map a PEFT model's frozen base onto the names of the model it wraps (``...q_proj.base_layer.weight``
-    is ``...q_proj.weight``). With ``for_merge``, each LoRA-wrapped weight lists the active adapters'
-    factors; what a plain merge cannot express (DoRA, LoRA biases, other layers or tuners,
+def peft_view(
+    model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], *, for_merge: bool = False
+) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], dict[str, list[tuple]]]:
+    """A PEFT model's frozen base under the names of the model it wraps (``...q_proj.base_layer.weight``
+    is ``...q_proj.weight``): that model, its tensors and tied-name aliases, and with ``for_merge``
+    each LoRA-wrapped weight's (A name, B name, scaling, fan_in_fan_out) for the active adapters;
+    what a plain merge cannot express (DoRA, LoRA biases, other layers or tuners,
     ``modules_to_save``) is a ``ValueError`` naming it."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
@@ -107,7 +91,7 @@ def peft_view(model: nn.Module, tensors: dict[str, torch.Tensor], *, for_merge: 
             continue
         names[base_name(name.replace(".original_module.", "."))] = name
 
-    merges: dict[str, list[_Merge]] = {}
+    merges: dict[str, list[tuple]] = {}
     if for_merge:
         config_types = {str(c.peft_type) for c in model.peft_config.values()}
         if config_types != {"LORA"} and config_types != {"PeftType.LORA"}:
@@ -133,17 +117,16 @@ def peft_view(model: nn.Module, tensors: dict[str, torch.Tensor], *, for_merge: 
             weight = base_name(f"{label}.base_layer.weight")
             for a in active:
                 if a in module.lora_A:
-                    merges.setdefault(weight, []).append(
-                        _Merge(
-                            f"{label}.lora_A.{a}.weight",
-                            f"{label}.lora_B.{a}.weight",
-                            module.scaling[a],
-                            module.fan_in_fan_out,
-                        )
-                    )
+                    factor = (f"{label}.lora_A.{a}.weight", f"{label}.lora_B.{a}.weight", module.scaling[a])
+                    merges.setdefault(weight, []).append((*factor, module.fan_in_fan_out))
         if bad:
             raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
-    return PeftView(inner, names, adapters, merges)
+    return (
+        inner,
+        {b: tensors[n] for b, n in names.items()},
+        {b: base_name(aliases.get(n, n)) for b, n in names.items()},
+        merges,
+    )
 
 
 def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float, bool]]) -> torch.Tensor:

@@ -1,7 +1,4 @@
-"""Buffers of a meta-built model recomputed by its own construction code (rotary inv_freq and the like).
-
-How it works and why: docs/internals.md, section fsdp2kit/weights/buffers.py.
-"""
+"""Buffers of a meta-built model recomputed by its own construction code, e.g. rotary inv_freq (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Back to Hugging Face: a sharded model, or a DCP checkpoint of one, as safetensors + config.
-
-How it works and why: docs/internals.md, section fsdp2kit/weights/export.py.
-"""
+"""Back to Hugging Face: a sharded model, or a DCP checkpoint of one, as safetensors + config (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from fsdp2kit._internal.dtensor import gather_full, reshard_all
 from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
-from fsdp2kit.weights.adapters import adapter_keys, base_name, is_peft_model, merged_weight, peft_view
+from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, merged_weight, peft_view
 from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
 from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter, StagedDir
 from fsdp2kit.weights.nf4 import is_nf4
@@ -59,22 +56,15 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
     return any(Path(directory, f).is_file() for f in TOKENIZER_FILES)
 
 
-def _source_dir(model: nn.Module) -> Path | None:
-    """The local directory the model's config was read from (transformers' ``name_or_path``), if any."""
-    path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    return Path(path) if isinstance(path, str) and path and Path(path).is_dir() else None
-
-
 def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
     """The tokenizer to write: ``tokenizer`` itself (anything with ``save_pretrained``), the one in a
     directory given as a path, else the one in the directory the model came from; None for none."""
     if tokenizer is False:
         return None
-    if tokenizer is None:
-        source = _source_dir(model)
-        if source is None or not has_tokenizer(source):
+    if tokenizer is None:  # the local directory the model's config was read from, if it holds one
+        tokenizer = getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not (isinstance(tokenizer, str) and tokenizer and Path(tokenizer).is_dir() and has_tokenizer(tokenizer)):
             return None
-        tokenizer = source
     if isinstance(tokenizer, (str, os.PathLike)):
         if not Path(tokenizer).is_dir() or not has_tokenizer(tokenizer):
             raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding a tokenizer")
@@ -194,18 +184,14 @@ def _merged_source(
 ) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], Callable[[str], torch.Tensor]]:
     """What export_hf writes for ``merge=True``: the wrapped model, its tensors under its own names,
     and a collective function that gathers one of them with the active LoRA adapters folded in."""
-    view = peft_view(model, tensors, for_merge=True)
-    base = {b: tensors[n] for b, n in view.names.items()}
+    inner, base, base_aliases, merges = peft_view(model, tensors, aliases, for_merge=True)
 
     def full_of(name: str) -> torch.Tensor:
         weight = gather_full(base[name])
-        factors = [
-            (gather_full(tensors[m.a]), gather_full(tensors[m.b]), m.scaling, m.fan_in_fan_out)
-            for m in view.merges.get(name, [])
-        ]
+        factors = [(gather_full(tensors[a]), gather_full(tensors[b]), *rest) for a, b, *rest in merges.get(name, [])]
         return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
 
-    return view.inner, base, {b: base_name(aliases.get(n, n)) for b, n in view.names.items()}, full_of
+    return inner, base, base_aliases, full_of
 
 
 def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
@@ -255,11 +241,9 @@ def _meta_model(config) -> nn.Module:
     import transformers
 
     classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
-    cls = next((c for c in classes if isinstance(c, type)), None)
+    build = next((c for c in classes if isinstance(c, type)), transformers.AutoModelForCausalLM.from_config)
     with torch.device("meta"):
-        if cls is not None:
-            return cls(config)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return build(config)
 
 
 def dcp_to_hf(

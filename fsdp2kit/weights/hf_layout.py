@@ -1,7 +1,4 @@
-"""What fsdp2kit asks of transformers: module identity, clean names, and the on-disk layout.
-
-How it works and why: docs/internals.md, section fsdp2kit/weights/hf_layout.py.
-"""
+"""What fsdp2kit asks of transformers: module identity, clean names, the on-disk layout (docs/internals.md)."""
 
 from __future__ import annotations
 

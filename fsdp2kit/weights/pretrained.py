@@ -13,7 +13,7 @@ import torch.nn as nn
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard
 from fsdp2kit._internal.fmt import fmt_list, key_problems
-from fsdp2kit.weights.adapters import base_name, is_peft_model, peft_init_fn, peft_view
+from fsdp2kit.weights.adapters import is_peft_model, peft_init_fn, peft_view
 from fsdp2kit.weights.allocate import allocate_for_load, target_device
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
@@ -101,12 +101,7 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
         raise ValueError(f"load_pretrained cannot quantize these NF4 weights from their rows: {fmt_list(bad, 3)}")
     if not is_peft_model(model):
         return model, tensors, aliases
-    view = peft_view(model, tensors)
-    return (
-        view.inner,
-        {b: tensors[n] for b, n in view.names.items()},
-        {b: base_name(aliases.get(n, n)) for b, n in view.names.items()},
-    )
+    return peft_view(model, tensors, aliases)[:3]
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
