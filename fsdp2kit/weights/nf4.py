@@ -48,10 +48,6 @@ def meta_nf4(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_bloc
     return to_nf4(torch.empty(shape, dtype=dtype, device="meta"), block_size, scaler_block_size)
 
 
-def _has_lora(model: nn.Module) -> bool:
-    return any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
-
-
 def quantize_nf4(
     model: nn.Module,
     *,
@@ -86,7 +82,7 @@ def quantize_nf4(
             "quantize_nf4 must run before shard_model (and before PEFT wrapping): the model is already sharded. "
             "Quantize the unsharded model, wrap it with peft, then call shard_model"
         )
-    if _has_lora(model):
+    if any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules()):
         raise ValueError(
             "quantize_nf4 must run before PEFT wrapping: quantize the base model, then call get_peft_model "
             "(PEFT's layers then wrap the NF4 weights and train fp32 adapters beside them)"
@@ -95,12 +91,10 @@ def quantize_nf4(
     group = block_size * scaler_block_size
     done: list[str] = []
     skipped: list[str] = []
-    linears = 0
     for block in find_blocks(model, blocks):
         for module in block.modules():
             if not isinstance(module, nn.Linear) or is_nf4(module.weight):
                 continue
-            linears += 1
             name = f"{names[id(module)]}.weight"
             w = module.weight
             if w.numel() % group:
@@ -112,9 +106,9 @@ def quantize_nf4(
             done.append(name)
     if not done:
         why = (
-            f"none of its {linears} nn.Linear weights has a multiple of block_size x scaler_block_size = "
+            f"none of its {len(skipped)} nn.Linear weights has a multiple of block_size x scaler_block_size = "
             f"{block_size} x {scaler_block_size} = {group} elements ({', '.join(skipped[:6])})"
-            if linears
+            if skipped
             else "its blocks hold no nn.Linear (a model with Conv1D layers, e.g. GPT-2, is not supported)"
         )
         raise ValueError(f"quantize_nf4: nothing to quantize in {type(model).__name__}: {why}")
