@@ -254,22 +254,21 @@ def dcp_to_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
-    prefix: str = "model",
     base: str | os.PathLike | None = None,
     merge: bool = False,
     tokenizer: Any = None,
 ) -> Path:
     """Convert a DCP checkpoint of a transformers model to Hugging Face safetensors, in one process.
 
-    ``checkpoint`` is a step directory or a Checkpointer root (its newest complete step). The model's
-    state is read from under the top-level key ``prefix``, one file's worth at a time, without a
-    process group, and written as `export_hf` writes it. The config comes from ``config`` (a
-    transformers config, or a path), else the ``config.json`` in the step directory, else in the
-    root; a checkpoint that does not match the model built from it is a ``ValueError`` naming the
-    keys. A LoRA / QLoRA step (saved ``trainable_only``) needs ``base``, the pretrained directory
-    the run started from: the PEFT model is rebuilt around it in memory and written as `export_hf`
-    writes it (``merge`` as there). ``tokenizer`` as for `export_hf`; by default the one in
-    ``base``, else in the ``config`` directory, else in the step directory.
+    ``checkpoint`` is a step directory or a Checkpointer root (its newest complete step). The state
+    under "model" is read one file's worth at a time, without a process group, and written as
+    `export_hf` writes it. The config comes from ``config`` (a transformers config, or a path),
+    else the ``config.json`` in the step directory, else in the root; a checkpoint that does not
+    match the model built from it is a ``ValueError`` naming the keys. A LoRA / QLoRA step (saved
+    ``trainable_only``) needs ``base``, the pretrained directory the run started from: the PEFT
+    model is rebuilt around it in memory (``merge`` as for `export_hf`). ``tokenizer`` as for
+    `export_hf`; by default the one in ``base``, else in the ``config`` directory, else in the
+    step directory.
     """
     step_dir = resolve_step_dir(checkpoint)
     if read_info(step_dir).get("trainable_only"):
@@ -294,7 +293,7 @@ def dcp_to_hf(
     model = _meta_model(config)
     tok = _resolve_tokenizer(tokenizer, model)
     metadata = read_metadata(step_dir)
-    lead = prefix + "."
+    prefix, lead = "model", "model."
     stored = {
         k[len(lead) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(lead) and hasattr(v, "size")
     }
