@@ -262,22 +262,11 @@ class SaveLayout:
 
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every clean model key (tied names included) -> tensor, and tied name -> first name."""
+    """Every clean model key of the state dict (tied names included) -> tensor, and tied name -> first name."""
     tensors: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        name = clean_fqn(name)
-        tensors[name] = p
-        aliases[name] = first.setdefault(id(p), name)
-    persistent = {
-        (f"{mn}.{bn}" if mn else bn)
-        for mn, m in model.named_modules(remove_duplicate=False)
-        for bn in m._buffers
-        if bn not in m._non_persistent_buffers_set
-    }
-    for name, b in model.named_buffers(remove_duplicate=False):
-        if name in persistent and b is not None:
-            tensors[clean_fqn(name)] = b
-            aliases[clean_fqn(name)] = first.setdefault(id(b), clean_fqn(name))
+    for name, t in model.state_dict(keep_vars=True).items():
+        tensors[clean_fqn(name)] = t
+        aliases[clean_fqn(name)] = first.setdefault(id(t), clean_fqn(name))
     return tensors, aliases
