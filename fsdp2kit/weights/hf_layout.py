@@ -201,21 +201,20 @@ def plan_load(
             shapes = {k: tuple(v.shape) for k, v in produced.items()}
         else:
             shapes = {first: tuple(disk_shapes[group.source_keys[0]])}
-        bad = False
-        for name, shape in shapes.items():
-            if name not in model_tensors:
-                plan.unexpected.extend(group.source_keys)
-                bad = True
-                break
-            want = tuple(model_tensors[name].shape)
-            if shape != want:
-                src = group.source_keys[0] if group.converter is None else f"{len(group.source_keys)} keys"
-                plan.mismatched.append(f"{name}: checkpoint {src} gives shape {shape}, the model has {want}")
-                bad = True
+        if any(n not in model_tensors for n in shapes):
+            plan.unexpected.extend(group.source_keys)
+            continue
+        src = group.source_keys[0] if group.converter is None else f"{len(group.source_keys)} keys"
+        wrong = [
+            f"{name}: checkpoint {src} gives shape {shape}, the model has {tuple(model_tensors[name].shape)}"
+            for name, shape in shapes.items()
+            if shape != tuple(model_tensors[name].shape)
+        ]
+        plan.mismatched.extend(wrong)
         roots = {aliases.get(n, n) for n in group.targets}
-        if not bad and not roots & filled:  # two checkpoint keys that fill one tied tensor: the first wins
+        if not wrong and not roots & filled:  # two checkpoint keys that fill one tied tensor: the first wins
             plan.groups.append(group)
-        if not bad:
+        if not wrong:
             filled |= roots
 
     # A tied tensor is filled by any one of its names; the others may be absent from the file.
