@@ -7,27 +7,23 @@ import logging
 import threading
 from collections.abc import Iterator
 
-_MESSAGES = (
-    ("torchao", ("Failed to load",)),
-    ("torch.utils._pytree", ("is an Enum subclass and is now natively supported",)),
-)
+_LOGGERS = ("torchao", "torch.utils._pytree")
+_FRAGMENTS = ("Failed to load", "is an Enum subclass and is now natively supported")
 
 
 @contextlib.contextmanager
 def quiet_imports() -> Iterator[None]:
     """Inside (this thread's records only): torchao's import-time lines above are dropped."""
     thread = threading.get_ident()
-    installed = []
-    for name, fragments in _MESSAGES:
 
-        def keep(record: logging.LogRecord, fragments=fragments) -> bool:
-            return record.thread != thread or not any(f in record.getMessage() for f in fragments)
+    def keep(record: logging.LogRecord) -> bool:
+        return record.thread != thread or not any(f in record.getMessage() for f in _FRAGMENTS)
 
-        installed.append((logging.getLogger(name), keep))
-    for logger, f in installed:
-        logger.addFilter(f)
+    loggers = [logging.getLogger(name) for name in _LOGGERS]
+    for logger in loggers:
+        logger.addFilter(keep)
     try:
         yield
     finally:
-        for logger, f in installed:
-            logger.removeFilter(f)
+        for logger in loggers:
+            logger.removeFilter(keep)
