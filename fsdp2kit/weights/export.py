@@ -16,7 +16,7 @@ from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, merged_weight, peft_view
 from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
-from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter, StagedDir
+from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -159,7 +159,7 @@ def export_hf(
     names = _export_names(model, tensors, aliases)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     writer: list[ShardedWriter] = []
-    out.do(lambda: writer.append(ShardedWriter(out.stage.dir, max_bytes)))
+    out.do(lambda: writer.append(ShardedWriter(out.dir, max_bytes)))
     layout = SaveLayout(model)
     with torch.no_grad():
         for group in layout.groups(list(names)):
@@ -174,7 +174,7 @@ def export_hf(
 
     def last() -> None:
         writer[0].finish()
-        _save_config(model, out.stage.dir, dtype or held, tok[0])
+        _save_config(model, out.dir, dtype or held, tok[0])
 
     return out.finish(last)
 
@@ -203,7 +203,7 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
             fulls = {n: gather_full(tensors[n]) for n in adapter_keys(model, adapter, tensors)}  # collective
             out.do(
                 lambda adapter=adapter, fulls=fulls: model.save_pretrained(
-                    str(out.stage.dir),
+                    str(out.dir),
                     selected_adapters=[adapter],
                     state_dict={n: _cast(t, dtype).contiguous() for n, t in fulls.items()},
                     save_embedding_layers=False,
@@ -212,7 +212,7 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
 
     def last() -> None:
         if tok is not None:
-            tok.save_pretrained(str(out.stage.dir))
+            tok.save_pretrained(str(out.dir))
 
     return out.finish(last)
 
@@ -331,9 +331,10 @@ def dcp_to_hf(
             size = 0
         batches[-1].append(group)
         size += nbytes
-    stage = StagedDir(Path(out_dir), overwrite)
-    try:
-        writer = ShardedWriter(stage.dir, max_bytes)
+    out = FirstRankWriter(model, Path(out_dir), overwrite, alone=True)
+
+    def write() -> None:
+        writer = ShardedWriter(out.dir, max_bytes)
         for batch in batches:
             state = {
                 prefix: {source[n]: torch.empty(stored[source[n]].size, dtype=dtypes[n]) for g in batch for n in g}
@@ -343,9 +344,7 @@ def dcp_to_hf(
                 for name, t in layout.to_hf({n: _cast(state[prefix][source[n]], dtype) for n in group}).items():
                     writer.add(name, t)
         writer.finish()
-        _save_config(model, stage.dir, dtype or held, tok)
-        stage.commit()
-    except BaseException:
-        stage.abort()
-        raise
-    return Path(out_dir)
+        _save_config(model, out.dir, dtype or held, tok)
+
+    out.do(write)
+    return out.finish()

@@ -63,11 +63,22 @@ class ShardedWriter:
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-class StagedDir:
-    """A hidden sibling directory to write into; `commit` renames it to ``out_dir``, `abort` removes it."""
+class FirstRankWriter:
+    """The writing side of an export: the mesh's first rank (or, ``alone``, this process) writes into a
+    hidden sibling directory of ``out_dir``, renamed into place by `finish` (complete or not at all).
 
-    def __init__(self, out_dir: Path, overwrite: bool):
-        self.out = Path(out_dir)
+    An error there is kept, not raised, so that the rank still takes part in every remaining
+    gather (the others would wait in one forever); `finish` publishes, or removes the directory,
+    and raises the error on every rank.
+    """
+
+    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, *, alone: bool = False):
+        self.model, self.out, self.writes = model, Path(out_dir), alone or is_first_rank(model)
+        self.error: BaseException | None = None
+        self.dir: Path | None = None
+        self.do(lambda: self._stage(overwrite))
+
+    def _stage(self, overwrite: bool) -> None:
         if self.out.exists() and not self.out.is_dir():
             raise FileExistsError(f"{self.out} exists and is not a directory")
         if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
@@ -76,7 +87,7 @@ class StagedDir:
         self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir()
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         old = None
         if self.out.exists():
             old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -84,24 +95,6 @@ class StagedDir:
         self.dir.rename(self.out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class FirstRankWriter:
-    """The writing side of a collective export: the mesh's first rank writes into a `StagedDir`.
-
-    An error there is kept, not raised, so that the rank still takes part in every remaining
-    gather (the others would wait in one forever); `finish` publishes, or removes the directory,
-    and raises the error on every rank.
-    """
-
-    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool):
-        self.model, self.out_dir, self.writes = model, out_dir, is_first_rank(model)
-        self.error: BaseException | None = None
-        self.stage: StagedDir | None = None
-        self.do(lambda: setattr(self, "stage", StagedDir(out_dir, overwrite)))
 
     def do(self, fn: Callable[[], object]) -> None:
         """``fn()`` on the writing rank, unless an error came first (then kept for `finish`)."""
@@ -113,10 +106,10 @@ class FirstRankWriter:
 
     def finish(self, last: Callable[[], None] = lambda: None) -> Path | None:
         """Write the ``last`` files and publish; the output directory on the writing rank, None elsewhere."""
-        if self.stage is not None:
+        if self.dir is not None:
             self.do(last)
-            self.do(self.stage.commit)
+            self.do(self._commit)
             if self.error is not None:
-                self.stage.abort()
+                shutil.rmtree(self.dir, ignore_errors=True)
         raise_agreed(self.error, self.model, "export_hf")
-        return self.out_dir if self.writes else None
+        return self.out if self.writes else None
