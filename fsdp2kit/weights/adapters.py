@@ -151,18 +151,23 @@ def peft_init_fn(model: nn.Module):
 
     from peft.tuners.lora import LoraLayer
 
-    roles: dict[int, tuple[str, object]] = {}
-    for layer in model.modules():
-        if isinstance(layer, LoraLayer):
-            for adapter, a in layer.lora_A.items():
-                roles[id(a)] = ("A", model.peft_config[adapter].init_lora_weights, layer.r[adapter])
-            for adapter, b in layer.lora_B.items():
-                roles[id(b)] = ("B", model.peft_config[adapter].init_lora_weights, layer.r[adapter])
+    roles: dict[int, tuple[str, object, int]] = {}  # id(lora_A / lora_B module) -> (factor, how, r)
+    for layer in (m for m in model.modules() if isinstance(m, LoraLayer)):
+        for adapter in layer.lora_A:
+            how = model.peft_config[adapter].init_lora_weights
+            if how not in (True, False, "gaussian"):
+                raise ValueError(
+                    f"init_lora_weights={how!r} cannot be re-run on a model built on the meta device (it needs the "
+                    "base weights first); build the PEFT model on CPU, or use init_lora_weights=True / 'gaussian' / "
+                    "False"
+                )
+            roles[id(layer.lora_A[adapter])] = ("A", how, layer.r[adapter])
+            roles[id(layer.lora_B[adapter])] = ("B", how, layer.r[adapter])
     own = getattr(model.get_base_model(), "_init_weights", None)
 
     def init(module: nn.Module) -> None:
-        role = roles.get(id(module))
-        if role is None:
+        kind, how, r = roles.get(id(module), (None, None, 0))
+        if kind is None:
             if not any(True for _ in module.parameters(recurse=False)):
                 return
             if own is not None:
@@ -170,21 +175,15 @@ def peft_init_fn(model: nn.Module):
             elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
             return
-        kind, how, r = role
         if how is False:
             module.reset_parameters()
-        elif kind == "B" and how in (True, "gaussian"):
+        elif kind == "B":  # zero, so the adapted model starts as the base
             nn.init.zeros_(module.weight)
         elif how is True:
             nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-        elif how == "gaussian":
-            nn.init.normal_(module.weight, std=1 / r)
         else:
-            raise ValueError(
-                f"init_lora_weights={how!r} cannot be re-run on a model built on the meta device (it needs the base "
-                "weights first); build the PEFT model on CPU, or use init_lora_weights=True / 'gaussian' / False"
-            )
-        if getattr(module, "bias", None) is not None and how is not False:
+            nn.init.normal_(module.weight, std=1 / r)
+        if how is not False and getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
 
     return init
