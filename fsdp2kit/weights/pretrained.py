@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +27,8 @@ class LoadResult:
 
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
-    files: int = 0
     tensors: int = 0
     bytes_read: int = 0  # bytes this rank read from the files (its shards only, where it could)
-    seconds: float = 0.0
 
 
 def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> LoadResult:
@@ -52,7 +49,6 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     the missing / unexpected keys are returned; missing parameters get `materialize`'s values.
     Non-persistent buffers are recomputed as in `materialize`.
     """
-    start = time.perf_counter()
     hf_dir = Path(hf_dir)
     with all_ranks_or_none(model, "load_pretrained"):
         files = checkpoint_files(hf_dir)
@@ -79,7 +75,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         allocate_for_load(model, "load_pretrained")
     _, tensors, _ = _load_targets(model)  # allocation may have replaced plain (unsharded) tensors
 
-    result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected, files=len(set(files.values())))
+    result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected)
     with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
         try:
             for group in plan.groups:
@@ -88,7 +84,6 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         finally:
             result.bytes_read = reader.bytes
             reader.close()
-    result.seconds = time.perf_counter() - start
     return result
 
 
