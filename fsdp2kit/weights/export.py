@@ -35,10 +35,6 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-# ----------------------------------------------------------------------------------------------
-# Writing
-
-
 def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, list[str]]:
     """The keys to write, each with every name of its tensor: each tensor once (a tied weight under
     its source name), minus ignored ones."""
@@ -215,10 +211,6 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
             tok.save_pretrained(str(out.dir))
 
     return out.finish(last)
-
-
-# ----------------------------------------------------------------------------------------------
-# DCP checkpoints (as fsdp2kit.Checkpointer writes them) -> Hugging Face
 
 
 def _load_config(config: Any, step_dir: Path):

@@ -81,10 +81,6 @@ def _conversions(model: nn.Module, *, for_saving: bool) -> list:
     return get_model_conversion_mapping(model)
 
 
-# ----------------------------------------------------------------------------------------------
-# Loading: checkpoint keys -> model keys
-
-
 @dataclass
 class Group:
     """Model keys filled together from some checkpoint keys: a plain rename (one source, one target),
@@ -225,10 +221,6 @@ def plan_load(
         key=natural_key,
     )
     return plan
-
-
-# ----------------------------------------------------------------------------------------------
-# Saving: model keys -> the model's usual checkpoint layout
 
 
 class SaveLayout:
