@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -154,22 +155,19 @@ def export_hf(
         return _export_adapters(model, out, tensors, dtype, tok[0] if tok else None)
     names = _export_names(model, tensors, aliases)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    writer: list[ShardedWriter] = []
-    out.do(lambda: writer.append(ShardedWriter(out.dir, max_bytes)))
+    writer = ShardedWriter(out.dir, max_bytes)  # touches the disk only in the writing rank's calls
     layout = SaveLayout(model)
+
+    def write(fulls: dict[str, torch.Tensor]) -> None:
+        for name, t in layout.to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
+            writer.add(name, t)
+
     with torch.no_grad():
         for group in layout.groups(list(names)):
-            fulls = {n: full_of(n) for n in group}  # collective: every rank, in the same order
-
-            def write(fulls=fulls) -> None:
-                for name, t in layout.to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
-                    writer[0].add(name, t)
-
-            out.do(write)
-            del fulls
+            out.do(functools.partial(write, {n: full_of(n) for n in group}))  # gathered on every rank, in order
 
     def last() -> None:
-        writer[0].finish()
+        writer.finish()
         _save_config(model, out.dir, dtype or held, tok[0])
 
     return out.finish(last)
