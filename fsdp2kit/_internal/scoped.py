@@ -14,12 +14,8 @@ _TABLE = "_fsdp2kit_diverted"  # on a stand-in: {thread id: [replacements, inner
 
 @contextlib.contextmanager
 def divert(owner: Any, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
-    """Inside: this thread's calls to ``owner.name`` run
-    ``replacement(original, *args, **kwargs)``; every other thread's calls run the original.
-
-    Blocks nest (the inner replacement's ``original`` is the outer one) and may be open on
-    several threads at once; the original goes back when the last one closes.
-    """
+    """Inside: this thread's calls to ``owner.name`` run ``replacement(original, *args, **kwargs)``, other
+    threads' the original. Blocks nest; the original goes back when the last one closes."""
     me = threading.get_ident()
     with _lock:
         current = getattr(owner, name)

@@ -18,8 +18,6 @@ from fsdp2kit.checkpoint.state import model_options
 from fsdp2kit.checkpoint.unpickler import SafeReader
 from fsdp2kit.weights.nf4 import quantize_nf4
 
-__all__ = ["load_alone", "peft_model_from_checkpoint", "read_info"]
-
 
 def read_info(step_dir: Path) -> dict:
     """The ``fsdp2kit.json`` the Checkpointer writes beside a step's DCP files ({} if there is none)."""
@@ -34,12 +32,8 @@ def load_alone(state: dict, step_dir: Path) -> None:
 
 
 def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Module:
-    """The PEFT model of a trainable-only step: ``base`` loaded with ``from_pretrained`` at the
-    run's storage dtype, NF4-quantized again for QLoRA (deterministic: the same 4-bit weights as
-    in training), wrapped with the saved adapter configs, and the adapters read from the step.
-
-    The whole base is held once in memory, in one process, at its storage dtype (or in 4 bits).
-    """
+    """The PEFT model of a trainable-only step, in one process: ``base`` at the run's storage dtype
+    (NF4-quantized again for QLoRA: the same 4 bits), the saved adapter configs, the step's adapters."""
     from peft import PeftConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

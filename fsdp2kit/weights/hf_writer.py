@@ -64,13 +64,9 @@ class ShardedWriter:
 
 
 class FirstRankWriter:
-    """The writing side of an export: the mesh's first rank (or, ``alone``, this process) writes into a
-    hidden sibling directory of ``out_dir``, renamed into place by `finish` (complete or not at all).
-
-    An error there is kept, not raised, so that the rank still takes part in every remaining
-    gather (the others would wait in one forever); `finish` publishes, or removes the directory,
-    and raises the error on every rank.
-    """
+    """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``
+    that `finish` renames into place. Its errors are kept, so that it still takes part in every
+    gather (the others would hang), and raised on every rank by `finish`."""
 
     def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, *, alone: bool = False):
         self.model, self.out, self.writes = model, Path(out_dir), alone or is_first_rank(model)

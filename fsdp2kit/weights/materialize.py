@@ -28,13 +28,9 @@ def _in_place(name: str) -> bool:
 
 
 class _Replay(TorchFunctionMode):
-    """Runs init calls with full-size plain tensors in place of a module's sharded parameters; every
-    rank runs them from the same random state and keeps its own rows.
-
-    Inside, an in-place op on a whole sharded parameter of another module (``torch.nn.init`` on a
-    child's weight) runs on that parameter's full stand-in; one on a slice or copy of it
-    (``weight.data.normal_()``) would give every rank the same numbers: an error.
-    """
+    """Runs init calls with full-size plain tensors in place of a module's sharded parameters, the same
+    on every rank; each keeps its rows. Inside, an in-place op on another module's whole sharded
+    parameter runs on its full stand-in; on a slice or copy (``.data``) it is an error."""
 
     def __init__(self, model: nn.Module, device: torch.device, write: set[str]):
         super().__init__()

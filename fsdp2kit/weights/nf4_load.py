@@ -5,23 +5,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS, is_nf4
 
 _PIECE = 1 << 16  # weights quantized at once (a multiple of any block size up to 65536)
-
-
-def nf4_load_problem(t: torch.Tensor) -> str | None:
-    """Why the NF4 weight ``t`` cannot be quantized from its rank's rows (whole row blocks of FSDP's
-    dim-0 split: a column split holds no whole quantization block), or None."""
-    if not isinstance(t, DTensor):
-        return None
-    shards = [p for p in t.placements if not isinstance(p, Replicate)]
-    if len(shards) > 1 or any(not isinstance(p, Shard) or p.dim != 0 for p in shards):
-        return f"placed {t.placements}: NF4 weights can only be sharded by FSDP on dim 0 (no tensor parallelism)"
-    return None
 
 
 def _shard_group(t: torch.Tensor):

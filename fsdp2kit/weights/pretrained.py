@@ -17,7 +17,7 @@ from fsdp2kit.weights.allocate import allocate_for_load, target_device
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
 from fsdp2kit.weights.nf4 import is_nf4
-from fsdp2kit.weights.nf4_load import allocate_nf4, fill_nf4, nf4_load_problem
+from fsdp2kit.weights.nf4_load import allocate_nf4, fill_nf4
 from fsdp2kit.weights.safetensors import SafetensorsReader, checkpoint_files
 
 
@@ -91,9 +91,6 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
     """The model whose checkpoint is read, and its tensors under that checkpoint's names (a peft
     model's base under the base's own names, the adapters left out)."""
     tensors, aliases = model_tensors(model)
-    bad = [f"{n} {why}" for n, t in tensors.items() if is_nf4(t) and (why := nf4_load_problem(t))]
-    if bad:
-        raise ValueError(f"load_pretrained cannot quantize these NF4 weights from their rows: {fmt_list(bad, 3)}")
     if not is_peft_model(model):
         return model, tensors, aliases
     return peft_view(model, tensors, aliases)[:3]
