@@ -52,11 +52,6 @@ def agree(
     return [replies[r][1] for r in sorted(replies)]
 
 
-def _mesh_groups(model: nn.Module) -> list:
-    meshes = model_meshes(model)
-    return [meshes[0].get_group(d) for d in range(meshes[0].ndim)] if meshes else []
-
-
 @contextlib.contextmanager
 def all_ranks_or_none(model: nn.Module, what: str) -> Iterator[None]:
     """Run a local phase so that it fails on every rank or on none: no rank runs on into a hang.
@@ -71,7 +66,9 @@ def all_ranks_or_none(model: nn.Module, what: str) -> Iterator[None]:
 def raise_agreed(error: BaseException | None, model: nn.Module, what: str) -> None:
     """Raise ``error`` on this rank, or a RuntimeError on every other rank, if any rank failed."""
     message = f"{type(error).__name__}: {error}" if error is not None else None
+    meshes = model_meshes(model)  # every rank of the model's mesh
+    groups = [meshes[0].get_group(d) for d in range(meshes[0].ndim)] if meshes else []
     with contextlib.suppress(RuntimeError) if error is not None else contextlib.nullcontext():
-        agree(message, f"{what} failed", groups=_mesh_groups(model))
+        agree(message, f"{what} failed", groups=groups)
     if error is not None:
         raise error

@@ -15,33 +15,25 @@ _PIECE = 1 << 16  # weights quantized at once (a multiple of any block size up t
 
 def _shard_group(t: torch.Tensor):
     """The process group over which ``t``'s rows are split (None: every rank holds all of them)."""
-    if not isinstance(t, DTensor):
-        return None
-    for dim, p in enumerate(t.placements):
-        if isinstance(p, Shard) and t.device_mesh.size(dim) > 1:
-            return t.device_mesh.get_group(dim)
-    return None
-
-
-def _empty_nf4(local: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A meta NF4 shard's twin with real storage for all five inner tensors (torchao's ``empty_like``
-    leaves the scalers' mean and the NF4 table on meta)."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
-
-    inner = {name: torch.empty_like(getattr(local, name), device=device) for name in NF4_INNER_TENSORS}
-    return NF4Tensor(*construct_nf4_args(local, {**inner, "device": device}))
+    placements = enumerate(t.placements) if isinstance(t, DTensor) else ()
+    dims = [d for d, p in placements if isinstance(p, Shard) and t.device_mesh.size(d) > 1]
+    return t.device_mesh.get_group(dims[0]) if dims else None
 
 
 def allocate_nf4(model: nn.Module, device: torch.device) -> None:
-    """Give every meta NF4 weight real, empty storage (through ``Module._apply``, so FSDP2 re-registers
-    each new shard); the model's other tensors are left as they are."""
+    """Give every meta NF4 weight real, empty storage for all five inner tensors (torchao's ``empty_like``
+    leaves the scalers' mean and the table on meta), through ``Module._apply`` so FSDP2 re-registers
+    each new shard; the model's other tensors are left as they are."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
+
     if not any(p.is_meta and is_nf4(p) for p in model.parameters()):
         return
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         if not (t.is_meta and is_nf4(t)):
             return t
-        local = _empty_nf4(local_shard(t), device)
+        inner = {name: torch.empty_like(getattr(local_shard(t), name), device=device) for name in NF4_INNER_TENSORS}
+        local = NF4Tensor(*construct_nf4_args(local_shard(t), {**inner, "device": device}))
         if not isinstance(t, DTensor):
             return local
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
