@@ -108,9 +108,6 @@ class _Replay(TorchFunctionMode):
         self._commit(target, full, through_owner=False)
         return target
 
-    def undone(self) -> list[str]:
-        return sorted(self.names[pid] for pid in self.write if pid not in self.done)
-
 
 def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[], object]]]:
     """The model's own init as per-module calls: ``owner._init_weights(module)`` children first, by the
@@ -198,7 +195,7 @@ def materialize(
                 for module, label, fn in calls:
                     replay.call(module, label, fn)
             copy_buffers(model, values)
-        undone = replay.undone()
+        undone = sorted(replay.names[pid] for pid in replay.write if pid not in replay.done)
         if undone:
             how = "init_fn" if init_fn is not None else "the model's initialisation (_init_weights / reset_parameters)"
             raise ValueError(
