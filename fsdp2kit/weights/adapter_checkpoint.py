@@ -37,8 +37,7 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
     from peft import PeftConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    info = read_info(step_dir)
-    desc = info.get("peft")
+    desc = read_info(step_dir).get("peft")
     if not desc:
         raise ValueError(
             f"{step_dir} holds only the trainable parameters of a model that is not a peft PeftModel (parameters "

@@ -26,10 +26,10 @@ def peft_description(model: nn.Module) -> dict | None:
     adapter configs, the active adapters, the base's storage dtype, a QLoRA base's NF4 groups and weights."""
     if not is_peft_model(model):
         return None
-    adapters = {}
-    for name, config in model.peft_config.items():
-        d = config.to_dict()
-        adapters[name] = {k: sorted(v) if isinstance(v, set) else v for k, v in d.items()}
+    adapters = {
+        name: {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+        for name, config in model.peft_config.items()
+    }
     nf4 = [(n, local_shard(p)) for n, p in model.named_parameters() if is_nf4(p)]
     plain = [p.dtype for p in model.parameters() if not p.requires_grad and not is_nf4(p) and p.is_floating_point()]
     base_dtype = max(set(plain), key=plain.count) if plain else (nf4[0][1].dtype if nf4 else None)

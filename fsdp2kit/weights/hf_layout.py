@@ -22,8 +22,6 @@ _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_m
 
 def clean_fqn(name: str) -> str:
     """A parameter's name as the unwrapped model (and its checkpoint) spells it."""
-    if not any(seg in name for seg in _WRAPPER_SEGMENTS):
-        return name
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 

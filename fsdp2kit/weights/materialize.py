@@ -36,14 +36,10 @@ class _Replay(TorchFunctionMode):
         super().__init__()
         self.device = device
         self.stand_ins: dict[int, torch.Tensor] = {}
-        self.names: dict[int, str] = {}
-        self.owners: Counter = Counter()
-        self.write: set[int] = set()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            self.names.setdefault(id(p), name)
-            self.owners[id(p)] += 1
-            if name in write:
-                self.write.add(id(p))
+        params = list(model.named_parameters(remove_duplicate=False))
+        self.names = {id(p): name for name, p in reversed(params)}  # a tied weight's first name
+        self.owners = Counter(id(p) for _, p in params)
+        self.write = {id(p) for name, p in params if name in write}
         self.done: set[int] = set()
         self.current = "(none)"
 
