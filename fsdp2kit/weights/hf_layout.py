@@ -94,9 +94,6 @@ class Group:
 
     def convert(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the converter on ``tensors`` (checkpoint key -> tensor); returns model key -> tensor."""
-        if self.converter is None:
-            (key,) = self.source_keys
-            return {self.targets[0]: tensors[key]}
         conv = copy.deepcopy(self.converter)
         for pattern, keys in self.sources.items():
             for key in keys:
@@ -108,11 +105,9 @@ class Group:
     def merges_dim0(self) -> bool:
         """True when the converted tensor's dim 0 is the list of sources, untouched by later ops: a rank
         holding rows [a, b) then converts sources a..b-1 alone (dim-0 sharding commutes)."""
-        if self.converter is None or len(self.targets) != 1:
-            return False
-        try:
-            from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
-        except ImportError:
+        from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose  # as the converter
+
+        if len(self.targets) != 1:
             return False
         ops = list(self.converter.operations)
         if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
