@@ -189,9 +189,8 @@ def _merged_source(
 
 
 def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
-    """PEFT's adapter directory, written by peft itself (``save_pretrained`` given the full adapter
-    tensors, gathered one at a time): what peft writes for an unsharded model, one subdirectory
-    per adapter other than ``default``."""
+    """PEFT's adapter directory, written by peft's ``save_pretrained`` from the full adapter tensors
+    (gathered one at a time): what peft writes for an unsharded model."""
     with torch.no_grad():
         for adapter in list(model.peft_config):
             fulls = {n: gather_full(tensors[n]) for n in adapter_keys(model, adapter, tensors)}  # collective
@@ -293,17 +292,14 @@ def dcp_to_hf(
         )
     tensors, aliases = model_tensors(model)
     names = _export_names(model, tensors, aliases)
-    source: dict[str, str] = {}  # name to write -> key to read (any of its tied names)
-    missing, mismatched = [], []
-    for name, members in names.items():
-        found = next((n for n in members if n in stored), None)
-        if found is None:
-            missing.append(name)
-            continue
-        have, want = tuple(stored[found].size), tuple(tensors[name].shape)
-        if have != want:
-            mismatched.append(f"{found}: checkpoint {have}, {type(model).__name__} {want}")
-        source[name] = found
+    # name to write -> key to read (any of its tied names)
+    source = {name: next((n for n in members if n in stored), None) for name, members in names.items()}
+    missing = [name for name, found in source.items() if found is None]
+    mismatched = [
+        f"{found}: checkpoint {tuple(stored[found].size)}, {type(model).__name__} {tuple(tensors[name].shape)}"
+        for name, found in source.items()
+        if found is not None and tuple(stored[found].size) != tuple(tensors[name].shape)
+    ]
     problems = key_problems(missing, sorted(set(stored) - set(tensors)), mismatched)
     if problems:
         raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(problems))

@@ -58,11 +58,9 @@ def quantize_nf4(
 ) -> list[str]:
     """Replace the weight of every ``nn.Linear`` inside the model's blocks by a frozen NF4Tensor (docs/lora.md).
 
-    QLoRA's base: about 0.52 byte per parameter with the defaults (QLoRA's and torchao's). Call it
-    before wrapping the model with PEFT and before `fsdp2kit.shard_model`, which shards the packed
-    tensors themselves. On a meta-built model each weight becomes a meta NF4 placeholder that
-    `fsdp2kit.load_pretrained` quantizes from each rank's rows. Embeddings, the output head, norms
-    and biases stay as they are.
+    QLoRA's base, about 0.52 byte per parameter. Call it before PEFT wrapping and `shard_model`; on a
+    meta-built model each weight becomes a placeholder that `load_pretrained` quantizes from each
+    rank's rows. Embeddings, the output head, norms and biases stay as they are.
 
     Args:
         blocks: which modules are the blocks, as for `shard_model` (``"auto"``, classes, predicate).

@@ -75,16 +75,14 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         allocate_for_load(model, "load_pretrained")
     _, tensors, _ = _load_targets(model)  # allocation may have replaced plain (unsharded) tensors
 
-    result = LoadResult(missing_keys=plan.missing, unexpected_keys=plan.unexpected)
     with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
         try:
             for group in plan.groups:
                 _load_group(target, group, tensors, reader)
-                result.tensors += len(group.targets)
         finally:
-            result.bytes_read = reader.bytes
             reader.close()
-    return result
+    loaded = sum(len(group.targets) for group in plan.groups)
+    return LoadResult(plan.missing, plan.unexpected, tensors=loaded, bytes_read=reader.bytes)
 
 
 def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
