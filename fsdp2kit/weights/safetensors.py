@@ -48,21 +48,16 @@ def check_file(path: Path) -> list[str]:
         with safe_open(path, framework="pt") as f:
             return list(f.keys())
     except SafetensorError as exc:
-        size, described = path.stat().st_size, _described_size(path)
-        what = "" if described in (None, size) else f" (its header describes {described} bytes: "
-        what += "" if described in (None, size) else ("truncated)" if size < described else "padded)")
+        size = path.stat().st_size
+        with open(path, "rb") as f:  # the size the header describes: 8 + header + its data region
+            n = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(min(n, 100_000_000)))
+                end = 8 + n + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+                end = size  # not readable: nothing more to say
+        what = "" if end == size else f" (its header describes {end} bytes: {'truncated' if size < end else 'padded'})"
         raise ValueError(f"{path} is not a valid safetensors file of {size} bytes{what}: {exc}") from None
-
-
-def _described_size(path: Path) -> int | None:
-    """8 + header + the data region the header describes, or None when the header is not readable."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(min(n, 100_000_000)))
-            return 8 + n + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            return None
 
 
 class SafetensorsReader:
