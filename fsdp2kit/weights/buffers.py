@@ -72,19 +72,14 @@ def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.
         cut = len(clean_fqn(prefix)) + 1 if prefix else 0
         for n in wanted:
             twin_value = values.get(clean_fqn(n)[cut:])
-            target = model.get_buffer(n)
-            if twin_value is not None and twin_value.shape == target.shape and not twin_value.is_meta:
+            if twin_value is not None and twin_value.shape == model.get_buffer(n).shape and not twin_value.is_meta:
                 found[n] = twin_value
 
-    # Outermost transformers models first: one construction from the config covers everything.
-    claimed: list[str] = []
+    # Outermost transformers models first: one construction from the config covers everything (an
+    # inner one is built only for what the outer one left out).
     for prefix, module in modules.items():
-        if any(c == "" or prefix == c or prefix.startswith(c + ".") for c in claimed):
-            continue
         if is_pretrained(module) and getattr(module, "config", None) is not None:
-            claimed.append(prefix)
-            cls = original_class(module)
-            twin_buffers(prefix, lambda cls=cls, module=module: cls(copy.deepcopy(module.config)))
+            twin_buffers(prefix, lambda module=module: original_class(module)(copy.deepcopy(module.config)))
 
     # Whatever is left: the owning module, rebuilt from its attributes.
     for owner in dict.fromkeys(n.rpartition(".")[0] for n in sorted(names) if n not in found):

@@ -116,10 +116,8 @@ def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reade
         # rank reads its own experts and nothing else.
         if local_shard(target).numel() == 0:
             return
-        parts = {}
-        for keys in group.sources.values():
-            for i in range(*index[0].indices(len(keys))):
-                parts[keys[i]] = reader.read(keys[i])
+        mine = [keys[i] for keys in group.sources.values() for i in range(*index[0].indices(len(keys)))]
+        parts = {k: reader.read(k) for k in mine}
         _copy_into(target, group.convert(model, parts)[group.targets[0]])
         return
     # General conversion: whole sources for this one weight, then this rank's part of each output.
