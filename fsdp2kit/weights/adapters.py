@@ -81,15 +81,12 @@ def peft_view(
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
-    inner = model.get_base_model()
-    adapters: set[str] = set()
-    for adapter in model.peft_config:
-        adapters.update(adapter_keys(model, adapter, tensors))
-    names = {}
-    for name in tensors:
-        if name in adapters or ".modules_to_save." in name:
-            continue
-        names[base_name(name.replace(".original_module.", "."))] = name
+    adapters = {n for adapter in model.peft_config for n in adapter_keys(model, adapter, tensors)}
+    names = {  # base name -> PEFT model name
+        base_name(name.replace(".original_module.", ".")): name
+        for name in tensors
+        if name not in adapters and ".modules_to_save." not in name
+    }
 
     merges: dict[str, list[tuple]] = {}
     if for_merge:
@@ -122,7 +119,7 @@ def peft_view(
         if bad:
             raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
     return (
-        inner,
+        model.get_base_model(),
         {b: tensors[n] for b, n in names.items()},
         {b: base_name(aliases.get(n, n)) for b, n in names.items()},
         merges,
