@@ -94,13 +94,20 @@ class _Replay(TorchFunctionMode):
                 "(e.g. .data); materialize replays initialisation on whole parameters only. Use torch.nn.init.* "
                 "on the parameter itself, or pass materialize(model, init_fn=...)."
             )
-        full = self.stand_ins.get(id(target))
-        if full is None:
-            full = self.stand_ins[id(target)] = self._blank(target)
+        new = id(target) not in self.stand_ins
+        if new:
+            self.stand_ins[id(target)] = self._blank(target)
+        full = self.stand_ins[id(target)]
         if args:
             func(full, *args[1:], **kwargs)
         else:
             func(**{**kwargs, "tensor": full})
+        if new and full.is_floating_point() and full.numel() and torch.isnan(full).all():
+            raise RuntimeError(  # it read the value (mul_, add_...): the stand-in has none to give
+                f"{self.current}'s initialisation calls {name} on a sharded parameter it has not written in the "
+                "same call; materialize replays writes of whole parameters (torch.nn.init.*). Use those there, "
+                "or pass materialize(model, init_fn=...)."
+            )
         self._commit(target, full, through_owner=False)
         return target
 

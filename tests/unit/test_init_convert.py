@@ -163,6 +163,19 @@ def test_materialize_refuses_init_that_bypasses_the_replay(mesh):
         fk.materialize(model)
 
 
+class ScalesChildAfterItsInit(WritesChildDirectly):
+    def reset_parameters(self):  # reads a sharded parameter another call initialised: no value to read
+        with torch.no_grad():
+            self.child.weight.mul_(0.5)
+
+
+def test_materialize_refuses_init_that_reads_a_sharded_parameter(mesh):
+    model = _meta(ScalesChildAfterItsInit)
+    fk.shard_model(model, mesh)
+    with pytest.raises(RuntimeError, match=r"calls mul_ on a sharded parameter it has not written"):
+        fk.materialize(model)
+
+
 def test_load_and_export_plain_model(tmp_path):
     torch.manual_seed(0)
     source = Plain()
