@@ -148,30 +148,24 @@ def _top_level(conv: Conversion, data: dict, kind: str, machines: int) -> None:
         conv.not_needed("main_training_function", pop("main_training_function"), "torchrun runs the script's __main__")
     if "enable_cpu_affinity" in data:
         value = pop("enable_cpu_affinity")
-        if truthy(value):
-            conv.refuse("enable_cpu_affinity", value, "torchrun does not pin cores: wrap the command in numactl")
-        else:
-            conv.not_needed("enable_cpu_affinity", value, NO_GAIN)
+        conv.refuse_if(
+            truthy(value), "enable_cpu_affinity", value, "torchrun does not pin cores: wrap the command in numactl"
+        )
     if "downcast_bf16" in data:
         conv.not_needed("downcast_bf16", pop("downcast_bf16"), TPU_ONLY)
     for key in ("tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env",
                 "command_file", "commands", "megatron_lm_config", "mpirun_config"):  # fmt: skip
         if key in data:
             value = pop(key)
-            if value in (None, False, [], {}, ""):
-                conv.not_needed(key, value, NO_GAIN)
-            else:
-                conv.refuse(key, value, TPU_ONLY if key.startswith(("tpu", "command")) else "not supported by fsdp2kit")
+            why = TPU_ONLY if key.startswith(("tpu", "command")) else "not supported by fsdp2kit"
+            conv.refuse_if(value not in (None, False, [], {}, ""), key, value, why)
     # Blocks of older accelerate releases: Intel's extension (ipex_config: {ipex: bool}, until 1.12),
     # Intel GPUs (xpu_config: {use_xpu: bool}, 0.20), tensor parallelism (tp_config: {tp_size: N}, 1.4-1.6).
     for key, why in (("ipex_config", "Intel Extension for PyTorch is not used by fsdp2kit"),
                      ("xpu_config", "fsdp2kit runs on CUDA (NCCL) or CPU (gloo)")):  # fmt: skip
         if key in data:
             value = pop(key)
-            if not value or not any(truthy(v) for v in dict(value).values()):
-                conv.not_needed(key, value, NO_GAIN)
-            else:
-                conv.refuse(key, value, why)
+            conv.refuse_if(bool(value) and any(truthy(v) for v in dict(value).values()), key, value, why)
     if "tp_config" in data:
         cfg = dict(pop("tp_config") or {})
         _parallelism(conv, {"tp_size": cfg.pop("tp_size", 1), **cfg}, prefix="tp_config.")
@@ -266,13 +260,12 @@ def _parallelism(conv: Conversion, cfg: dict, prefix: str = "parallelism_config.
             conv.set("parallel", "replicate", int(value), src, value, "HSDP replica groups")
         elif name == "dp_shard_size":
             conv.set("parallel", "shard", int(value), src, value)
-        elif name in ("tp_size", "cp_size"):
-            if int(value) <= 1:
-                conv.not_needed(src, value, NO_GAIN)
-            elif name == "tp_size":
-                conv.refuse(src, value, "the recipe has no tp key: fk.apply_tensor_parallel in your own loop")
-            else:
-                conv.refuse(src, value, "context parallelism is not in fsdp2kit")
+        elif name == "tp_size":
+            conv.refuse_if(
+                int(value) > 1, src, value, "the recipe has no tp key: fk.apply_tensor_parallel in your own loop"
+            )
+        elif name == "cp_size":
+            conv.refuse_if(int(value) > 1, src, value, "context parallelism is not in fsdp2kit")
         elif name == "cp_comm_strategy":
             conv.not_needed(src, value, "context parallelism only")
         else:

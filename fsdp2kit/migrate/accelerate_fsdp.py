@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp2kit.migrate.conversion import NO_GAIN, Conversion, truthy
+from fsdp2kit.migrate.conversion import Conversion, truthy
 
 __all__ = ["STRATEGY_NAMES", "convert_fsdp_config"]
 
@@ -149,18 +149,17 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
         value = cfg.pop("fsdp_backward_prefetch")
         name = str(value).strip().upper() if value is not None else "NO_PREFETCH"
         name = {"1": "BACKWARD_PRE", "2": "BACKWARD_POST"}.get(name, name)  # BackwardPrefetch's numbers
-        alias = ALIAS_NOTES.get(written["fsdp_backward_prefetch"])
-        if name in ("BACKWARD_PRE", "BACKWARD_POST"):
-            note = "the next block's all-gather is issued before this block's backward"
-            if name == "BACKWARD_POST":
-                note += " (FSDP2 has no BACKWARD_POST; this is BACKWARD_PRE)"
+        notes = {
+            "BACKWARD_PRE": "the next block's all-gather is issued before this block's backward",
+            "BACKWARD_POST": "the next block's all-gather is issued before this block's backward (FSDP2 has no "
+            "BACKWARD_POST; this is BACKWARD_PRE)",
+            "NO_PREFETCH": "no explicit prefetch; FSDP2 still overlaps one all-gather implicitly",
+        }
+        note = notes.get("NO_PREFETCH" if name == "NONE" else name)
+        if note:
+            note = "; ".join(filter(None, [note, ALIAS_NOTES.get(written["fsdp_backward_prefetch"])]))
             conv.set(
-                "parallel", "prefetch", 1, src("fsdp_backward_prefetch"), value, "; ".join(filter(None, [note, alias]))
-            )
-        elif name in ("NO_PREFETCH", "NONE"):
-            note = "no explicit prefetch; FSDP2 still overlaps one all-gather implicitly"
-            conv.set(
-                "parallel", "prefetch", 0, src("fsdp_backward_prefetch"), value, "; ".join(filter(None, [note, alias]))
+                "parallel", "prefetch", int(name.startswith("BACKWARD")), src("fsdp_backward_prefetch"), value, note
             )
         else:
             conv.refuse(src("fsdp_backward_prefetch"), value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
@@ -191,23 +190,17 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
             conv.not_needed(src("fsdp_activation_checkpointing"), value, "off is the recipe's default")
     if "fsdp_activation_checkpointing_offload" in cfg:
         value = cfg.pop("fsdp_activation_checkpointing_offload")
-        if truthy(value):
-            conv.refuse(
-                src("fsdp_activation_checkpointing_offload"), value,
-                "activations are not offloaded to CPU by fsdp2kit; activation_checkpointing = 'full' keeps one "
-                "input per block",
-            )  # fmt: skip
-        else:
-            conv.not_needed(src("fsdp_activation_checkpointing_offload"), value, NO_GAIN)
+        conv.refuse_if(
+            truthy(value), src("fsdp_activation_checkpointing_offload"), value,
+            "activations are not offloaded to CPU by fsdp2kit; activation_checkpointing = 'full' keeps one "
+            "input per block",
+        )  # fmt: skip
     if "fsdp_ignored_modules" in cfg:
         value = cfg.pop("fsdp_ignored_modules")
-        if value:
-            conv.refuse(
-                src("fsdp_ignored_modules"), value,
-                "no recipe key: in your own loop keep those modules out of shard_model's blocks, or call "
-                "fully_shard(ignored_params=...) yourself",
-            )  # fmt: skip
-        else:
-            conv.not_needed(src("fsdp_ignored_modules"), value, NO_GAIN)
+        conv.refuse_if(
+            bool(value), src("fsdp_ignored_modules"), value,
+            "no recipe key: in your own loop keep those modules out of shard_model's blocks, or call "
+            "fully_shard(ignored_params=...) yourself",
+        )  # fmt: skip
     for key, value in cfg.items():
         conv.unknown(src(key), value, FSDP_KEYS)

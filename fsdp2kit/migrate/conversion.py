@@ -43,7 +43,10 @@ NO_GAIN = "nothing to convert (off / empty)"
 
 
 def truthy(value: Any) -> bool:
-    """A YAML/JSON switch as accelerate and DeepSpeed read it: bools, or strings such as "yes" / "true"."""
+    """A YAML/JSON switch as accelerate and DeepSpeed read it: bools, strings such as "yes" / "true", or
+    DeepSpeed's ``{"enabled": ...}`` blocks (on unless they say otherwise)."""
+    if isinstance(value, dict):
+        return truthy(value.get("enabled", True))
     if isinstance(value, str):
         return value.strip().lower() in ("true", "yes", "1", "on")
     return bool(value)
@@ -125,6 +128,13 @@ class Conversion:
 
     def refuse(self, src: str, src_value: Any, alternative: str) -> None:
         self.entries.append(Entry(src, src_value, REFUSED, "", alternative))
+
+    def refuse_if(self, on: bool, src: str, src_value: Any, alternative: str) -> None:
+        """Refused when ``on``; otherwise nothing to convert."""
+        if on:
+            self.refuse(src, src_value, alternative)
+        else:
+            self.not_needed(src, src_value, NO_GAIN)
 
     def unknown(self, src: str, src_value: Any, known: list[str] | tuple[str, ...]) -> None:
         near = ", ".join(sorted(known)[:60])
