@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +18,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fsdp2kit._internal.fmt import fmt_list
@@ -35,7 +39,6 @@ from fsdp2kit.checkpoint.state import (
     state_to_save,
 )
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
-from fsdp2kit.checkpoint.writer import ReusingSavePlanner, forget_plans, new_plan_key, writer
 from fsdp2kit.weights.adapters import peft_description
 
 
@@ -101,7 +104,7 @@ class Checkpointer:
         self._stager: DefaultStager | None = None
         self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
         self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
-        self._plan_key = new_plan_key()  # DCP's cached save plan for this Checkpointer (writer.py)
+        self._plan_key = f"fsdp2kit.Checkpointer-{uuid.uuid4().hex}"  # DCP's plan cache key (_ReusingSavePlanner)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_save={self.async_save})"
@@ -196,7 +199,8 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            forget_plans(self._plan_key)
+            for cache in _PLAN_CACHES:  # DCP's class-level dicts: drop this Checkpointer's plans
+                cache.pop(self._plan_key, None)
             if self._writer_thread is not None:
                 self._writer_thread.shutdown(wait=True)
                 self._writer_thread = None
@@ -247,8 +251,9 @@ class Checkpointer:
             with quiet_dcp(not comm.active):
                 dcp.save(
                     state,
-                    storage_writer=writer(replies[0][0]),
-                    planner=ReusingSavePlanner(self._plan_key),
+                    # DCP's defaults: one fsynced file, one writer thread per rank (docs/checkpoint-format.md)
+                    storage_writer=FileSystemWriter(replies[0][0], overwrite=False),
+                    planner=_ReusingSavePlanner(self._plan_key),
                     process_group=comm.group,
                     no_dist=not comm.active,
                 )
@@ -349,6 +354,24 @@ class Checkpointer:
                 error = describe(e)
         comm.agree(error, f"restoring {path} failed")
         return choice
+
+
+class _ReusingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with plan caching, under a cache key of the Checkpointer's own, so
+    that two Checkpointers never share a cached plan."""
+
+    def __init__(self, plan_key: str):
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = plan_key
+
+
+_PLAN_CACHES = (
+    SavePlanner._cached_save_plan,
+    SavePlanner._cached_final_save_plan,
+    SavePlanner._cached_all_plans,
+    SavePlanner._cached_global_plan,
+    SavePlanner._cached_metadata,
+)
 
 
 def _read_info(path: Path) -> dict:
