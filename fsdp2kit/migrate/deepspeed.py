@@ -52,18 +52,16 @@ def convert_accelerate_deepspeed(conv: Conversion, cfg: dict, yaml_path: str) ->
                 conv.refuse(p + "deepspeed_config_file", name, f"cannot read it as JSON: {e}")
                 data = {}
             _convert(conv, data, f"{name}:")
-    translated: dict[str, Any] = {}
-    zero: dict[str, Any] = {}
     for key, value in cfg.items():
         src = p + key
         if key == "zero_stage":
-            zero["stage"] = (value, src)
+            _stage(conv, value, src)
         elif key in ("offload_optimizer_device", "offload_param_device"):
-            zero[key.removesuffix("_device")] = (value, src)
+            _offload(conv, value, src)
         elif key in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
             conv.refuse_if(str(value).lower() not in ("none", ""), src, value, NVME)
         elif key in ("gradient_accumulation_steps", "gradient_clipping"):
-            translated[key] = (value, src)
+            _train_key(conv, key, value, src)
         elif key == "zero3_save_16bit_model":
             conv.not_needed(src, value, EXPORT)
         elif key == "zero3_init_flag":
@@ -80,15 +78,6 @@ def convert_accelerate_deepspeed(conv: Conversion, cfg: dict, yaml_path: str) ->
             conv.refuse_if(value not in (None, "", "none"), src, value, why)
         else:
             conv.unknown(src, value, ACCELERATE_DS_KEYS)
-    if "stage" in zero:
-        value, src = zero.pop("stage")
-        _stage(conv, value, src)
-    for which in ("offload_optimizer", "offload_param"):
-        if which in zero:
-            value, src = zero.pop(which)
-            _offload(conv, value, src)
-    for key, (value, src) in translated.items():
-        _train_key(conv, key, value, src)
 
 
 ACCELERATE_DS_KEYS = [

@@ -21,7 +21,6 @@ from fsdp2kit.weights.safetensors import SafetensorsReader, index_files
 
 __all__ = ["ImportResult", "full_state_files", "load_full_state_dict", "torch_load_safely"]
 
-TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Tried in this order in a directory: Accelerate's FULL_STATE_DICT name, then what zero_to_fp32
 # and save_pretrained write (sharded with an index, or one file).
 DIR_CANDIDATES = (
