@@ -31,13 +31,7 @@ from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
 from fsdp2kit.checkpoint.layout import INFO_FILE, CheckpointError, check_step, list_steps, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer, state_kinds
 from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
-from fsdp2kit.checkpoint.state import (
-    resolve_trainable_only,
-    restore_extra,
-    restore_model,
-    state_to_load,
-    state_to_save,
-)
+from fsdp2kit.checkpoint.state import resolve_trainable_only, restore_extra, restore_model, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.weights.adapters import peft_description
 
