@@ -1,13 +1,8 @@
 """Accelerate's `accelerate config` YAML -> recipe settings, key by key (FSDP1 and FSDP2 configs).
 
 The keys and values are those `accelerate config` writes and `accelerate launch` reads
-(accelerate/commands/config/cluster.py and utils/dataclasses.py): the launch keys become torchrun
-options, precision / dynamo / fp8 / parallelism blocks become [parallel] keys; a ``deepspeed_config``
-block goes to the DeepSpeed rules (deepspeed.py).
-
-In ``fsdp_config``, FSDP1 configs give the strategy as ``fsdp_sharding_strategy`` (a name, or FSDP1's
-enum number 1-5) or as ``fsdp_reshard_after_forward`` holding a strategy name; FSDP2 configs give
-``fsdp_reshard_after_forward`` as a bool. Keys that only steered FSDP1 are not needed, with the reason.
+(accelerate/commands/config/cluster.py and utils/dataclasses.py); a ``deepspeed_config`` block goes
+to the DeepSpeed rules (deepspeed.py). The tables: docs/migrating.md.
 """
 
 from __future__ import annotations

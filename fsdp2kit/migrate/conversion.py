@@ -1,11 +1,5 @@
-"""What a converted config says: every source key's verdict, the recipe settings, the TOML and the launch.
-
-A converter walks the source file key by key and records one `Entry` per key: *mapped* to a recipe
-key (or to the torchrun command line), *not needed* under FSDP2 (with the reason), or *refused*
-(with what to use instead). Nothing is dropped: a key no converter knows is refused as unknown, and
-`Conversion.to_toml` writes every entry into the output, mapped keys as the source of the line they
-set and the others as comments.
-"""
+"""What a converted config says: one `Entry` per source key (mapped, sent to the launch command, not
+needed under FSDP2, or refused; an unknown key is refused), the recipe settings, the TOML and the launch."""
 
 from __future__ import annotations
 
@@ -141,11 +135,8 @@ class Conversion:
         self.refuse(src, src_value, f"unknown {self.source} key: not converted (known here: {near})")
 
     def finish(self) -> Conversion:
-        """Make the settings agree with each other the way shard_model checks them.
-
-        A source that sets replica groups (``replicate > 1``: a 2-D mesh) with FULL_SHARD or
-        SHARD_GRAD_OP means HSDP, which shard_model names HYBRID_SHARD / HYBRID_SHARD_ZERO2.
-        """
+        """Make the settings agree the way shard_model checks them: FULL_SHARD or SHARD_GRAD_OP with
+        ``replicate > 1`` is HSDP, which shard_model names HYBRID_SHARD / HYBRID_SHARD_ZERO2."""
         parallel = self.settings.get("parallel", {})
         strategy = parallel.get("strategy")
         if parallel.get("replicate", 1) > 1 and strategy in _HYBRID:

@@ -1,10 +1,7 @@
 """DeepSpeed's ZeRO JSON config (and Accelerate's deepspeed_config block) -> recipe settings, key by key.
 
-ZeRO stage 3 shards parameters, gradients and optimizer state, as FULL_SHARD does; stages 1 and 2
-keep parameters whole between forward and backward, which is SHARD_GRAD_OP (FSDP2 has no
-optimizer-state-only sharding, so stage 1 becomes SHARD_GRAD_OP and uses less memory than before).
-A value of ``"auto"`` (the Hugging Face Trainer fills it from its own arguments) leaves the recipe's
-default in place and says so.
+ZeRO stage 3 is FULL_SHARD, stages 1 and 2 SHARD_GRAD_OP (FSDP2 has no optimizer-only sharding); a
+value of ``"auto"`` (filled in by the HF Trainer) leaves the recipe's default. The tables: docs/migrating.md.
 """
 
 from __future__ import annotations
