@@ -94,7 +94,6 @@ class Conversion:
     nproc_per_node: int | None = None
     torchrun_options: list[str] = field(default_factory=list)  # beyond --nnodes / --nproc_per_node
     env: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # whole-file remarks for the header
 
     # ---- recording (used by the converters) ----
 
@@ -177,7 +176,6 @@ class Conversion:
             "# Launch:",
             f"#   {self.command(config_path)}",
         ]
-        lines += [f"#   {n}" for n in self.notes]
         for verdict, title in (
             (LAUNCH, "Launch options"),
             (NOT_NEEDED, "Not needed under FSDP2"),
