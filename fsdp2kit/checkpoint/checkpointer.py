@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +18,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fsdp2kit._internal.fmt import fmt_list
@@ -27,21 +31,9 @@ from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
 from fsdp2kit.checkpoint.layout import INFO_FILE, CheckpointError, check_step, list_steps, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer, state_kinds
 from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
-from fsdp2kit.checkpoint.state import (
-    resolve_trainable_only,
-    restore_extra,
-    restore_model,
-    state_to_load,
-    state_to_save,
-)
+from fsdp2kit.checkpoint.state import resolve_trainable_only, restore_extra, restore_model, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
-from fsdp2kit.checkpoint.writer import ReusingSavePlanner, forget_plans, new_plan_key, writer
 from fsdp2kit.weights.adapters import peft_description
-
-
-class _Pending:
-    def __init__(self, step: int, done: Future):
-        self.step, self.done = step, done
 
 
 class Checkpointer:
@@ -58,45 +50,27 @@ class Checkpointer:
         ck.wait()
 
     Every method but `steps` is collective: call it on every rank, in the same order. Errors (a
-    bad value in ``extra``, a checkpoint of another model, a corrupt file, a failed write) are
-    raised on every rank as `CheckpointError` with the same message, never as a hang on the
-    ranks that did not see the problem. A rank that dies mid-save turns into a CheckpointError
-    on the others within the process group's timeout.
-
-    Synchronous saves and loads coordinate on the default process group; an asynchronous
-    Checkpointer makes a gloo group of its own on first use (see `Comm` for why), so make one
-    per run, not one per save. Works without any process group too (one process).
+    bad ``extra`` value, a checkpoint of another model, a corrupt file, a failed write, a rank that
+    died) are raised on every rank as `CheckpointError` with the same message, never as a hang.
+    An asynchronous Checkpointer makes a gloo group of its own on first use (see `Comm`): make one
+    per run, not one per save. Works without any process group too. Format and trade-offs:
+    docs/checkpoint-format.md.
 
     Args:
-        root: directory that holds ``step_XXXXXXXX`` subdirectories; created on the first save.
-            One training run (one Checkpointer) per root at a time: a save deletes the leftovers
-            of interrupted saves, which another writer's save in flight would look like.
-        keep_last: how many complete steps to keep; older ones are deleted only after a newer
-            one is complete, and the step just saved is never deleted. ``None`` keeps all.
-        async_save: ``save`` copies the state to CPU memory (DCP's `DefaultStager`: buffers
-            kept between saves, pinned when CUDA is available) and returns; a background thread
-            writes it and rank 0 publishes the step when every rank is done. The training loop
-            then stalls only for building the state dict and the copy, not the write, at the price
-            of one extra copy of the sharded state in CPU memory and of disk traffic that competes
-            with training. Saves never overlap: a save waits for the one before. A failed
-            asynchronous save (a failure while preparing it, such as a bad ``extra`` value on one
-            rank, included) raises at the next ``save``, ``load``, ``wait`` or ``close``, on every
-            rank.
-        rng: save every rank's RNG states (torch, CUDA, Python, NumPy; see `RNGState`) and
-            restore them on load, so a resumed run continues exactly as an uninterrupted one.
-            Ranks that did not exist at save time keep their generators.
-        trainable_only: leave frozen parameters out of the checkpoint (and out of what a load
-            expects): a LoRA / QLoRA run saves its adapters, optimizer and extras, not the base it
-            can rebuild from its pretrained files, so a step costs the adapters' bytes. ``None``
-            (the default) decides per call: on when the model has a frozen parameter. Buffers
-            are kept. Loading still reshards (any world size or mesh shape).
-        verify: before a load reads anything into the model, check every record of the step
-            against the CRC-32 ``torch.save`` stored with it (each rank checks a share of the
-            files; integrity.py), so a flipped byte or a torn file is a `CheckpointError` naming
-            the file on every rank, with the model and optimizer untouched. It reads every byte
-            of the step once more (one CRC-32 pass, docs/checkpoint-format.md). Steps saved
-            before fsdp2kit recorded checksums (no ``"checksums"`` in their ``fsdp2kit.json``)
-            are loaded unchecked. ``False`` skips the check.
+        root: directory that holds ``step_XXXXXXXX`` subdirectories. One run per root at a time: a
+            save deletes the leftovers of interrupted saves.
+        keep_last: how many complete steps to keep (``None``: all); the step just saved is never deleted.
+        async_save: ``save`` copies the state to CPU buffers (DCP's `DefaultStager`) and returns; a
+            background thread writes it and rank 0 publishes it. Saves never overlap. A failure is
+            raised at the next ``save``, ``load``, ``wait`` or ``close``, on every rank.
+        rng: save every rank's RNG states (`RNGState`) and restore them on load, so a resumed run
+            continues exactly as an uninterrupted one.
+        trainable_only: leave frozen parameters out of the checkpoint and of what a load expects (a
+            LoRA run saves its adapters); ``None``: on when the model has a frozen parameter.
+        verify: before a load reads anything into the model, check every record against the CRC-32
+            ``torch.save`` stored with it (integrity.py): a flipped byte or a torn file is a
+            `CheckpointError` naming the file, model and optimizer untouched. Steps saved without
+            checksums load unchecked.
     """
 
     def __init__(
@@ -120,11 +94,11 @@ class Checkpointer:
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._comm = Comm(own_group=self.async_save)
-        self._pending: _Pending | None = None
+        self._pending: tuple[int, Future] | None = None  # an asynchronous save in flight
         self._stager: DefaultStager | None = None
         self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
         self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
-        self._plan_key = new_plan_key()  # DCP's cached save plan for this Checkpointer (writer.py)
+        self._plan_key = f"fsdp2kit.Checkpointer-{uuid.uuid4().hex}"  # DCP's plan cache key (_ReusingSavePlanner)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_save={self.async_save})"
@@ -147,16 +121,12 @@ class Checkpointer:
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
     ) -> None:
-        """Save ``model`` (and ``optimizer``, ``extra``) as ``root/step_{step:08d}``.
+        """Save ``model`` (and ``optimizer``, ``extra``) as ``root/step_{step:08d}``, replacing one there.
 
         ``extra`` maps names to JSON-able values, tensors, NumPy arrays or objects with
-        ``state_dict()``/``load_state_dict()`` (a scheduler, a stateful data loader), whose state
-        is taken now. Values are taken from rank 0; wrap a value in `PerRank` to keep every
-        rank's own. Names starting with "__" are reserved.
-
-        Saving a step that already exists replaces it (the old one is moved aside first).
-        Synchronous: returns once the step is published on disk. Asynchronous: returns once the
-        state is copied; `wait` publishes it.
+        ``state_dict()``/``load_state_dict()``, whose state is taken now. Values are taken from rank
+        0; wrap a value in `PerRank` to keep every rank's own. Names starting with "__" are reserved.
+        Returns once the step is published, or (async) once the state is copied.
         """
         check_step(step)
         if extra is not None and not isinstance(extra, dict):
@@ -168,46 +138,37 @@ class Checkpointer:
         comm = self._comm
         comm.setup()
         rank = comm.rank
-        if self.async_save:
-            self._save_async(step, model, optimizer, extra)
-            return
-
-        error, tmp, state = None, None, None
+        error, state, info = None, None, None
         try:
             trainable_only = resolve_trainable_only(model, self.trainable_only)
             state = state_to_save(model, optimizer, extra, rank=rank, rng=self.rng, trainable_only=trainable_only)
+            if self.async_save:
+                state = self._stage(state)
             if rank == 0:
                 info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
                 if trainable_only:  # what `dcp_to_hf(..., base=...)` needs to rebuild the model offline
                     info["peft"] = peft_description(model)
-                tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
-        except Exception as e:  # reported to every rank below, so none enters DCP alone
+        except Exception as e:  # agreed on before DCP starts, so no rank enters it alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
+        if self.async_save:
+            # Everything else runs on the writer thread; a failure there is raised on every rank by
+            # the next save, load, wait or close, so the ranks never disagree on a save in flight.
+            if self._writer_thread is None:
+                self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
+            self._pending = (step, self._writer_thread.submit(self._write_step, step, model, state, info, error))
+            return
+        failure = None
         try:
-            tmp = self._agree_to_start(step, error, tmp)
+            self._write_step(step, model, state, info, error)
         except CheckpointError:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-        error = None
-        try:
-            self._write(state, tmp)
-            if rank == 0:
-                publish(self.root, step, tmp, self.keep_last, self._deleter)
+            raise  # the ranks' agreement to start failed: raised on every rank already
         except FAILURES as e:
-            error = describe(e)
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-        comm.agree(error, f"save of step {step} to {self.root} failed")
+            failure = describe(e)
+        comm.agree(failure, f"save of step {step} to {self.root} failed")
 
     def wait(self) -> int | None:
-        """Finish the asynchronous save in flight, if any; return its step (None if none).
-        Also waits for the deletion of pruned steps, which runs in the background.
-
-        Raises `CheckpointError` on every rank if it failed on any; the step is then not
-        published and the previous one stays the newest.
-        """
+        """Finish the asynchronous save in flight, if any, and the background deletion of pruned steps;
+        return the save's step (None if none). A failed save is a `CheckpointError` on every rank."""
         try:
             return self._finish_pending()
         finally:
@@ -218,20 +179,22 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        step, done = pending
         error = None
         try:
-            pending.done.result()
+            done.result()
         except BaseException as e:
             error = describe(e)
-        self._comm.agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
-        return pending.step
+        self._comm.agree(error, f"asynchronous save of step {step} to {self.root} failed")
+        return step
 
     def close(self) -> None:
         """`wait` for a save in flight and free the CPU staging memory of asynchronous saves."""
         try:
             self.wait()
         finally:
-            forget_plans(self._plan_key)
+            for cache in _PLAN_CACHES:  # DCP's class-level dicts: drop this Checkpointer's plans
+                cache.pop(self._plan_key, None)
             if self._writer_thread is not None:
                 self._writer_thread.shutdown(wait=True)
                 self._writer_thread = None
@@ -253,69 +216,42 @@ class Checkpointer:
             "checksums": CHECKSUMS,  # see integrity.py
         }
 
-    def _agree_to_start(self, step: int, error: str | None, tmp: Path | None) -> Path:
-        """The temporary directory rank 0 made, once every rank is ready to save the same step."""
-        what = f"save of step {step} to {self.root} did not start"
-        replies = self._comm.agree(error, what, value=(str(tmp) if tmp else None, step))
-        steps = sorted({r[1] for r in replies})
-        if len(steps) > 1:
-            raise CheckpointError(f"{what}: ranks disagree on the step to save: {steps}")
-        return Path(replies[0][0])
-
-    def _write(self, state: dict, tmp: Path) -> None:
-        comm = self._comm
-        with quiet_dcp(not comm.active):
-            dcp.save(
-                state,
-                storage_writer=writer(tmp),
-                planner=ReusingSavePlanner(self._plan_key),
-                process_group=comm.group,
-                no_dist=not comm.active,
+    def _stage(self, state: dict) -> dict:
+        """The state copied into CPU buffers that DCP's stager keeps between saves."""
+        if self._stager is None:
+            # Pinned buffers and non-blocking copies on CUDA (torchtitan's choice); staged
+            # before save returns, so the training step after it cannot change what is saved.
+            cuda = torch.cuda.is_available()
+            options = StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
             )
+            self._stager = DefaultStager(options)
+        return self._stager.stage(state)
 
-    def _save_async(self, step: int, model: nn.Module, optimizer, extra: dict | None) -> None:
-        """Build the state dict, copy it into CPU buffers and hand everything else to the writer
-        thread: the directory, the ranks' agreement, DCP's planning and writes, and the publish. A
-        failure anywhere, a bad ``extra`` value on one rank included, is raised on every rank by
-        the next save, load, wait or close: the ranks never disagree on whether a save is in
-        flight."""
-        comm, rank = self._comm, self._comm.rank
-        error, state, info = None, None, None
+    def _write_step(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> int:
+        """Rank 0 makes the temporary directory; once every rank is ready to save the same step, DCP
+        writes and rank 0 publishes. On the writer thread (on the Checkpointer's own group) when async."""
+        comm, tmp = self._comm, None
         try:
-            trainable_only = resolve_trainable_only(model, self.trainable_only)
-            state = state_to_save(model, optimizer, extra, rank=rank, rng=self.rng, trainable_only=trainable_only)
-            if self._stager is None:
-                # Pinned buffers and non-blocking copies on CUDA (torchtitan's choice); staged
-                # before save returns, so the training step after it cannot change what is saved.
-                cuda = torch.cuda.is_available()
-                options = StagingOptions(
-                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
-                )
-                self._stager = DefaultStager(options)
-            state = self._stager.stage(state)
-            if rank == 0:
-                info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
-                if trainable_only:
-                    info["peft"] = peft_description(model)
-        except Exception as e:  # agreed on in the writer thread, so no rank enters DCP alone
-            error = f"rank {rank} could not prepare the state: {describe(e)}"
-        if self._writer_thread is None:
-            self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
-        done = self._writer_thread.submit(self._write_async, step, model, state, info, error)
-        self._pending = _Pending(step, done)
-
-    def _write_async(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> int:
-        """The writer thread's part of an asynchronous save (collectives on the Checkpointer's own group)."""
-        rank = self._comm.rank
-        tmp = None
-        try:
-            if rank == 0 and error is None:
+            if comm.rank == 0 and error is None:
                 try:
                     tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
                 except Exception as e:
                     error = f"rank 0 could not prepare the directory: {describe(e)}"
-            self._write(state, self._agree_to_start(step, error, tmp))
-            if rank == 0:
+            what = f"save of step {step} to {self.root} did not start"
+            replies = comm.agree(error, what, value=(str(tmp) if tmp else None, step))
+            if len({r[1] for r in replies}) > 1:
+                raise CheckpointError(f"{what}: ranks disagree on the step to save: {sorted({r[1] for r in replies})}")
+            with quiet_dcp(not comm.active):
+                dcp.save(
+                    state,
+                    # DCP's defaults: one fsynced file, one writer thread per rank (docs/checkpoint-format.md)
+                    storage_writer=FileSystemWriter(replies[0][0], overwrite=False),
+                    planner=_ReusingSavePlanner(self._plan_key),
+                    process_group=comm.group,
+                    no_dist=not comm.active,
+                )
+            if comm.rank == 0:
                 publish(self.root, step, tmp, self.keep_last, self._deleter)
             return step
         except BaseException:
@@ -334,22 +270,16 @@ class Checkpointer:
     ) -> int | None:
         """Load the newest complete step (or ``step``) into ``model`` (and ``optimizer``, ``extra``).
 
-        Returns the step loaded, or None when ``root`` holds no complete step (a fresh start).
-        The model may be sharded differently from the save: another world size, uneven shards,
-        a 2-D HSDP mesh instead of a 1-D one or back, or no sharding at all in one process.
-        Build the optimizer before loading; its state and hyper-parameters (learning rate
-        included) come from the checkpoint.
+        Returns the step loaded, or None when ``root`` holds no complete step. The model may be
+        sharded differently from the save (any world size or mesh shape, or none). Build the
+        optimizer first: its state and hyper-parameters come from the checkpoint. ``extra``: objects
+        with ``load_state_dict`` are restored in place, other values replaced in the dict; every
+        saved extra value is in ``self.loaded_extra`` afterwards.
 
-        ``extra``: the same kind of dict as for `save`. Objects with ``load_state_dict`` are
-        restored in place; other values are replaced in the dict. Every value of the checkpoint's
-        extra, asked for or not, is in ``self.loaded_extra`` afterwards (tensors on the CPU).
-
-        Before anything is read into the model, every rank checks the checkpoint's metadata against
-        it (missing or unexpected keys, shapes, dtypes, missing or truncated files) and, with
-        ``verify``, every record's CRC-32, and raises `CheckpointError` naming them, on every
-        rank, with the model and optimizer untouched. If reading fails after that (an I/O
-        error), the error is raised on every rank too, but the model may then hold a mix of old
-        and new values.
+        Every rank first checks the metadata against the model (keys, shapes, dtypes, files) and,
+        with ``verify``, every record's CRC-32: a problem is a `CheckpointError` on every rank with
+        the model and optimizer untouched. A read that fails after that (an I/O error) is raised on
+        every rank too, but the model may then hold a mix of old and new values.
         """
         if step is not None:
             check_step(step)
@@ -382,7 +312,7 @@ class Checkpointer:
             problems += check_against(state, metadata, path, optimizer is not None, upcast)
             problems += check_files(metadata, path)
             problems += check_extra_keys(extra, metadata)
-            if not problems and self.verify and _has_checksums(path):
+            if not problems and self.verify and _read_info(path).get("checksums") == CHECKSUMS:
                 problems = verify_files(metadata, path, comm.rank, comm.world)
         except Exception as e:
             problems = [describe(e)]
@@ -420,6 +350,24 @@ class Checkpointer:
         return choice
 
 
+class _ReusingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with plan caching, under a cache key of the Checkpointer's own, so
+    that two Checkpointers never share a cached plan."""
+
+    def __init__(self, plan_key: str):
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = plan_key
+
+
+_PLAN_CACHES = (
+    SavePlanner._cached_save_plan,
+    SavePlanner._cached_final_save_plan,
+    SavePlanner._cached_all_plans,
+    SavePlanner._cached_global_plan,
+    SavePlanner._cached_metadata,
+)
+
+
 def _read_info(path: Path) -> dict:
     """The step's ``fsdp2kit.json`` ({} for a plain DCP checkpoint). An unreadable one is a problem."""
     info = path / INFO_FILE
@@ -432,9 +380,3 @@ def _read_info(path: Path) -> dict:
         return value
     except ValueError as e:
         raise CheckpointError(f"{info} is corrupt ({type(e).__name__}: {e})") from e
-
-
-def _has_checksums(path: Path) -> bool:
-    """Whether the step says its records carry CRC-32s to verify (steps before fsdp2kit recorded it
-    do not: they load unchecked)."""
-    return _read_info(path).get("checksums") == CHECKSUMS

@@ -19,15 +19,10 @@ FAILURES = (Exception, CheckpointException)
 
 
 class Comm:
-    """The group the checkpointer agrees on, and DCP coordinates on.
-
-    Synchronous saves and loads use the default group: everything runs on the calling thread,
-    between training steps. Asynchronous saves get a gloo group of their own: DCP's collectives
-    then run on a background thread while training runs FSDP's on the default group, and one
-    group used by two threads at once would interleave their messages. Gloo, because DCP
-    exchanges only plans (Python objects) and async_save requires a CPU backend, so this also
-    works when the default group is NCCL. It inherits the default group's timeout, so a dead
-    rank becomes an error within that time, not a hang.
+    """The group the checkpointer agrees on, and DCP coordinates on: the default group, or for
+    asynchronous saves a gloo group of their own (DCP's collectives then run on the writer thread
+    while training uses the default group; gloo because DCP exchanges Python objects, so NCCL
+    runs work too). It inherits the default group's timeout: a dead rank is an error, not a hang.
     """
 
     def __init__(self, own_group: bool) -> None:
@@ -75,11 +70,9 @@ def describe(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def quiet_dcp(without_process_group: bool) -> Iterator[None]:
-    """DCP warns, on every save and load it runs without a process group (``no_dist``), that it
-    assumes a single process: exactly what is meant here, so that one message is ignored in this
-    scope. ``warnings.catch_warnings`` swaps the process-wide filter list (Python < 3.14), which
-    another thread entering and leaving a scope of its own meanwhile could restore out of order;
-    so the scope is entered only where DCP would warn."""
+    """DCP's warning that a save or load without a process group assumes one process (what is meant
+    here) ignored in this scope, entered only where DCP would warn: ``catch_warnings`` swaps the
+    process-wide filter list, which another thread's scope could restore out of order."""
     if not without_process_group:
         yield
         return

@@ -17,13 +17,9 @@ except ImportError:  # pragma: no cover
 
 
 class PerRank:
-    """Marks an ``extra`` value that differs by rank (a data-loader position, a sampler state).
-
-    Plain ``extra`` values are taken from rank 0 (they are meant to be the same everywhere);
-    a ``PerRank`` value is stored once per rank and each rank loads its own. At a different world
-    size, ranks that did not exist at save time keep their current value, with a warning.
-    An `RNGState` is always per rank, wrapped or not.
-    """
+    """Marks an ``extra`` value that differs by rank (a data-loader position): stored once per rank,
+    each rank loads its own (plain values are rank 0's). Ranks that did not exist at save time keep
+    their current value, with a warning. An `RNGState` is always per rank."""
 
     __slots__ = ("value",)
 
@@ -36,12 +32,8 @@ class PerRank:
 
 class RNGState:
     """The calling process's random generators as a stateful object: torch CPU, every CUDA device
-    (when CUDA is initialised), Python's ``random`` and NumPy's global generator.
-
-    `Checkpointer` saves one per rank by default (``rng=True``), so a resumed run draws the same
-    dropout masks and random data as one that was never interrupted. Put one in ``extra`` (it is
-    stored per rank, like a `PerRank` value) to also save it with ``rng=False`` or to name it.
-    """
+    (when CUDA is initialised), Python's ``random`` and NumPy's global generator. `Checkpointer`
+    saves one per rank by default (``rng=True``); put one in ``extra`` to name it yourself."""
 
     def state_dict(self) -> dict:
         state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}

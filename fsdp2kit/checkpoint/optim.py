@@ -20,16 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2kit.checkpoint.extras import decode, encode, extra_entries
 
-__all__ = [
-    "FORMAT",
-    "FORMAT1_OPTIONS",
-    "PACKED",
-    "optimizer_format",
-    "optimizer_template",
-    "optimizer_to_save",
-    "restore_optimizer",
-    "state_kinds",
-]
+__all__ = ["optimizer_format", "optimizer_template", "optimizer_to_save", "restore_optimizer", "state_kinds"]
 
 FORMAT = 2
 PACKED = "packed"
@@ -69,9 +60,8 @@ def optimizer_to_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 def state_kinds(optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """How this rank's optimizer holds its tensor states in memory, counted: ``{"OptimState8bit, blocks of
-    128": 6, "float32": 6}``. Recorded in ``fsdp2kit.json`` for ``fsdp2kit inspect``: DCP stores a
-    quantized state dequantized (its records say float32), so the files alone do not tell."""
+    """How this rank's optimizer holds its tensor states in memory, counted (``{"float32": 6}``), for
+    ``fsdp2kit inspect``: DCP stores a quantized state dequantized, so the records do not tell."""
     kinds: dict[str, int] = {}
     for entries in optimizer.state.values():
         for value in entries.values():
@@ -98,8 +88,7 @@ def optimizer_format(metadata: Metadata) -> int | None:
 
 
 def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata) -> dict:
-    """What DCP fills in place on load, in the format the checkpoint was written in: this
-    optimizer's own (sharded) tensor states, and for format 2 an entry shaped after the metadata."""
+    """What DCP fills in place on load, in the checkpoint's format (format 2: plus the packed entry)."""
     if optimizer_format(metadata) == 1:
         return get_optimizer_state_dict(model, optimizer, options=FORMAT1_OPTIONS)
     osd = get_optimizer_state_dict(model, optimizer)

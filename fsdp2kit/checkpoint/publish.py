@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,8 @@ from fsdp2kit.checkpoint.layout import (
 
 
 def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], busy: set[Path] = frozenset()) -> Path:
-    """Rank 0: clear leftovers of interrupted saves (but the ``busy`` ones a `BackgroundDeleter`
-    is deleting), make the temporary directory and write the small files that ride along with
-    the DCP files (``info`` plus the save time and step)."""
+    """Rank 0: clear leftovers of interrupted saves (but the ``busy`` ones being deleted), make the
+    temporary directory and write ``fsdp2kit.json`` (and the model's HF ``config.json``) into it."""
     root.mkdir(parents=True, exist_ok=True)
     for leftover in incomplete_dirs(root):
         if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and leftover not in busy:
@@ -52,20 +51,15 @@ def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], b
     return tmp
 
 
-def delete_now(paths: Iterable[Path]) -> None:
+def _delete(paths: list[Path]) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
 
 
 class BackgroundDeleter:
-    """Deletes directories already renamed out of the way (``.trash-*``) on threads of its own.
-
-    Deleting a pruned step's files can take as long as writing a small one on this machine's
-    disk, and nothing needs to wait for it: the step is gone from every listing once renamed.
-    Nothing joins a deletion but `join` (`Checkpointer.wait` and ``close``); a save in the
-    meantime leaves the directories in flight (`busy`) alone. A process that exits mid-delete
-    leaves a ``.trash-*`` directory, which the next save removes with the other leftovers.
-    """
+    """Deletes directories already renamed out of the way (``.trash-*``) on threads of its own, off
+    the save's critical path (docs/checkpoint-format.md); only `join` waits for them, and a save
+    meanwhile leaves the ones in flight (`busy`) alone."""
 
     def __init__(self) -> None:
         self._threads: list[tuple[threading.Thread, list[Path]]] = []
@@ -73,7 +67,7 @@ class BackgroundDeleter:
     def __call__(self, paths: Iterable[Path]) -> None:
         paths = list(paths)
         if paths:
-            thread = threading.Thread(target=delete_now, args=(paths,), name="fsdp2kit-prune", daemon=True)
+            thread = threading.Thread(target=_delete, args=(paths,), name="fsdp2kit-prune", daemon=True)
             thread.start()
             self._threads = [(t, p) for t, p in self._threads if t.is_alive()] + [(thread, paths)]
 
@@ -86,11 +80,9 @@ class BackgroundDeleter:
         self._threads = []
 
 
-def publish(
-    root: Path, step: int, tmp: Path, keep_last: int | None, discard: Callable[[list[Path]], None] = delete_now
-) -> None:
+def publish(root: Path, step: int, tmp: Path, keep_last: int | None, discard: BackgroundDeleter) -> None:
     """Rank 0, after every rank has written: make the step visible with one rename, then prune.
-    Directories renamed out of the way go to ``discard`` (deleted at once by default)."""
+    Directories renamed out of the way go to ``discard``."""
     for name in (INFO_FILE, "config.json"):
         if (tmp / name).exists():
             fsync_file(tmp / name)
@@ -108,9 +100,8 @@ def publish(
 
 
 def prune(root: Path, keep_last: int | None, just_saved: int) -> list[Path]:
-    """Rename all but the newest ``keep_last`` steps out of the way, never the one just saved;
-    returns the renamed directories, to delete. A failure here is a warning: the save itself is
-    complete and published."""
+    """Rename all but the newest ``keep_last`` steps out of the way, never the one just saved; returns
+    them. A failure is a warning: the save is already published."""
     if keep_last is None:
         return []
     steps = list_steps(root)

@@ -12,15 +12,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
 from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
 
-__all__ = [
-    "model_options",
-    "resolve_trainable_only",
-    "restore_extra",
-    "restore_model",
-    "state_to_load",
-    "state_to_save",
-]
-
 
 def resolve_trainable_only(model: nn.Module, trainable_only: bool | None) -> bool:
     """``None`` means: leave the frozen parameters out when there are any (a LoRA / QLoRA base)."""
@@ -37,8 +28,7 @@ def model_options(trainable_only: bool) -> StateDictOptions:
 def state_to_save(
     model: nn.Module, optimizer, extra: dict | None, *, rank: int, rng: bool, trainable_only: bool = False
 ) -> dict:
-    """The nested state dict DCP writes: the model's and optimizer's sharded tensors, and ``extra``
-    encoded (shared values from rank 0, `PerRank` values and RNG states from every rank)."""
+    """The nested state dict DCP writes: the model's and optimizer's sharded tensors, and ``extra``."""
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=model_options(trainable_only))}
     if optimizer is not None:
         state["optimizer"] = optimizer_to_save(model, optimizer)  # see optim.py for the layout
@@ -65,8 +55,7 @@ def extra_to_save(extra: dict | None, *, rank: int, rng: bool) -> dict:
 
 
 def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int, trainable_only: bool = False) -> dict:
-    """The state dict DCP fills in place: the model's own (sharded) tensors, the optimizer's,
-    and templates for ``extra`` shaped after the metadata."""
+    """The state dict DCP fills in place; ``extra`` as templates shaped after the metadata."""
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=model_options(trainable_only))}
     if optimizer is not None:
         state["optimizer"] = optimizer_template(model, optimizer, metadata)  # in the checkpoint's format

@@ -1,10 +1,5 @@
-"""The ``fsdp2kit`` command line.
-
-Each subcommand is a module of this package with an ``add_<name>(subparsers)`` function that
-declares its arguments and sets ``func`` to its ``run_<name>(args) -> int``; `SUBCOMMANDS` lists
-them. Adding a command means writing that module and appending one entry; `fsdp2kit --help` lists
-them and `fsdp2kit COMMAND --help` gives each one's options (`launch`: torchrun's, through its own parser).
-"""
+"""The ``fsdp2kit`` command line: one module per subcommand, whose ``add_<name>(subparsers)`` declares
+its arguments and sets ``func`` to its ``run_<name>(args) -> int``; `SUBCOMMANDS` lists them."""
 
 from __future__ import annotations
 

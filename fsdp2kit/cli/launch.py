@@ -1,11 +1,6 @@
-"""`fsdp2kit launch`: torchrun, without torchrun's own traceback when a worker fails or on Ctrl-C.
-
-torchrun (torch.distributed.run) raises for any failed worker: a `ChildFailedError` traceback and its
-failure table (34 lines for one worker that exits 1), or on Ctrl-C a `SignalException` traceback,
-below the one line the recipe already printed. This command parses the same arguments with
-torchrun's own parser and calls its own `run`; it only replaces those endings with one line naming
-the failed rank(s), and exits with the worker's status (128 + N for a signal, as a shell does).
-With ``FSDP2KIT_DEBUG=1`` (the recipes' switch for tracebacks) it ends as torchrun does.
+"""`fsdp2kit launch`: torchrun (its own parser and `run`), whose traceback and failure table on a
+failed worker or Ctrl-C (34 lines for one worker that exits 1) become one line naming the failed
+rank(s), exiting with the worker's status (128 + N for a signal). ``FSDP2KIT_DEBUG=1``: torchrun's ending.
 """
 
 from __future__ import annotations

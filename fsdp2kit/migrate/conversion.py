@@ -1,11 +1,5 @@
-"""What a converted config says: every source key's verdict, the recipe settings, the TOML and the launch.
-
-A converter walks the source file key by key and records one `Entry` per key: *mapped* to a recipe
-key (or to the torchrun command line), *not needed* under FSDP2 (with the reason), or *refused*
-(with what to use instead). Nothing is dropped: a key no converter knows is refused as unknown, and
-`Conversion.to_toml` writes every entry into the output, mapped keys as the source of the line they
-set and the others as comments.
-"""
+"""What a converted config says: one `Entry` per source key (mapped, sent to the launch command, not
+needed under FSDP2, or refused; an unknown key is refused), the recipe settings, the TOML and the launch."""
 
 from __future__ import annotations
 
@@ -43,7 +37,10 @@ NO_GAIN = "nothing to convert (off / empty)"
 
 
 def truthy(value: Any) -> bool:
-    """A YAML/JSON switch as accelerate and DeepSpeed read it: bools, or strings such as "yes" / "true"."""
+    """A YAML/JSON switch as accelerate and DeepSpeed read it: bools, strings such as "yes" / "true", or
+    DeepSpeed's ``{"enabled": ...}`` blocks (on unless they say otherwise)."""
+    if isinstance(value, dict):
+        return truthy(value.get("enabled", True))
     if isinstance(value, str):
         return value.strip().lower() in ("true", "yes", "1", "on")
     return bool(value)
@@ -97,7 +94,6 @@ class Conversion:
     nproc_per_node: int | None = None
     torchrun_options: list[str] = field(default_factory=list)  # beyond --nnodes / --nproc_per_node
     env: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # whole-file remarks for the header
 
     # ---- recording (used by the converters) ----
 
@@ -126,16 +122,20 @@ class Conversion:
     def refuse(self, src: str, src_value: Any, alternative: str) -> None:
         self.entries.append(Entry(src, src_value, REFUSED, "", alternative))
 
+    def refuse_if(self, on: bool, src: str, src_value: Any, alternative: str) -> None:
+        """Refused when ``on``; otherwise nothing to convert."""
+        if on:
+            self.refuse(src, src_value, alternative)
+        else:
+            self.not_needed(src, src_value, NO_GAIN)
+
     def unknown(self, src: str, src_value: Any, known: list[str] | tuple[str, ...]) -> None:
         near = ", ".join(sorted(known)[:60])
         self.refuse(src, src_value, f"unknown {self.source} key: not converted (known here: {near})")
 
     def finish(self) -> Conversion:
-        """Make the settings agree with each other the way shard_model checks them.
-
-        A source that sets replica groups (``replicate > 1``: a 2-D mesh) with FULL_SHARD or
-        SHARD_GRAD_OP means HSDP, which shard_model names HYBRID_SHARD / HYBRID_SHARD_ZERO2.
-        """
+        """Make the settings agree the way shard_model checks them: FULL_SHARD or SHARD_GRAD_OP with
+        ``replicate > 1`` is HSDP, which shard_model names HYBRID_SHARD / HYBRID_SHARD_ZERO2."""
         parallel = self.settings.get("parallel", {})
         strategy = parallel.get("strategy")
         if parallel.get("replicate", 1) > 1 and strategy in _HYBRID:
@@ -176,7 +176,6 @@ class Conversion:
             "# Launch:",
             f"#   {self.command(config_path)}",
         ]
-        lines += [f"#   {n}" for n in self.notes]
         for verdict, title in (
             (LAUNCH, "Launch options"),
             (NOT_NEEDED, "Not needed under FSDP2"),

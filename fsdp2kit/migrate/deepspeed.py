@@ -1,10 +1,7 @@
 """DeepSpeed's ZeRO JSON config (and Accelerate's deepspeed_config block) -> recipe settings, key by key.
 
-ZeRO stage 3 shards parameters, gradients and optimizer state, as FULL_SHARD does; stages 1 and 2
-keep parameters whole between forward and backward, which is SHARD_GRAD_OP (FSDP2 has no
-optimizer-state-only sharding, so stage 1 becomes SHARD_GRAD_OP and uses less memory than before).
-A value of ``"auto"`` (the Hugging Face Trainer fills it from its own arguments) leaves the recipe's
-default in place and says so.
+ZeRO stage 3 is FULL_SHARD, stages 1 and 2 SHARD_GRAD_OP (FSDP2 has no optimizer-only sharding); a
+value of ``"auto"`` (filled in by the HF Trainer) leaves the recipe's default. The tables: docs/migrating.md.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdp2kit.migrate.conversion import NO_GAIN, Conversion
+from fsdp2kit.migrate.conversion import NO_GAIN, Conversion, truthy
 
 __all__ = ["convert_accelerate_deepspeed", "convert_deepspeed"]
 
@@ -26,14 +23,6 @@ STAGE_STRATEGY = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FUL
 
 def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
-
-
-def _on(value: Any) -> bool:
-    if isinstance(value, dict):
-        return bool(value.get("enabled", True))
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "yes", "1", "on")
-    return bool(value)
 
 
 def convert_deepspeed(data: dict, path: str) -> Conversion:
@@ -60,25 +49,20 @@ def convert_accelerate_deepspeed(conv: Conversion, cfg: dict, yaml_path: str) ->
                 conv.refuse(p + "deepspeed_config_file", name, f"cannot read it as JSON: {e}")
                 data = {}
             _convert(conv, data, f"{name}:")
-    translated: dict[str, Any] = {}
-    zero: dict[str, Any] = {}
     for key, value in cfg.items():
         src = p + key
         if key == "zero_stage":
-            zero["stage"] = (value, src)
+            _stage(conv, value, src)
         elif key in ("offload_optimizer_device", "offload_param_device"):
-            zero[key.removesuffix("_device")] = (value, src)
+            _offload(conv, value, src)
         elif key in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
-            if str(value).lower() in ("none", ""):
-                conv.not_needed(src, value, NO_GAIN)
-            else:
-                conv.refuse(src, value, NVME)
+            conv.refuse_if(str(value).lower() not in ("none", ""), src, value, NVME)
         elif key in ("gradient_accumulation_steps", "gradient_clipping"):
-            translated[key] = (value, src)
+            _train_key(conv, key, value, src)
         elif key == "zero3_save_16bit_model":
             conv.not_needed(src, value, EXPORT)
         elif key == "zero3_init_flag":
-            if _on(value):
+            if truthy(value):
                 conv.set("model", "meta_init", True, src, value, "meta-device init: no rank holds the whole model")
             else:
                 conv.not_needed(src, value, "the recipe builds on the meta device unless [model] meta_init = false")
@@ -87,21 +71,10 @@ def convert_accelerate_deepspeed(conv: Conversion, cfg: dict, yaml_path: str) ->
         elif key == "deepspeed_multinode_launcher":
             conv.not_needed(src, value, "torchrun launches each node (or recipes/slurm.sh under Slurm)")
         elif key in ("deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter"):
-            if value in (None, "", "none"):
-                conv.not_needed(src, value, NO_GAIN)
-            else:
-                conv.refuse(src, value, "torchrun has no hostfile: run it on each node (or under Slurm)")
+            why = "torchrun has no hostfile: run it on each node (or under Slurm)"
+            conv.refuse_if(value not in (None, "", "none"), src, value, why)
         else:
             conv.unknown(src, value, ACCELERATE_DS_KEYS)
-    if "stage" in zero:
-        value, src = zero.pop("stage")
-        _stage(conv, value, src)
-    for which in ("offload_optimizer", "offload_param"):
-        if which in zero:
-            value, src = zero.pop(which)
-            _offload(conv, value, src)
-    for key, (value, src) in translated.items():
-        _train_key(conv, key, value, src)
 
 
 ACCELERATE_DS_KEYS = [
@@ -165,10 +138,8 @@ def _convert(conv: Conversion, data: dict, p: str) -> None:
         elif key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
             conv.not_needed(src, value, "any torch.optim optimizer works on FSDP2's DTensor parameters")
         elif key in ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger"):
-            if _on(value):
-                conv.refuse(src, value, "the recipe writes JSONL metrics ([log] jsonl); feed them to your tracker")
-            else:
-                conv.not_needed(src, value, NO_GAIN)
+            why = "the recipe writes JSONL metrics ([log] jsonl); feed them to your tracker"
+            conv.refuse_if(truthy(value), src, value, why)
         elif key == "checkpoint":
             conv.not_needed(src, value, "DCP checkpoints (fsdp2kit.Checkpointer) reshard at load: any world size")
         elif key == "data_types":
@@ -251,7 +222,7 @@ def _zero(conv: Conversion, cfg: dict, p: str) -> None:
                 else:
                     conv.unknown(f"{src}.{k}", v, ["device", *sorted(OFFLOAD_TUNING)])
         elif key in ("cpu_offload", "cpu_offload_params"):  # older spellings
-            if _on(value):
+            if truthy(value):
                 _offload(conv, "cpu", src)
             else:
                 conv.not_needed(src, value, NO_GAIN)
@@ -262,17 +233,12 @@ def _zero(conv: Conversion, cfg: dict, p: str) -> None:
         elif key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
             conv.not_needed(src, value, EXPORT)
         elif key == "mics_shard_size":
-            if int(value) > 0:
-                conv.refuse(src, value, f"MiCS groups are HSDP: [parallel] shard = {int(value)}, replicate = "
-                            "world size / shard, strategy = 'HYBRID_SHARD'")  # fmt: skip
-            else:
-                conv.not_needed(src, value, NO_GAIN)
+            why = f"MiCS groups are HSDP: [parallel] shard = {int(value)}, replicate = world size / shard, "
+            why += "strategy = 'HYBRID_SHARD'"
+            conv.refuse_if(int(value) > 0, src, value, why)
         elif key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
                      "mics_hierarchical_params_gather"):  # fmt: skip
-            if value in (False, 0, 1, None):
-                conv.not_needed(src, value, NO_GAIN)
-            else:
-                conv.refuse(src, value, ZERO_PP)
+            conv.refuse_if(value not in (False, 0, 1, None), src, value, ZERO_PP)
         else:
             conv.unknown(src, value, sorted({"stage", "offload_optimizer", "offload_param", *ZERO_TUNING}))
 
@@ -339,16 +305,13 @@ def _precision(conv: Conversion, key: str, value: Any, src: str) -> None:
     cfg = dict(value) if isinstance(value, dict) else {"enabled": value}
     enabled = cfg.pop("enabled", False)
     if key == "amp":
-        if _on(enabled):
-            conv.refuse(src + ".enabled", enabled, "apex AMP is not used: mixed_precision = 'bf16'")
-        else:
-            conv.not_needed(src + ".enabled", enabled, NO_GAIN)
+        conv.refuse_if(truthy(enabled), src + ".enabled", enabled, "apex AMP is not used: mixed_precision = 'bf16'")
         for k, v in cfg.items():
             conv.not_needed(f"{src}.{k}", v, "apex AMP option")
         return
     if _is_auto(enabled):
         conv.not_needed(src + ".enabled", enabled, AUTO)
-    elif _on(enabled):
+    elif truthy(enabled):
         note = "" if key == "bf16" else "fp16 compute; the recipe does not scale the loss: prefer bf16"
         conv.set("parallel", "mixed_precision", key, src + ".enabled", enabled, note)
     else:
@@ -371,9 +334,9 @@ def _activation(conv: Conversion, cfg: dict, p: str) -> None:
         "[parallel] activation_checkpointing = 'full' checkpoints every block"
     )
     for key, value in cfg.items():
-        if key == "cpu_checkpointing" and _on(value):
+        if key == "cpu_checkpointing" and truthy(value):
             conv.refuse(p + key, value, "activations are not offloaded to CPU by fsdp2kit")
-        elif key == "partition_activations" and _on(value):
+        elif key == "partition_activations" and truthy(value):
             conv.refuse(p + key, value, "activations are not partitioned across ranks by fsdp2kit (no sequence split)")
         else:
             conv.not_needed(p + key, value, why)

@@ -106,13 +106,8 @@ def _load_dcp_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path
 
 
 def _check_adam_moments(state: dict, path: Path) -> None:
-    """Refuse Adam state whose first moment equals its second everywhere: a known-bad FSDP1 save.
-
-    FSDP1's FULL_STATE_DICT ``optim_state_dict`` with ``use_orig_params=True`` wrote ``exp_avg``
-    equal to ``exp_avg_sq`` for every parameter in our tests (torch 2.13, CPU/gloo, 2 ranks; the
-    SHARDED_STATE_DICT save of the same optimizer is right). A real first moment is signed and a
-    second moment is not, so all-equal pairs cannot come from training.
-    """
+    """Refuse Adam state whose first moment equals its second everywhere, which training never
+    produces but FSDP1's full ``optim_state_dict`` with ``use_orig_params=True`` writes (docs/migrating.md)."""
     pairs = [
         (e["exp_avg"], e["exp_avg_sq"])
         for e in state["state"].values()
@@ -152,22 +147,12 @@ def load_fsdp1_checkpoint(
 ) -> ImportResult:
     """Load a checkpoint written by FSDP1 or Accelerate into a model prepared with `shard_model`.
 
-    Call it on every rank after `shard_model` and after building the optimizer (its state is
-    created here when it has none yet). ``path`` is one of:
-
-    - an Accelerate ``save_state`` directory with SHARDED_STATE_DICT: ``pytorch_model_fsdp_0/``
-      (and ``optimizer_0/``), or a DCP directory an FSDP1 loop wrote itself with ``model.``- or
-      un-prefixed keys (and ``optimizer.`` / ``optim.`` state in the same directory);
-    - a FULL_STATE_DICT save: a directory with ``pytorch_model_fsdp.bin`` (and ``optimizer.bin``), or
-      the model file itself; any consolidated file `load_full_state_dict` reads works too.
-
-    The world size and mesh may differ from the save. Files are read with
-    ``torch.load(weights_only=True)``: no pickled code runs. Scheduler, RNG and dataloader state
-    that Accelerate keeps beside the model are not read (``scheduler.bin`` is a plain
-    ``torch.load(..., weights_only=True)`` away; RNG pickles are deliberately not unpickled).
-    Raises ``ValueError`` naming what differs (missing or extra keys, shapes, an optimizer file
-    keyed by index) on every rank, before any tensor is copied; a DeepSpeed ZeRO directory gets
-    the command that consolidates it.
+    Call it on every rank after `shard_model` and after building the optimizer. ``path``: an
+    Accelerate ``save_state`` directory (SHARDED_STATE_DICT: ``pytorch_model_fsdp_0/`` and
+    ``optimizer_0/``; FULL_STATE_DICT: ``pytorch_model_fsdp.bin`` and ``optimizer.bin``), a DCP
+    directory an FSDP1 loop wrote, or a consolidated file `load_full_state_dict` reads. Any world
+    size or mesh; nothing is unpickled but tensors. Raises ``ValueError`` naming what differs, on
+    every rank, before any tensor is copied. The layouts: docs/migrating.md.
     """
     path = Path(path)
     with all_ranks_or_none(model, "load_fsdp1_checkpoint"):

@@ -21,7 +21,6 @@ from fsdp2kit.weights.safetensors import SafetensorsReader, index_files
 
 __all__ = ["ImportResult", "full_state_files", "load_full_state_dict", "torch_load_safely"]
 
-TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Tried in this order in a directory: Accelerate's FULL_STATE_DICT name, then what zero_to_fp32
 # and save_pretrained write (sharded with an index, or one file).
 DIR_CANDIDATES = (
@@ -98,15 +97,12 @@ class _TorchFiles:
                         f"{f}: {k!r} is a {type(v).__name__}, not a tensor; is this an optimizer or training-state "
                         "file rather than model weights?"
                     )
-        self.bytes = 0
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].shape)
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        part = self.tensors[key][index]
-        self.bytes += part.numel() * part.element_size()
-        return part
+        return self.tensors[key][index]
 
     def close(self) -> None:
         self.tensors.clear()
@@ -125,16 +121,12 @@ def _reader(files: list[Path]):
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:
     """Load a consolidated state dict into a model prepared with `shard_model`, on every rank.
 
-    ``path`` is a file (``.bin`` / ``.pt`` / ``.pth`` from ``torch.save``, or ``.safetensors``) or a
-    directory holding ``pytorch_model_fsdp.bin`` (Accelerate's FULL_STATE_DICT), or what DeepSpeed's
-    ``zero_to_fp32.py`` writes (``pytorch_model.bin``, ``model.safetensors``, or shards with their
-    ``.index.json``). Keys are module names (wrapper segments such as ``_fsdp_wrapped_module`` are
-    ignored); a tied weight needs one of its names. Values are cast to each parameter's dtype.
-
-    Every key the model needs must be in the file and every tensor in the file must be the model's
-    (non-persistent buffers, which DeepSpeed saves, are skipped and listed in the result): any other
-    difference is a ``ValueError`` naming the keys, raised on every rank before anything is copied.
-    A model still on the meta device gets storage first (its non-persistent buffers recomputed).
+    ``path``: a ``torch.save`` or safetensors file, or a directory of one (Accelerate's
+    FULL_STATE_DICT, what DeepSpeed's ``zero_to_fp32.py`` or ``save_pretrained`` writes). Keys are
+    module names (FSDP1 wrapper segments ignored; one name of a tied weight suffices); values are
+    cast to each parameter's dtype. Missing, unexpected (but non-persistent buffers, which are
+    skipped and listed in the result) or mis-shaped keys are a ``ValueError`` on every rank before
+    anything is copied. A model still on the meta device gets storage first.
     """
     path = Path(path)
     with all_ranks_or_none(model, "load_full_state_dict"):
