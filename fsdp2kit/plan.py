@@ -71,6 +71,7 @@ class UnitPlan:
     trainable_numel_per_rank: int
     trainable_bytes_per_rank: int
     reshard_after_forward: bool | int
+    modules: tuple[str, ...] = ()  # the fully_shard'ed modules' names ("" for the root)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class ShardPlan:
         precision: Precision | str | None,
         reshard_after_forward: bool | int,
         tp_shapes: Mapping[int, torch.Size] | None = None,
+        modules: tuple[str, ...] = (),
     ) -> UnitPlan:
         prec = resolve_precision(precision)
         per_rank = sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in params)
@@ -109,6 +111,7 @@ class ShardPlan:
             trainable_numel_per_rank=sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) for p in trainable),
             trainable_bytes_per_rank=sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in trainable),
             reshard_after_forward=reshard_after_forward,
+            modules=modules,
         )
 
     def count_masters(self, params: list[torch.nn.Parameter]) -> None:

@@ -47,7 +47,7 @@ def unit_params(model: nn.Module, plan: ShardPlan) -> list[tuple[list[str], list
     seen: set[int] = set()
     out = []
     for u in plan.units:
-        names = [""] if u.name.startswith("(root)") else u.name.split(" + ")
+        names = list(u.modules)  # a dtype sub-unit's label lists its modules shortened
         params = []
         for n in names:
             for p in modules[n].parameters():
