@@ -138,8 +138,8 @@ def optimizer_bytes(
     - ``adamw``: exp_avg and exp_avg_sq shaped like each parameter. Temporaries follow
       torch/optim/adam.py: the ``foreach`` path (CUDA's default) takes ``sqrt(exp_avg_sq)`` of
       the whole parameter group at once (one state-sized list); the ``for-loop`` path (CPU's
-      default) makes two single-parameter temporaries (sqrt, then the division);
-      ``fused`` none.
+      default) makes two single-parameter temporaries (sqrt, then the division), while the
+      previous parameter's ``denom`` is still held; ``fused`` none.
     - ``adamw8bit``, ``adamw4bit``, ``adamw_fp8`` (torchao): codes, a scale a block and a code
       table for each of the two states (`state_bytes`, quantized as `make_optimizer` decides, from
       the global shape); ``adamw_bf16sr`` (torchao _AdamW): a pair like the (bf16) parameter.
@@ -153,9 +153,10 @@ def optimizer_bytes(
     if not shards or optimizer == "sgd":
         return OptimizerBytes(0, 0)
     if optimizer == "adamw":
-        state = sum(2 * n * dt.itemsize for n, dt, _ in shards)
-        largest = max(n * dt.itemsize for n, dt, _ in shards)
-        temp = {"foreach": state // 2, "for-loop": 2 * largest, "fused": 0}[implementation]
+        sizes = [n * dt.itemsize for n, dt, _ in shards]
+        loop = max(2 * b + a for a, b in zip([0, *sizes], sizes))
+        temp = {"foreach": sum(sizes), "for-loop": loop, "fused": 0}[implementation]
+        state = 2 * sum(sizes)
         return OptimizerBytes(state, temp)
     state = sum(state_bytes(n, dt, optimizer, shape) for n, dt, shape in shards)
     blocks = [(n, state_block(optimizer, shape)) for n, _, shape in shards]
