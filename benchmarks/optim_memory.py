@@ -181,6 +181,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "temporaries for torchao's optimizers are per class, as measured by `--step` (fsdp2kit/planner/parts.py).\n"
         "\nNot measured: optimizer-state offload (`[optim] offload`), which needs a CUDA device.\n"
     )
+    if meta.get("kept"):
+        foot += f"\nWorld {', '.join(map(str, meta['kept']))}: measured by an earlier run of this script, predicted again by this planner.\n"
+    foot += "".join(f"\nNot measured: {f}\n" for f in meta.get("failed", []))
     return head + "\n".join(lines) + foot
 
 
@@ -229,7 +232,7 @@ def main() -> None:
     from fsdp2kit.testing import WorldError, run_world
 
     worlds = [int(w) for w in args.worlds.split(",")]
-    rows, t0 = [], time.time()
+    rows, failed, t0 = [], [], time.time()
     old = Path(args.out + ".json")
     if old.exists():  # the other worlds' measurements stay, predicted again by this planner
         for r in json.loads(old.read_text())["rows"]:
@@ -242,7 +245,8 @@ def main() -> None:
             try:
                 ranks = run_world(measure_world, world, [c], timeout=1500)
             except WorldError as e:  # e.g. a rank killed for memory: say so, measure the rest
-                print(f"{c['world']} {c['optimizer']}: not measured: {str(e).splitlines()[:3]}", flush=True)
+                failed.append(f"world {c['world']} {c['optimizer']}: {' '.join(str(e).split())[:300]}")
+                print(f"not measured: {failed[-1]}", flush=True)
                 continue
             measured = max((r[0] for r in ranks), key=lambda m: m["peak_all"])
             plan = predict(c)
@@ -254,7 +258,8 @@ def main() -> None:
                 f"{measured['optimizer']}; step {plan.optimizer_peak} vs {measured['step_peak']}",
                 flush=True,
             )
-    meta = dict(load=os.getloadavg(), seconds=round(time.time() - t0, 1), torch=torch.__version__)
+    meta = dict(load=os.getloadavg(), seconds=round(time.time() - t0, 1), torch=torch.__version__, failed=failed)
+    meta["kept"] = sorted({r["config"]["world"] for r in rows} - set(worlds))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     Path(args.out + ".md").write_text(markdown(rows, meta))
