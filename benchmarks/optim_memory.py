@@ -63,9 +63,10 @@ class _StepOutside:
     """The optimizer as `measure_step` sees it: its state, and a step run outside the counting mode
     (``step_peak``: live bytes at the step's start plus `step_rise`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, profiled: bool = True):
         self.optimizer = optimizer
         self.state = optimizer.state
+        self.profiled = profiled
         self.step_peak = 0
         self.step_rise = 0
 
@@ -74,8 +75,8 @@ class _StepOutside:
 
         before = _get_current_dispatch_mode().update()
         with _disable_current_modes():
-            self.step_rise = step_rise(self.optimizer)
-        self.step_peak = before + self.step_rise
+            self.step_rise = step_rise(self.optimizer) if self.profiled else self.optimizer.step()
+        self.step_peak = before + (self.step_rise or 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -108,6 +109,9 @@ def measure_world(configs: list[dict]) -> list[dict]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             del loss
+        # Once unprofiled: torchao's step compiles again under measure_step, and a profiled compile
+        # (with_stack) held ~10 GB per rank (8-bit, world 2): world 4 was OOM-killed.
+        measure_step(model, _StepOutside(opt, profiled=False), make_batch, lm_loss, list(model._fsdp2kit_blocks))
         outside = _StepOutside(opt)
         m = measure_step(model, outside, make_batch, lm_loss, list(model._fsdp2kit_blocks))
         row = m.__dict__ | {"step_peak": outside.step_peak, "step_rise": outside.step_rise}
@@ -182,7 +186,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "\nNot measured: optimizer-state offload (`[optim] offload`), which needs a CUDA device.\n"
     )
     if meta.get("kept"):
-        foot += f"\nWorld {', '.join(map(str, meta['kept']))}: measured by an earlier run of this script, predicted again by this planner.\n"
+        foot += f"\nMeasured by an earlier run, predicted again by this planner (world, optimizer): {', '.join(meta['kept'])}.\n"
     foot += "".join(f"\nNot measured: {f}\n" for f in meta.get("failed", []))
     return head + "\n".join(lines) + foot
 
@@ -225,21 +229,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/optim_memory")
     ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--optimizers", default=",".join(n for n, _ in CHOICES))
     ap.add_argument("--step", action="store_true", help="only the per-class step temporaries (optim_step.md)")
     args = ap.parse_args()
     if args.step:
         return step_per_element(str(Path(args.out).parent / "optim_step.md"))
     from fsdp2kit.testing import WorldError, run_world
 
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds, names = [int(w) for w in args.worlds.split(",")], args.optimizers.split(",")
+    chosen = [c for c in GRID if c["world"] in worlds and c["optimizer"] in names]
     rows, failed, t0 = [], [], time.time()
     old = Path(args.out + ".json")
     if old.exists():  # the other worlds' measurements stay, predicted again by this planner
         for r in json.loads(old.read_text())["rows"]:
-            if r["config"]["world"] not in worlds:
+            if r["config"] not in chosen:
                 rows.append(r | {"predicted": predict(r["config"]).to_dict()})
     for world in worlds:
-        for c in [c for c in GRID if c["world"] == world]:
+        for c in [c for c in chosen if c["world"] == world]:
             # One spawn per optimizer: four ranks compiling torchao's steps of several optimizers in one
             # process each ran out of this machine's memory (24 GB shared).
             try:
@@ -259,7 +265,7 @@ def main() -> None:
                 flush=True,
             )
     meta = dict(load=os.getloadavg(), seconds=round(time.time() - t0, 1), torch=torch.__version__, failed=failed)
-    meta["kept"] = sorted({r["config"]["world"] for r in rows} - set(worlds))
+    meta["kept"] = [f"{r['config']['world']} {r['config']['optimizer']}" for r in rows if r["config"] not in chosen]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     Path(args.out + ".md").write_text(markdown(rows, meta))
