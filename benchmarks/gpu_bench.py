@@ -11,7 +11,9 @@ the time budget lasts (each case is skipped, and says so, when it would overrun)
    them when ``fsdp2kit.plan_memory`` exists;
 2. `Checkpointer` save and load throughput from GPU memory, and the asynchronous save's stall;
 3. `load_pretrained` of the same model from a local safetensors directory: time and GPU peak;
-4. Llama-3-8B with fsdp2kit's CPU offload, when the host holds its fp32 state.
+4. Llama-3-8B with fsdp2kit's CPU offload, when the host holds its fp32 state;
+5. tokens/s of the 1B model (batch 1) with AdamW's state on the GPU, optimizer-state offload
+   (``make_optimizer(offload=True)``) and CPU offload, interleaved (benchmarks/optim_offload_speed.py).
 
     python benchmarks/gpu_bench.py                  # on a GPU machine (make gpu-check runs it)
     python benchmarks/gpu_bench.py --dry-run        # CPU, tiny model, seconds: the code path only
@@ -78,7 +80,7 @@ VARIANTS = {
     "float8+compile": {"float8": True, "compile": True},
 }
 # Rough seconds per case on an H100, to skip what would overrun the budget (compile pays inductor).
-COST = {"eager": 25, "compile": 100, "checkpoint": 90, "load_pretrained": 60, "offload": 240}
+COST = {"eager": 25, "compile": 100, "checkpoint": 90, "load_pretrained": 60, "offload": 240, "optim_offload": 200}
 
 
 def log(msg: str) -> None:
@@ -217,12 +219,54 @@ def plan(args) -> list[tuple[str, tuple, int]]:
     if not args.no_offload:
         model, shape = ("tiny", (1, 32)) if args.dry_run else (args.offload_model, args.offload_shape)
         items.append(("offload", (model, "AC selective", *shape), "offload"))
+        items.append(("optim_offload", (model, 1, first[1]), "optim_offload"))
     return [item for item in items if item[0] in args.cases]
+
+
+def optim_offload_case(name: str, batch: int, seq: int, args, info) -> dict:
+    """The three places of AdamW's state side by side (optim_offload_speed.py), the model's three copies at once."""
+    from optim_offload_speed import measure
+
+    rounds, steps = (2, 1) if args.dry_run else (3, 2)
+    variants = measure(
+        lambda: build(name)[0],
+        batch=batch,
+        seq=seq,
+        vocab=MODELS[name]["vocab_size"],
+        rounds=rounds,
+        steps=steps,
+        mp="bf16",
+        device=info.device,
+    )
+    return dict(model=name, batch=batch, seq=seq, status="ok", rounds=rounds, steps=steps, variants=variants)
+
+
+def _write(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    """`write_results`, with the optimizer-state offload table appended to the markdown."""
+    paths = write_results(result, out_dir)
+    rec = result.get("optim_offload")
+    if rec:
+        from optim_offload_speed import markdown
+
+        what = f"{rec['model']}, bf16 compute, batch {rec.get('batch')} x seq {rec.get('seq')}"
+        if rec["status"] != "ok":
+            text = f"\n## AdamW state: device vs state offload vs CPU offload\n\n{what}: {rec['status']}\n"
+        else:
+            meta = dict(
+                what=what, rounds=rec["rounds"], steps=rec["steps"], machine=result["device"], torch=result["torch"]
+            )
+            meta.update(world=result["world"], load=result["loadavg_now"])
+            text = "\n#" + markdown(rec["variants"], meta)
+        with open(paths[1], "a") as f:
+            f.write(text)
+    return paths
 
 
 def _what(kind: str, case_args: tuple) -> dict:
     if kind in ("train", "offload"):
         return dict(zip(("model", "variant", "batch", "seq"), case_args), cpu_offload=kind == "offload")
+    if kind == "optim_offload":
+        return dict(zip(("model", "batch", "seq"), case_args))
     return {"model": case_args[0]}
 
 
@@ -240,7 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--offload-model", default="llama-8b", choices=sorted(MODELS))
     p.add_argument("--offload-shape", default="1x2048")
     p.add_argument("--no-offload", action="store_true")
-    p.add_argument("--cases", default="train,checkpoint,load_pretrained,offload", help="which kinds of case to run")
+    p.add_argument(
+        "--cases", default="train,checkpoint,load_pretrained,offload,optim_offload", help="kinds of case to run"
+    )
     p.add_argument("--tag", default="", help="added to the result files' names (e.g. a second run on the same day)")
     p.add_argument("--tests-junit", help="JUnit XML of the cuda tests, summarised in the result")
     p.add_argument("--workdir", help="where checkpoints and the HF export go (default: a temporary directory)")
@@ -267,10 +313,9 @@ def main(argv=None) -> int:
     result = {"benchmark": "gpu_bench", "dry_run": args.dry_run, "budget_s": args.budget_s, "tag": args.tag}
     result.update(describe_machine(info), argv=sys.argv[1:])
     result.update(planner="fsdp2kit.plan_memory" if hasattr(fk, "plan_memory") else "planner not available")
-    result.update(
-        train=[], checkpoint=None, load_pretrained=None, offload=None, skipped=[], tests_junit=args.tests_junit
-    )
-    paths = write_results(result, out_dir)
+    result.update(train=[], checkpoint=None, load_pretrained=None, offload=None, optim_offload=None, skipped=[])
+    result["tests_junit"] = args.tests_junit
+    paths = _write(result, out_dir)
     cost_of = dict(COST)  # raised to what a case of each kind really took here
     for kind, case_args, cost_key in plan(args):
         elapsed, cost = time.monotonic() - t_start, cost_of[cost_key]
@@ -290,6 +335,8 @@ def main(argv=None) -> int:
                 rec = {"model": case_args[0], "status": f"skipped: {why}", "cpu_offload": True}
                 if optim is not None:
                     rec = {**train_case(*case_args, args, info, offload=True, optim=optim), "host_fit": why}
+            elif kind == "optim_offload":
+                rec = optim_offload_case(*case_args, args, info)
             elif kind == "checkpoint":
                 rec = checkpoint_case(build, *case_args, info, workdir)
             else:
@@ -307,7 +354,7 @@ def main(argv=None) -> int:
             result[kind] = rec
         free_memory()
         result["elapsed_s"] = time.monotonic() - t_start
-        paths = write_results(result, out_dir)
+        paths = _write(result, out_dir)
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     log(f"wrote {paths[0]} and {paths[1]}")

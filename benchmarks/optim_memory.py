@@ -31,8 +31,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from memory_planner_check import build, lm_loss
-
 CHOICES = [("adamw", "bf16"), ("adamw8bit", "bf16"), ("adamw4bit", "bf16"), ("adamw_fp8", "bf16")]
 CHOICES += [("adamw_bf16sr", "pure_bf16")]
 GRID = [
@@ -42,39 +40,43 @@ GRID = [
 ]
 
 
+def step_rise(optimizer: torch.optim.Optimizer) -> int:
+    """Run ``optimizer.step()`` under torch.profiler's memory timeline; the most bytes it allocated
+    above what was live when it started (inductor's own buffers included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    # record_shapes and with_stack: without them torch 2.13 keeps no CPU allocation events
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+        optimizer.step()
+    now = rise = 0
+    for _, action, _, size in p._memory_profile().timeline:
+        name = str(action)
+        if name.endswith("CREATE"):
+            now += size
+        elif name.endswith("DESTROY"):
+            now -= size
+        rise = max(rise, now)
+    return rise
+
+
 class _StepOutside:
     """The optimizer as `measure_step` sees it: its state, and a step run outside the counting mode
-    under torch.profiler's memory timeline (``step_peak``: live bytes at the step's start plus the
-    most it allocated above them)."""
+    (``step_peak``: live bytes at the step's start plus `step_rise`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, profiled: bool = True):
         self.optimizer = optimizer
         self.state = optimizer.state
+        self.profiled = profiled
         self.step_peak = 0
         self.step_rise = 0
 
     def step(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
         from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-        live = _get_current_dispatch_mode()
-        before = live.update()
+        before = _get_current_dispatch_mode().update()
         with _disable_current_modes():
-            # record_shapes and with_stack: without them torch 2.13 keeps no CPU allocation events
-            with profile(
-                activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-            ) as p:
-                self.optimizer.step()
-            now = rise = 0
-            for _, action, _, size in p._memory_profile().timeline:
-                name = str(action)
-                if name.endswith("CREATE"):
-                    now += size
-                elif name.endswith("DESTROY"):
-                    now -= size
-                rise = max(rise, now)
-        self.step_rise = rise
-        self.step_peak = before + rise
+            self.step_rise = step_rise(self.optimizer) if self.profiled else self.optimizer.step()
+        self.step_peak = before + (self.step_rise or 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -83,6 +85,7 @@ class _StepOutside:
 def measure_world(configs: list[dict]) -> list[dict]:
     import torch.distributed as dist
     from measure_step import measure_step
+    from memory_planner_check import build, lm_loss
 
     import fsdp2kit as fk
 
@@ -106,6 +109,9 @@ def measure_world(configs: list[dict]) -> list[dict]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             del loss
+        # Once unprofiled: torchao's step compiles again under measure_step, and a profiled compile
+        # (with_stack) held ~10 GB per rank (8-bit, world 2): world 4 was OOM-killed.
+        measure_step(model, _StepOutside(opt, profiled=False), make_batch, lm_loss, list(model._fsdp2kit_blocks))
         outside = _StepOutside(opt)
         m = measure_step(model, outside, make_batch, lm_loss, list(model._fsdp2kit_blocks))
         row = m.__dict__ | {"step_peak": outside.step_peak, "step_rise": outside.step_rise}
@@ -116,6 +122,8 @@ def measure_world(configs: list[dict]) -> list[dict]:
 
 
 def predict(c: dict):
+    from memory_planner_check import build
+
     import fsdp2kit as fk
 
     return fk.plan_memory(
@@ -174,40 +182,90 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"\n\n{len(rows)} configurations. Largest error: peak {worst_peak:.2%}, optimizer state {worst_state:.2%}, "
         f"forward+backward peak {worst_fb:.2%} (the planner's bar: 2%). The step peak is the live bytes when the "
         "step starts (parameters, gradients, state) plus the most the step allocates; the planner's step "
-        "temporaries for torchao's optimizers are an estimate (four fp32 copies of the largest parameter shard).\n"
+        "temporaries for torchao's optimizers are per class, as measured by `--step` (fsdp2kit/planner/parts.py).\n"
         "\nNot measured: optimizer-state offload (`[optim] offload`), which needs a CUDA device.\n"
     )
+    if meta.get("kept"):
+        foot += f"\nMeasured by an earlier run, predicted again by this planner (world, optimizer): {', '.join(meta['kept'])}.\n"
+    foot += "".join(f"\nNot measured: {f}\n" for f in meta.get("failed", []))
     return head + "\n".join(lines) + foot
+
+
+def step_per_element(out: str) -> None:
+    """One process, plain tensors: each low-bit class's step on one weight, bytes allocated above its state
+    per element, against the planner's `optimizer_bytes` temporaries."""
+    import torch.nn as nn
+
+    import fsdp2kit as fk
+    from fsdp2kit.planner.parts import optimizer_bytes
+
+    lines = [
+        "| optimizer | weight | dtype | step allocates (B) | per element | planner (B) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for name in ("adamw8bit", "adamw4bit", "adamw_fp8", "adamw_bf16sr"):
+        for shape, dtype in (((256, 256), torch.float32), ((1024, 512), torch.float32), ((512, 512), torch.bfloat16)):
+            dtype = torch.bfloat16 if name == "adamw_bf16sr" else dtype
+            m = nn.Module()
+            m.w = nn.Parameter(torch.randn(shape, dtype=dtype))
+            opt = fk.make_optimizer(m, name, lr=1e-3)
+            for i in range(3):  # two steps compile and make the state; the third is measured
+                m.w.grad = torch.randn_like(m.w)
+                rise = step_rise(opt) if i == 2 else opt.step()
+            planned = optimizer_bytes([(m.w.numel(), dtype, shape)], name).temporaries
+            lines.append(
+                f"| {name} | {shape[0]} x {shape[1]} | {str(dtype)[6:]} | {rise} | {rise / m.w.numel():.3f} | {planned} |"
+            )
+            print(lines[-1], flush=True)
+    head = (
+        "# torchao optimizers' step temporaries (CPU, one process)\n\n`benchmarks/optim_memory.py --step`: bytes "
+        "the step allocates above its state (torch.profiler's memory timeline), after two compiling steps; "
+        f"torch {torch.__version__}, inductor's CPU kernels.\n\n"
+    )
+    Path(out).write_text(head + "\n".join(lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/optim_memory")
     ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--optimizers", default=",".join(n for n, _ in CHOICES))
+    ap.add_argument("--step", action="store_true", help="only the per-class step temporaries (optim_step.md)")
     args = ap.parse_args()
+    if args.step:
+        return step_per_element(str(Path(args.out).parent / "optim_step.md"))
     from fsdp2kit.testing import WorldError, run_world
 
-    worlds = [int(w) for w in args.worlds.split(",")]
-    rows, t0 = [], time.time()
+    worlds, names = [int(w) for w in args.worlds.split(",")], args.optimizers.split(",")
+    chosen = [c for c in GRID if c["world"] in worlds and c["optimizer"] in names]
+    rows, failed, t0 = [], [], time.time()
+    old = Path(args.out + ".json")
+    if old.exists():  # the other worlds' measurements stay, predicted again by this planner
+        for r in json.loads(old.read_text())["rows"]:
+            if r["config"] not in chosen:
+                rows.append(r | {"predicted": predict(r["config"]).to_dict()})
     for world in worlds:
-        for c in [c for c in GRID if c["world"] == world]:
+        for c in [c for c in chosen if c["world"] == world]:
             # One spawn per optimizer: four ranks compiling torchao's steps of several optimizers in one
             # process each ran out of this machine's memory (24 GB shared).
             try:
                 ranks = run_world(measure_world, world, [c], timeout=1500)
             except WorldError as e:  # e.g. a rank killed for memory: say so, measure the rest
-                print(f"{c['world']} {c['optimizer']}: not measured: {str(e).splitlines()[:3]}", flush=True)
+                failed.append(f"world {c['world']} {c['optimizer']}: {' '.join(str(e).split())[:300]}")
+                print(f"not measured: {failed[-1]}", flush=True)
                 continue
             measured = max((r[0] for r in ranks), key=lambda m: m["peak_all"])
             plan = predict(c)
             rows.append(dict(config=c, predicted=plan.to_dict(), measured=measured))
+            rows.sort(key=lambda r: (r["config"]["world"], GRID.index(r["config"])))
             print(
                 f"{c['world']} {c['optimizer']}: predicted {plan.peak_bytes} measured {measured['peak_all']} "
                 f"({plan.peak_bytes / measured['peak_all'] - 1:+.2%}); state {plan.parts['optimizer']} vs "
                 f"{measured['optimizer']}; step {plan.optimizer_peak} vs {measured['step_peak']}",
                 flush=True,
             )
-    meta = dict(load=os.getloadavg(), seconds=round(time.time() - t0, 1), torch=torch.__version__)
+    meta = dict(load=os.getloadavg(), seconds=round(time.time() - t0, 1), torch=torch.__version__, failed=failed)
+    meta["kept"] = [f"{r['config']['world']} {r['config']['optimizer']}" for r in rows if r["config"] not in chosen]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     Path(args.out + ".md").write_text(markdown(rows, meta))

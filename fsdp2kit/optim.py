@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["OPTIMIZERS", "block_for", "make_optimizer", "state_bytes"]
+__all__ = ["OPTIMIZERS", "block_for", "make_optimizer", "state_block", "state_bytes"]
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adamw_bf16sr")
 
@@ -130,27 +130,24 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def state_bytes(
-    numel: int, dtype: torch.dtype, name: str, *, block: int | None = None, shape: Sequence[int] | None = None
-) -> int:
-    """Bytes of optimizer state ``name`` keeps for one local tensor of ``numel`` elements in ``dtype``.
+def state_block(name: str, shape: Sequence[int], block: int | None = None) -> int | None:
+    """The block of optimizer ``name``'s quantized state for a parameter of global ``shape``, or None
+    (full-precision state, or not a low-bit optimizer): `block_for` with the class's default block."""
+    return block_for(shape, block or _BLOCK[name]) if name in _BLOCK else None
+
+
+def state_bytes(numel: int, dtype: torch.dtype, name: str, shape: Sequence[int], *, block: int | None = None) -> int:
+    """Bytes of optimizer state ``name`` keeps for one local tensor of ``numel`` elements in ``dtype``,
+    a shard of a parameter of global ``shape`` (from which `make_optimizer` decides: `state_block`).
 
     Follows the classes' own allocation: torch AdamW's exp_avg and exp_avg_sq like the parameter;
     for each of torchao's two states, 8-bit/FP8 codes (1 B) or 4-bit codes (two a byte), one fp32
     scale a block, and the code table each 8-bit (256 fp32) or 4-bit (16 fp32) state carries, or a
     pair like the parameter where it is not quantized. The 0-d ``step`` is not counted.
-
-    ``shape`` is the parameter's global shape, from which `make_optimizer` decides (`block_for`);
-    without it the tensor is taken as rows that are a multiple of the block (a transformer's
-    weights): quantized from 4096 elements when ``numel`` is a multiple of the block.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r}: expected one of {list(OPTIMIZERS)}")
-    block = block or _BLOCK.get(name)
-    if block is not None and shape is not None:
-        block = block_for(shape, block)
-    elif block is not None and (numel < _MIN_QUANTIZED or numel % block):
-        block = None
+    block = state_block(name, shape, block)
     if block is None or numel == 0:
         return 2 * numel * dtype.itemsize
     codes = numel // 2 if name == "adamw4bit" else numel

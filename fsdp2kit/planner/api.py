@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
-from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, units_for
+from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, rank_shards, units_for
 from fsdp2kit.planner.report import MemoryPlan
 from fsdp2kit.planner.timeline import replay
 from fsdp2kit.planner.trace import record_step
@@ -299,15 +298,8 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     )
 
     params = plan.param_bytes_per_rank
-    shards = []
-    seen: set[int] = set()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            rows = math.ceil(p.shape[0] / shard_size) if p.dim() else 1
-            shards.append((rows * math.prod(p.shape[1:]), prec.master(p)))
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")
-    opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
+    opt = optimizer_bytes(rank_shards(model, shard_size, prec), s.optimizer, implementation=impl)
     grads = step.grads_sharded
 
     pp = dict(step.parts)
@@ -361,8 +353,8 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             f"sequence; attention runs over all {s.seq} for 1/{s.cp} of the heads; parameters, gradients and "
             f"optimizer state are sharded over shard x cp = {s.shard * s.cp} ranks"
         )
-    if s.optimizer not in ("adamw", "sgd"):
-        notes.append(f"{s.optimizer}'s step temporaries are an estimate (4 fp32 copies of the largest parameter)")
+    if s.optimizer not in ("adamw", "sgd", "adamw_bf16sr") and s.device == "cuda":
+        notes.append(f"{s.optimizer}'s step temporaries are as measured with inductor's CPU kernels")
     return MemoryPlan(
         notes=notes,
         config=config,

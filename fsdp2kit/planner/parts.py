@@ -13,15 +13,21 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.optim import OPTIMIZERS as MAKE_OPTIMIZER_NAMES
-from fsdp2kit.optim import state_bytes
+from fsdp2kit.optim import state_block, state_bytes
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.timeline import Unit
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
-__all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "unit_params", "units_for"]
+__all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "rank_shards", "unit_params", "units_for"]
 
 # make_optimizer's names (fsdp2kit/optim.py, whose state_bytes follows torchao's allocation), and sgd.
 OPTIMIZERS = (*MAKE_OPTIMIZER_NAMES, "sgd")
+
+# Bytes torchao's compiled step (one parameter at a time) allocates per element of a quantized shard,
+# beyond its two new fp32 scales a block: 8-bit two fp32 copies, 4-bit six and its unpacked codes,
+# FP8 none; an unquantized state, and adamw_bf16sr, none (inductor fuses their step into one loop).
+# Measured with inductor's CPU kernels, torchao 0.18: benchmarks/results/optim_step.md.
+_STEP_PER_ELEMENT = {"adamw8bit": 8, "adamw4bit": 26, "adamw_fp8": 0}
 
 
 def _gathered_bytes(p: torch.Tensor, shard: int, compute_dtype: torch.dtype) -> int:
@@ -112,21 +118,32 @@ class OptimizerBytes:
     temporaries: int  # extra during optimizer.step()
 
 
+def rank_shards(model: nn.Module, shard: int, precision) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
+    """``(numel, master dtype, global shape)`` of each trainable parameter's largest shard (dim 0 split
+    over ``shard`` ranks), the input of `optimizer_bytes`."""
+    out, seen = [], set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            rows = math.ceil(p.shape[0] / shard) if p.dim() else 1
+            out.append((rows * math.prod(p.shape[1:]), precision.master(p), tuple(p.shape)))
+    return out
+
+
 def optimizer_bytes(
-    shards: list[tuple[int, torch.dtype]], optimizer: str, *, implementation: str = "foreach"
+    shards: list[tuple[int, torch.dtype, tuple[int, ...]]], optimizer: str, *, implementation: str = "foreach"
 ) -> OptimizerBytes:
-    """State and step temporaries for the sharded trainable parameters ``(numel, dtype)`` of one rank.
+    """State and step temporaries for one rank's sharded trainable parameters (`rank_shards`).
 
     - ``adamw``: exp_avg and exp_avg_sq shaped like each parameter. Temporaries follow
       torch/optim/adam.py: the ``foreach`` path (CUDA's default) takes ``sqrt(exp_avg_sq)`` of
       the whole parameter group at once (one state-sized list); the ``for-loop`` path (CPU's
-      default) makes two single-parameter temporaries (sqrt, then the division);
-      ``fused`` none.
+      default) makes two single-parameter temporaries (sqrt, then the division), while the
+      previous parameter's ``denom`` is still held; ``fused`` none.
     - ``adamw8bit``, ``adamw4bit``, ``adamw_fp8`` (torchao): codes, a scale a block and a code
-      table for each of the two states: `state_bytes` from the local numel (make_optimizer decides
-      from the global shape; the two agree for weights whose rows are a multiple of the block);
-      ``adamw_bf16sr`` (torchao _AdamW): a pair like the (bf16) parameter. Each parameter's
-      step computes in fp32 (about four fp32 copies of the largest parameter).
+      table for each of the two states (`state_bytes`, quantized as `make_optimizer` decides, from
+      the global shape); ``adamw_bf16sr`` (torchao _AdamW): a pair like the (bf16) parameter.
+      Temporaries: the largest parameter's step (``_STEP_PER_ELEMENT``).
     - ``sgd``: torch's default (no momentum): no state, in-place update.
     """
     if optimizer not in OPTIMIZERS:
@@ -135,14 +152,16 @@ def optimizer_bytes(
         raise ValueError(f"implementation={implementation!r}: expected 'foreach', 'for-loop' or 'fused'")
     if not shards or optimizer == "sgd":
         return OptimizerBytes(0, 0)
-    largest = max(n * dt.itemsize for n, dt in shards)
     if optimizer == "adamw":
-        state = sum(2 * n * dt.itemsize for n, dt in shards)
-        temp = {"foreach": state // 2, "for-loop": 2 * largest, "fused": 0}[implementation]
+        sizes = [n * dt.itemsize for n, dt, _ in shards]
+        loop = max(2 * b + a for a, b in zip([0, *sizes], sizes))
+        temp = {"foreach": sum(sizes), "for-loop": loop, "fused": 0}[implementation]
+        state = 2 * sum(sizes)
         return OptimizerBytes(state, temp)
-    state = sum(state_bytes(n, dt, optimizer) for n, dt in shards)
-    largest_fp32 = max(n for n, _ in shards) * 4
-    return OptimizerBytes(state, 4 * largest_fp32)
+    state = sum(state_bytes(n, dt, optimizer, shape) for n, dt, shape in shards)
+    blocks = [(n, state_block(optimizer, shape)) for n, _, shape in shards]
+    temp = max((_STEP_PER_ELEMENT[optimizer] * n + 8 * (n // b) for n, b in blocks if b), default=0)
+    return OptimizerBytes(state, temp)
 
 
 def margin_bytes(peak: int, device: str) -> int:

@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from optim_memory import step_rise
 from torch.distributed.tensor import DTensor
 
 import fsdp2kit as fk
 from fsdp2kit._internal.dtensor import gather_full
+from fsdp2kit.planner.live import tensor_storages
 
 DIM, BATCH, STEPS, LR = 128, 4, 4, 1e-2
 
@@ -123,7 +125,10 @@ def parity(name: str) -> dict:
         xl, yl = _batch(rank, step)
         local = _loss(model, xl, yl, dtype)
         local.backward()
-        opt.step()
+        if step == STEPS - 1:  # the step compiled: what it allocates above the state (the planner's temporaries)
+            rise = step_rise(opt)
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         t = local.detach().clone()
         dist.all_reduce(t)
@@ -143,6 +148,7 @@ def parity(name: str) -> dict:
             {type(v._local_tensor if hasattr(v, "_local_tensor") else v).__name__ for v in st.values()}
         ),
         "param_dtype": str(weight.dtype),
+        "step_rise": rise,
     }
 
 
@@ -174,17 +180,27 @@ def resume(name: str, root: str) -> dict:
     return out
 
 
-def odd_rows() -> list[tuple[str, int | None, int]]:
+def odd_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(160, 40), nn.Linear(40, 160))
+
+
+def odd_rows() -> dict[str, dict]:
     """Weights whose shards torchao alone would keep in fp32 (3200 local elements < 4096): 40 x 160
-    (rows of 160: blocks of 160) and 160 x 40 (blocks of 40). Each state's class, block, local numel."""
+    (rows of 160) and 160 x 40 (rows of 40). Per low-bit optimizer: each weight state's class, block
+    and local numel, and the bytes of every parameter's two states on this rank."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(160, 40), nn.Linear(40, 160))
+    model = odd_model()
     fk.shard_model(model, fk.make_mesh())
-    opt = fk.make_optimizer(model, "adamw8bit", lr=1e-3)
-    out = []
-    for w in (model[0].weight, model[1].weight):
-        local = opt._new_buffer(w, True)._local_tensor  # the state the first step would allocate
-        out.append((type(local).__name__, getattr(local, "block_size", None), local.numel()))
+    out = {}
+    for name in ("adamw8bit", "adamw4bit", "adamw_fp8"):
+        opt = fk.make_optimizer(model, name, lr=1e-3)
+        # the states the first step would allocate
+        states = {p: [opt._new_buffer(p, signed)._local_tensor for signed in (True, False)] for p in model.parameters()}
+        kinds = [(type(st[0]).__name__, getattr(st[0], "block_size", None), st[0].numel()) for st in states.values()]
+        nbytes = sum(
+            s.nbytes() for st in states.values() for t in st for s in {id(s): s for s in tensor_storages(t)}.values()
+        )
+        out[name] = {"weights": kinds[::2], "bytes": nbytes}
     return out
 
 

@@ -103,7 +103,29 @@ def test_refusals_and_warnings(world2):
         assert e["offload_low_bit"].startswith("ValueError") and "for 'adamw'" in e["offload_low_bit"], e
         assert e["trainable_only"] == 2  # the head's weight and bias: frozen blocks keep no state
         # 3200-element shards, quantized because the whole weights are, in blocks that divide their rows
-        assert r["odd_rows"] == [("OptimState8bit", 160, 3200), ("OptimState8bit", 40, 3200)], r["odd_rows"]
+        odd = r["odd_rows"]["adamw8bit"]["weights"]
+        assert odd == [("OptimState8bit", 160, 3200), ("OptimState8bit", 40, 3200)], odd
+
+
+@pytest.mark.timeout(600)
+def test_planner_sizes_state_and_step_as_the_optimizer_does(world2):
+    """The planner's state bytes (`rank_shards` -> `optimizer_bytes`, as plan_memory calls them) equal
+    the allocation on weights whose 3200-element shards torchao's own rule keeps in fp32, and its step
+    temporaries the bytes the step allocated above its state (the parity runs' last step)."""
+    from optim_world import Net, odd_model
+
+    from fsdp2kit.planner.parts import optimizer_bytes, rank_shards
+    from fsdp2kit.precision import resolve_precision
+
+    for r in world2:
+        odd = rank_shards(odd_model(), 2, resolve_precision(None))
+        for name in QUANTIZED:
+            assert optimizer_bytes(odd, name).state == r["odd_rows"][name]["bytes"], name
+        for name in OPTIMIZERS:
+            mp = "pure_bf16" if name == "adamw_bf16sr" else None
+            temp = optimizer_bytes(rank_shards(Net(), 2, resolve_precision(mp)), name, implementation="for-loop")
+            measured = r[name]["parity"]["step_rise"]
+            assert abs(temp.temporaries - measured) <= 0.02 * measured + 64, (name, temp.temporaries, measured)
 
 
 def test_offloaded_adamw_steps_and_checkpoints_like_adamw(world2):

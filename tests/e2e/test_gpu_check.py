@@ -78,6 +78,10 @@ def test_gpu_bench_dry_run(tmp_path):
         assert r["memory"] == [{"max_allocated": None, "max_reserved": None}]
         assert "status" in r["planner"]  # the prediction, or why there is none
     assert result["offload"]["cpu_offload"] and result["offload"]["optimizer"] == "adamw"
+    speed = result["optim_offload"]["variants"]  # on a GPU all three run; on CPU state offload is refused
+    assert speed["none"]["tokens_per_s"] > 0 and speed["cpu_offload"]["tokens_per_s"] > 0, speed
+    assert speed["state offload"]["status"].startswith("refused: make_optimizer(offload=True) needs CUDA"), speed
+    assert "| state offload | refused" in md_path.read_text()
 
     ck, lp = result["checkpoint"], result["load_pretrained"]
     assert ck["status"] == "ok" and ck["rank_bytes"] > 0 and ck["async_2"]["stall_s"] > 0
