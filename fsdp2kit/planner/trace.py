@@ -9,6 +9,7 @@ import contextlib
 import copy
 import functools
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "meta_copy", "record_step"]
+__all__ = ["Recording", "meta_copy", "record_step", "step_model", "unit_modules"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two
 # hold a little more than the rest (the embedding output and the first block's output are still
@@ -238,6 +239,49 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def step_model(
+    model: nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing, lead: int | None
+) -> tuple[nn.Module, dict[str, nn.Module], list[str], int]:
+    """A meta copy of ``model`` set up for a training step (train mode, no KV cache, ``activation_checkpointing``
+    applied): ``(copy, its modules by the original's names, the kept blocks' names, repeat)``.
+
+    With ``lead`` and identical blocks after the first ``lead``, only those, ``blocks[lead]`` (which stands for
+    the ``repeat`` middle blocks that do not run) and the last block are kept.
+    """
+    from fsdp2kit.wrappers.activation import apply_activation_checkpointing
+
+    blocks = find_blocks(model)
+    keep, repeat = None, 0
+    every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
+    if (
+        lead is not None
+        and not every_n
+        and len(blocks) > lead + 3
+        and len({_signature(b) for b in blocks[lead:-1]}) == 1
+    ):
+        keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
+    clone = meta_copy(model, compute_dtype, keep)
+    clone.train()
+    config = getattr(clone, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+    if callable(activation_checkpointing):
+        activation_checkpointing(clone)
+    elif activation_checkpointing is not None:
+        apply_activation_checkpointing(clone, mode=activation_checkpointing)
+    names_of = {id(m): n for n, m in model.named_modules()}
+    kept = [names_of[id(b)] for b in (keep or blocks)]
+    # In the copy, the kept blocks are renumbered (layers.0, layers.1, layers.2): map them back.
+    clone_name = {id(m): n for n, m in clone.named_modules()}
+    rename = {clone_name[id(c)]: k for c, k in zip(find_blocks(clone), kept)}
+    return clone, {rename.get(n, n): m for n, m in clone.named_modules()}, kept, repeat
+
+
+def unit_modules(unit_names: list[list[str]], modules: dict[str, nn.Module]) -> list[tuple[int, str, nn.Module]]:
+    """``(unit index, name, module)`` for every module of ``unit_names`` that the step copy has."""
+    return [(i, n, modules[n]) for i, names in enumerate(unit_names) for n in names if n in modules]
+
+
 def record_step(
     model: nn.Module,
     unit_names: list[list[str]],
@@ -256,31 +300,9 @@ def record_step(
     with ``cp > 1`` they are one of ``cp`` context-parallel ranks' share of a ``seq * cp``-token
     sequence, and attention runs as `fsdp2kit.apply_context_parallel`'s all-to-all style does.
     """
-    from fsdp2kit.wrappers.activation import apply_activation_checkpointing
-
-    blocks = find_blocks(model)
-    names_of = {id(m): n for n, m in model.named_modules()}
-    keep, repeat = None, 0
-    every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
-    lead = _LEAD
-    if truncate and not every_n and len(blocks) > lead + 3 and len({_signature(b) for b in blocks[lead:-1]}) == 1:
-        keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
-    clone = meta_copy(model, compute_dtype, keep)
-    clone.train()
-    config = getattr(clone, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
-    if callable(activation_checkpointing):
-        activation_checkpointing(clone)
-    elif activation_checkpointing is not None:
-        apply_activation_checkpointing(clone, mode=activation_checkpointing)
-
-    kept_names = [names_of[id(b)] for b in (keep or blocks)]
-    # In the copy, the kept blocks are renumbered (layers.0, layers.1, layers.2): map them back.
-    clone_blocks = find_blocks(clone)
-    clone_name = {id(m): n for n, m in clone.named_modules()}
-    rename = {clone_name[id(c)]: kept for c, kept in zip(clone_blocks, kept_names)}
-    modules = {rename.get(n, n): m for n, m in clone.named_modules()}
+    clone, modules, kept_names, repeat = step_model(
+        model, compute_dtype, activation_checkpointing, _LEAD if truncate else None
+    )
 
     rec = Recording(blocks=kept_names, repeat=repeat)
     events = rec.events
@@ -304,7 +326,7 @@ def record_step(
     live.on_op = on_op
     state = {"backward": False}
     calls: dict[int, int] = {}
-    unit_size = {i: sum(1 for n in names if n in modules) for i, names in enumerate(unit_names)}
+    unit_size = Counter(i for i, _, _ in unit_modules(unit_names, modules))
 
     def make_hooks(name: str, index: int):
         def pre(mod, args, kwargs):
@@ -355,19 +377,13 @@ def record_step(
         return pre, post
 
     handles = []
-    for i, names in enumerate(unit_names):
-        for n in names:
-            if n in modules:
-                pre, post = make_hooks(n, i)
-                handles.append(modules[n].register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(modules[n].register_forward_hook(post, with_kwargs=True))
-
     param_unit: dict[int, int] = {}
-    for i, names in enumerate(unit_names):
-        for n in names:
-            if n in modules:
-                for p in modules[n].parameters():
-                    param_unit.setdefault(id(p), i)
+    for i, n, module in unit_modules(unit_names, modules):
+        pre, post = make_hooks(n, i)
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+        for p in module.parameters():
+            param_unit.setdefault(id(p), i)
 
     def on_grad(p: torch.Tensor) -> None:
         # FSDP2 holds the unsharded gradient until the unit's post-backward: the timeline counts
