@@ -120,28 +120,19 @@ def shard_model(
             dimension (`fsdp2kit.apply_context_parallel`), FSDP shards over ``"shard"`` and ``"cp"``
             together (the plan shows them as one ``shard_cp`` dimension).
         blocks: which modules become FSDP units, see `fsdp2kit.blocks.find_blocks`.
-        strategy: FSDP1's names. ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh),
-            ``SHARD_GRAD_OP`` (ZeRO-2: keep gathered parameters from forward to backward, one
-            all-gather fewer per block for the memory of the whole unsharded model at the end
-            of forward), ``NO_SHARD`` (DDP-like, replicate everything), ``HYBRID_SHARD`` (the
-            default on a 2-D mesh: FULL_SHARD within a shard group, replicated across groups)
-            and ``HYBRID_SHARD_ZERO2``.
-        reshard_after_forward: overrides the strategy for every unit. ``True`` / ``False``, or
-            an int: reshard after forward to groups of that many ranks (e.g. GPUs per node), so
-            backward's all-gather stays inside a node. ``None`` keeps the strategy's default,
-            under which the last block does not reshard: backward starts with it, so freeing
-            and re-gathering it at once would cost an all-gather for nothing.
-        mixed_precision: ``"bf16"`` / ``"fp16"``: compute in that dtype, reduce gradients in
-            fp32, and keep fp32 master weights whatever dtype the model was built or stored in
-            (trainable floating-point parameters are cast to fp32 after sharding, one shard per
-            rank; frozen ones keep their storage dtype). ``"pure_bf16"``: bf16 parameters,
-            gradients and optimizer state, on purpose (half the memory; small updates round
-            away). ``"fp32"``: fp32 masters and compute. ``None`` or a ``MixedPrecisionPolicy``:
-            parameters trained as built (a warning when that leaves trainable ones in 16 bits).
-            The plan's precision line names the master and optimizer-state dtypes
-            (`fsdp2kit.precision`).
-        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
-            optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
+        strategy: FSDP1's names: ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh), ``SHARD_GRAD_OP``
+            (ZeRO-2: gathered parameters kept from forward to backward), ``NO_SHARD`` (DDP-like),
+            ``HYBRID_SHARD`` (the default on a 2-D mesh) and ``HYBRID_SHARD_ZERO2``.
+        reshard_after_forward: overrides the strategy for every unit: ``True`` / ``False``, or an int, the
+            group size to reshard to after forward (e.g. GPUs per node). ``None`` keeps the strategy's
+            default, under which the last block, where backward starts, does not reshard.
+        mixed_precision: ``"bf16"`` / ``"fp16"``: compute in that dtype, reduce gradients in fp32, fp32 master
+            weights whatever the dtype built or stored (frozen parameters keep theirs). ``"pure_bf16"``: bf16
+            parameters, gradients and optimizer state, on purpose. ``"fp32"``. ``None`` or a
+            ``MixedPrecisionPolicy``: parameters trained as built (a warning when trainable ones are 16-bit).
+            The plan's precision line names the master and optimizer-state dtypes (`fsdp2kit.precision`).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer
+            step runs on CPU).
 
     On any backend, an embedding unit that is one plain ``nn.Embedding`` is not all-gathered
     again in backward (a lookup's gradient does not read the table); tied to a head, it is.
@@ -155,16 +146,7 @@ def shard_model(
     dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
     # With a cp dimension, FSDP shards over shard x cp together: the layout sees them as one dim.
     shape, names = fsdp_mesh_shape(tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
-    layout = _layout(
-        model,
-        shape,
-        names,
-        blocks=blocks,
-        strategy=strategy,
-        reshard_after_forward=reshard_after_forward,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-    )
+    layout = _layout(model, shape, names, blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload)
     check_devices(model, mesh, cpu_offload=cpu_offload)
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
@@ -217,17 +199,8 @@ def estimate_plan(
 
         shape, names = (*shape, tp), (*names, "tp")
         tp_shapes = planned_tp_shapes(model, tp)
-    return _layout(
-        model,
-        shape,
-        names,
-        blocks=blocks,
-        strategy=strategy,
-        reshard_after_forward=reshard_after_forward,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-        tp_shapes=tp_shapes,
-    ).plan
+    args = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, tp_shapes)
+    return _layout(model, shape, names, *args).plan
 
 
 @dataclass
@@ -246,7 +219,6 @@ def _layout(
     model: nn.Module,
     mesh_shape: tuple[int, ...],
     mesh_dim_names: tuple[str, ...],
-    *,
     blocks: BlockSpec,
     strategy: str | None,
     reshard_after_forward: bool | int | None,
