@@ -74,15 +74,9 @@ class Position:
 
 
 class PositionTracker:
-    """Keeps `position` current: the loop calls `step`/`micro_step`/`phase`, hooks on the FSDP units do the rest.
-
-    The hooks on each FSDP unit (``fully_shard``-ed module) mark, in order: all-gather (before
-    FSDP's own pre-forward hook, which gathers), forward, backward all-gather (a gradient hook
-    on the unit's output that runs before FSDP's), backward, and reduce-scatter (a gradient hook
-    on the unit's input, which fires when the unit's backward is done, just before FSDP's
-    post-backward reduces the gradients). Each is a few attribute writes: no synchronisation,
-    no communication. `benchmarks/monitor_overhead.py` measures it.
-    """
+    """Keeps `position` current: the loop calls `step`/`micro_step`/`phase`, hooks on the FSDP units mark
+    all-gather, forward, backward all-gather, backward and reduce-scatter (docs/long-runs.md): attribute
+    writes only."""
 
     def __init__(self, model: nn.Module | None = None):
         self.position = Position(since=time.time())

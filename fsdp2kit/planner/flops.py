@@ -1,12 +1,8 @@
 """Matmul FLOPs of one training step, per FSDP unit: forward, backward, and activation checkpointing's recompute.
 
-The step runs on the meta device (shapes only), as the memory trace does (`fsdp2kit.planner.trace`), under a
-dispatch mode that counts every matmul the real step would run: Linear's mm/addmm, batched bmm, float8's
-_scaled_mm (torch's own formulas, `torch.utils.flop_counter`), MoE experts' grouped_mm, and fused attention
-(2 matmuls of ``seq_q x seq_k`` a head forward, 4 backward; a causal mask is not halved, the convention
-behind published MFU figures). A checkpointed block's recompute is counted where it happens, in backward,
-as torch runs it: it stops once every saved tensor is back (so a block's last Linear is not run again), and
-selective checkpointing recomputes only what its policy does not save, because the saved ops never reach this mode.
+The memory trace's meta step (`fsdp2kit.planner.trace`) runs under a dispatch mode that counts every matmul
+(torch's formulas, MoE experts' grouped_mm; a causal mask is not halved, as published MFU figures count). A
+checkpointed block's recompute is counted where torch runs it, so selective policies count only what they redo.
 """
 
 from __future__ import annotations

@@ -21,12 +21,8 @@ __all__ = ["LiveBytes", "tensor_storages"]
 
 
 def tensor_storages(t: torch.Tensor | None) -> list[torch.UntypedStorage]:
-    """The storages that hold ``t``'s bytes: a DTensor's local shard's, a wrapper subclass's inner tensors'.
-
-    A wrapper subclass (torchao's NF4Tensor) answers ``untyped_storage()`` with a storage sized
-    for its outer shape and dtype (a bf16 weight's bytes) that holds no memory; its real bytes
-    are its inner tensors' (4-bit codes, scalers), read through ``__tensor_flatten__``.
-    """
+    """The storages that hold ``t``'s bytes: a DTensor's local shard's, a wrapper subclass's (NF4) inner
+    tensors' (its own ``untyped_storage()`` is sized for its outer shape and holds no memory)."""
     if t is None:
         return []
     if isinstance(t, DTensor):
@@ -41,12 +37,8 @@ def tensor_storages(t: torch.Tensor | None) -> list[torch.UntypedStorage]:
 
 
 class LiveBytes(TorchDispatchMode):
-    """A dispatch mode that keeps ``live`` (bytes now), ``peak`` and ``on_peak`` callbacks.
-
-    ``on_peak(live)`` runs whenever a new peak is reached, so a caller can classify what is
-    alive at that moment; ``label`` is a free-form phase name that the caller updates (the
-    phase of the peak is kept in ``peak_label``).
-    """
+    """A dispatch mode that keeps ``live`` (bytes now) and ``peak``; ``on_peak(live)`` runs at each new peak,
+    ``on_op(live)`` after every op. ``label`` is the caller's phase name, kept in ``peak_label`` at the peak."""
 
     def __init__(
         self,

@@ -90,10 +90,8 @@ class FsdpTimeline:
         u.pending_gather = 0
         moment = []
         if forward and self._ag_state:
-            # The previous unit's kept flat buffer goes before this copy-out, but after this
-            # unit's all-gather filled its own (FSDPParamGroup.wait_for_unshard): both are alive
-            # while FSDP2's own ops run (a LoRA block, whose small reduce-scatter input does not
-            # hide it, measures two block-sized flat buffers here).
+            # The previous unit's kept flat buffer goes before this copy-out, after this unit's all-gather
+            # filled its own (FSDPParamGroup.wait_for_unshard): both are alive while FSDP2's ops run.
             moment.append(self.between_ops())
             self.buffers -= self._ag_state
             self._ag_state = 0

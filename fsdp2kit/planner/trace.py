@@ -25,9 +25,8 @@ from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
 __all__ = ["Recording", "meta_copy", "record_step", "step_model", "unit_modules"]
 
-# Blocks that run as themselves before the one that stands for the middle ones: the first two
-# hold a little more than the rest (the embedding output and the first block's output are still
-# referenced by the model's loop while they run), measured on Llama; the third is like the rest.
+# Blocks that run as themselves before the one that stands for the middle ones: the first two hold a little
+# more than the rest (the embedding's and first block's outputs are still referenced), measured on Llama.
 _LEAD = 3
 
 
@@ -66,14 +65,9 @@ def meta_copy(
     keep: list[nn.Module] | None = None,
     shapes: dict[int, tuple[int, ...]] | None = None,
 ) -> nn.Module:
-    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as
-    they are), with only the blocks in ``keep`` if given and the parameters named by id in
-    ``shapes`` given those shapes (a tensor-parallel rank's slices).
-
-    A wrapper-subclass parameter already on the meta device (a planned NF4 weight) is kept as is:
-    its bytes are its inner tensors' and its dtype is the one it computes in; a real NF4 weight
-    becomes such a placeholder.
-    """
+    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as they are),
+    with only the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
+    (a tensor-parallel rank's slices). NF4 weights become (or stay) meta NF4 placeholders."""
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
     for t in list(model.parameters()) + list(model.buffers()):
@@ -99,16 +93,14 @@ def meta_copy(
 
 
 def _exchange(x: torch.Tensor) -> torch.Tensor:
-    """One ``all_to_all_single`` on a rank: a contiguous send buffer, then the receive buffer (the send
-    buffer dies when the call returns)."""
+    """One ``all_to_all_single``'s buffers on a rank: a contiguous send buffer, then the receive buffer."""
     send = x.contiguous()
     return torch.empty_like(send)
 
 
 class _SeqToHeads(torch.autograd.Function):
     """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` with the copies `fsdp2kit.apply_context_parallel`'s
-    all-to-all style makes: the exchange with the peer dimension first, the received chunks laid out
-    over the whole sequence, and put back in token order (undoing the causal load balance). Saves nothing."""
+    all-to-all style makes (the exchange, then the reorder back to token order). Saves nothing."""
 
     @staticmethod
     def forward(ctx, x, cp):
@@ -129,8 +121,8 @@ class _SeqToHeads(torch.autograd.Function):
 
 
 class _HeadsToSeq(torch.autograd.Function):
-    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out in memory as
-    ``(b, seq/cp, heads, d)`` as the library returns it to the attention module. Saves nothing."""
+    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out as
+    ``(b, seq/cp, heads, d)``. Saves nothing."""
 
     @staticmethod
     def forward(ctx, out, cp):
@@ -152,9 +144,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
-    """Attention as the all-to-all style runs it on a rank (`fsdp2kit.apply_context_parallel`): q goes to
-    ``heads/cp`` heads over the whole sequence, k and v together (stacked, one exchange), the kernel
-    runs over the whole sequence, and its output comes back to this rank's tokens."""
+    """Attention as the all-to-all style runs it on a rank: q, then k and v stacked (one exchange), to
+    ``heads/cp`` heads over the whole sequence; the output back to this rank's tokens."""
     check_heads(cp, q.shape[1], k.shape[1])
     b, kv_heads, s, d = k.shape
     q = _SeqToHeads.apply(q, cp)
@@ -190,22 +181,15 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1):
-    """What must differ between a shapes-only step and a real one, for this thread's step only.
+    """What must differ between a shapes-only step and a real one, diverted for this thread only (`divert`;
+    not a TorchFunctionMode: none is active while backward recomputes checkpointed blocks).
 
-    - transformers cannot check whether positions are packed on meta tensors (it reads their
-      values) and materialises a (batch, 1, seq, seq) mask whenever it suspects tracing; a real
-      step with plain causal batches skips the mask, so the recorded one does too.
-    - SDPA on meta takes the math path, which saves the (seq x seq) attention weights; a real
-      step runs a fused kernel (flash on CUDA and on CPU) that saves its output and the
-      log-sum-exp, so the recorded step calls the CPU flash kernel, whose meta kernel has the
-      same outputs.
-    - MoE experts: transformers 5 runs them as one grouped matmul (torch's grouped_mm, fp32 too
-      on CPU and CUDA), but torch's meta kernel for it takes bf16 only. On meta tensors of any
-      other dtype the recording uses transformers' own fallback op instead, whose meta (fake)
-      kernel gives the same output and whose backward saves the same input and weight.
-
-    Each function is diverted for this thread only (`divert`). Not SDPA by a TorchFunctionMode:
-    no mode is active while autograd runs backward, where activation checkpointing recomputes.
+    - transformers cannot tell packed positions on meta tensors and builds a (batch, 1, seq, seq) mask when
+      it suspects tracing; a real step with plain causal batches has none.
+    - SDPA on meta takes the math path, which saves the (seq x seq) weights; a real step runs a fused kernel,
+      so the CPU flash kernel runs (its meta kernel has the same outputs).
+    - MoE experts: torch's meta grouped_mm takes bf16 only; other dtypes use transformers' fallback op,
+      whose meta kernel and saved tensors are the same.
     """
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
@@ -295,11 +279,9 @@ def record_step(
 ) -> Recording:
     """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
 
-    ``unit_names`` lists each FSDP unit's module names, children first (as `estimate_plan` orders
-    them); events name units by their index in that list. ``seq`` is the tokens a rank holds;
-    with ``cp > 1`` they are one of ``cp`` context-parallel ranks' share of a ``seq * cp``-token
-    sequence, and attention runs as `fsdp2kit.apply_context_parallel`'s all-to-all style does.
-    """
+    Events name units by their index in ``unit_names`` (each unit's module names, children first). ``seq``
+    is the tokens a rank holds: with ``cp > 1``, its share of a ``seq * cp``-token sequence, attention run
+    as `fsdp2kit.apply_context_parallel`'s all-to-all style does."""
     clone, modules, kept_names, repeat = step_model(
         model, compute_dtype, activation_checkpointing, _LEAD if truncate else None
     )
