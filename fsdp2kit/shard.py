@@ -113,12 +113,8 @@ def shard_model(
     Args:
         model: the model, on the mesh's device, on CPU with ``cpu_offload``, or on the meta
             device (then call `fsdp2kit.materialize` afterwards).
-        mesh: from `fsdp2kit.make_mesh`: 1-D ``("shard",)`` or 2-D ``("replicate", "shard")``,
-            or either with a ``"tp"`` dimension after `fsdp2kit.apply_tensor_parallel`: FSDP then
-            shards over the data-parallel dimensions only (FSDP x TP, HSDP x TP), each rank's TP
-            slice of every parameter, and the plan's figures are per rank with TP. With a ``"cp"``
-            dimension (`fsdp2kit.apply_context_parallel`), FSDP shards over ``"shard"`` and ``"cp"``
-            together (the plan shows them as one ``shard_cp`` dimension).
+        mesh: from `fsdp2kit.make_mesh`. FSDP shards over its data-parallel dimensions (each rank's slice
+            after `fsdp2kit.apply_tensor_parallel`), ``"shard"`` and ``"cp"`` as one ``shard_cp``.
         blocks: which modules become FSDP units, see `fsdp2kit.blocks.find_blocks`.
         strategy: FSDP1's names: ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh), ``SHARD_GRAD_OP``
             (ZeRO-2: gathered parameters kept from forward to backward), ``NO_SHARD`` (DDP-like),

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["PHASES", "Position", "PositionTracker"]
@@ -165,14 +166,4 @@ class PositionTracker:
 def _first_grad_tensor(out) -> torch.Tensor | None:
     if not torch.is_grad_enabled():
         return None
-    if isinstance(out, torch.Tensor):
-        return out if out.requires_grad else None
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            t = _first_grad_tensor(o)
-            if t is not None:
-                return t
-    logits = getattr(out, "logits", None)  # a transformers ModelOutput is a dict, but keep it cheap
-    return logits if isinstance(logits, torch.Tensor) and logits.requires_grad else None
+    return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)

@@ -38,7 +38,7 @@ def tensor_storages(t: torch.Tensor | None) -> list[torch.UntypedStorage]:
 
 class LiveBytes(TorchDispatchMode):
     """A dispatch mode that keeps ``live`` (bytes now) and ``peak``; ``on_peak(live)`` runs at each new peak,
-    ``on_op(live)`` after every op. ``label`` is the caller's phase name, kept in ``peak_label`` at the peak."""
+    ``on_op(live)`` after every op. ``label`` is a phase name for the caller to set and read."""
 
     def __init__(
         self,
@@ -56,7 +56,6 @@ class LiveBytes(TorchDispatchMode):
         self._ignored: set[int] = set()
         self.live = 0
         self.peak = 0
-        self.peak_label = ""
         self.label = ""
         self.on_peak = on_peak
 
@@ -101,7 +100,6 @@ class LiveBytes(TorchDispatchMode):
             self.on_op(self.live)
         if self.live > self.peak:
             self.peak = self.live
-            self.peak_label = self.label
             if self.on_peak is not None:
                 self.on_peak(self.live)
         return self.live

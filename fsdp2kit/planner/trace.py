@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 from fsdp2kit._internal.scoped import divert
 from fsdp2kit.blocks import find_blocks
@@ -212,15 +213,7 @@ def _not_packed(original, position_ids) -> None:
 
 
 def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    if hasattr(obj, "to_tuple"):  # transformers ModelOutput
-        return _tensors(obj.to_tuple())
-    return []
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]  # transformers registers ModelOutput
 
 
 def step_model(

@@ -82,19 +82,12 @@ def _extra_save() -> list:
 
 # The "op" policy is torchtitan's per-op selective AC (`_apply_op_sac` with llama3's `_op_sac_save_list`):
 # save attention's output and every other matmul's, recompute the rest. Its save list:
-OP_SAVE: frozenset = _ops(
-    "mm.default",
-    "linear.default",
-    "addmm.default",
-    "_scaled_mm.default",
-    "_scaled_dot_product_flash_attention.default",
-    "_scaled_dot_product_flash_attention_for_cpu.default",
-    "_scaled_dot_product_efficient_attention.default",
-    "_scaled_dot_product_cudnn_attention.default",
-    "_scaled_dot_product_attention_math.default",
-    "_scaled_dot_product_fused_attention_overrideable.default",
-    "max.default",
-) | frozenset(_extra_save())
+# selective's without the batched matmuls, with linear and the math attention.
+OP_SAVE: frozenset = (
+    (SELECTIVE_SAVE - _ops("bmm.default", "baddbmm.default"))
+    | _ops("linear.default", "_scaled_dot_product_attention_math.default")
+    | frozenset(_extra_save())
+)
 
 # The matmuls it numbers (forward and recompute apart) to save the odd ones: torchtitan's mm and linear, and
 # addmm (a Linear with a bias) and _scaled_mm (a float8 Linear), each one Linear's matmul too.
@@ -173,21 +166,13 @@ def apply_activation_checkpointing(
     *,
     blocks: BlockSpec = "auto",
 ) -> nn.Module:
-    """Checkpoint the activations of ``model``'s blocks in place; returns ``model``.
+    """Checkpoint the activations of ``model``'s blocks in place (before `compile_blocks` and `shard_model`,
+    after `enable_float8`); returns ``model``.
 
-    Call it before `compile_blocks` and `shard_model` (after `enable_float8`, if used).
-
-    Args:
-        model: the unsharded model.
-        mode: ``"full"`` (every block), an int ``N`` (blocks 0, N, 2N, ...) or ``"selective"``
-            (every block, op by op: keep matmul and attention outputs, recompute the rest; see
-            `SELECTIVE_SAVE`) or ``"op"`` (torchtitan's per-op policy: keep attention's output
-            and every other matmul's, recompute the rest; see `op_policy`).
-        blocks: which modules are blocks, as for `shard_model` (the same blocks should be the
-            FSDP units, so keep the default unless you pass the same value to both).
-
-    Checkpointing only acts in training mode with grad enabled; eval and ``torch.no_grad`` run
-    the plain forward. State-dict keys and parameter names are unchanged.
+    ``mode``: ``"full"`` (every block), an int ``N`` (blocks 0, N, 2N, ...), ``"selective"`` (keep matmul
+    and attention outputs, `SELECTIVE_SAVE`) or ``"op"`` (torchtitan's per-op policy, `op_policy`).
+    ``blocks`` as for `shard_model` (keep them the same). Only training with grad enabled checkpoints;
+    parameter names are unchanged.
     """
     kind, every = resolve_ac_mode(mode)
     check_unsharded(model, "apply_activation_checkpointing")
