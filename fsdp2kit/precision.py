@@ -19,7 +19,6 @@ __all__ = [
     "Precision",
     "cast_masters",
     "dtype_name",
-    "resolve_mixed_precision",
     "resolve_precision",
     "warn_as_built",
 ]
@@ -73,11 +72,6 @@ def resolve_precision(mixed_precision: str | MixedPrecisionPolicy | Precision | 
         f"mixed_precision={mixed_precision!r}: expected None, one of {sorted(PRECISIONS)} "
         "or a torch.distributed.fsdp.MixedPrecisionPolicy"
     )
-
-
-def resolve_mixed_precision(mixed_precision: str | MixedPrecisionPolicy | Precision | None) -> MixedPrecisionPolicy:
-    """FSDP2's policy for any value `resolve_precision` takes."""
-    return resolve_precision(mixed_precision).policy
 
 
 def dtype_name(dtype: torch.dtype) -> str:

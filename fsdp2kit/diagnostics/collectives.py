@@ -19,10 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["CollectiveCounts", "CollectiveEvent", "count_collectives"]
 
-# Which kind each op is and which of its arguments is the whole buffer whose size is reported
-# (the "size" of nccl-tests): an all-gather's output, a reduce-scatter's input, an all-reduce's
-# or broadcast's tensor, an all-to-all's input. Functional all-gathers name only their input:
-# the output is group_size times it.
+# Each op's kind and the argument that is its whole buffer (`count_collectives` says which); functional
+# all-gathers name only their input, the output is group_size times it.
 _C10D = {
     "_allgather_base_": ("all_gather", "output_tensor"),
     "allgather_": ("all_gather", "output_tensors"),

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -218,17 +219,15 @@ class RankMonitor(PositionTracker):
         gone.update(self._gone([r for r in others if r not in answered and r not in gone]))
         published = self._published_positions()
         positions = {r: p for r, (p, _) in published.items()}
-        if gone:
-            diverged = sorted(gone)
-        else:
-            diverged = _diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps)
+        # A gone rank is the one to name; else the counts or the minority (_diverged, _blame).
+        diverged = sorted(gone) or (_diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps))
         lines = [f"rank {self.rank}: {what} at step {self.position.step}."]
-        for r, how in sorted(gone.items()):
-            lines.append(f"Rank {r} is gone: {how}.")
-        if diverged:
-            lines.append(f"Diverged: rank{'s' if len(diverged) > 1 else ''} {fmt_list(diverged)}.")
-        else:
-            lines.append("Which rank diverged cannot be told from the positions alone.")
+        lines += [f"Rank {r} is gone: {how}." for r, how in sorted(gone.items())]
+        lines.append(
+            f"Diverged: rank{'s' if len(diverged) > 1 else ''} {fmt_list(diverged)}."
+            if diverged
+            else "Which rank diverged cannot be told from the positions alone."
+        )
         lines.append("Where each rank is:")
         now = time.time()
         for r, (p, at) in published.items():
@@ -254,7 +253,7 @@ class RankMonitor(PositionTracker):
     # --- the background thread ---------------------------------------------------------------
     def _publish(self) -> None:
         self._published = self.seq
-        self._store.set(f"pos/{self.rank}", json.dumps({**self.position.to_dict(), "at": time.time()}))
+        self._store.set(f"pos/{self.rank}", json.dumps({**asdict(self.position), "at": time.time()}))
 
     def _watch(self) -> None:
         # Every `_POLL` s one integer read (is there a request for positions?); every heartbeat the
@@ -343,14 +342,12 @@ def _process_end(pid: int) -> str | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        fields = None
-    if fields is None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return "has exited"
         except PermissionError:
-            return None
+            pass
         return None
     if fields[0] != "Z":
         return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -63,9 +63,6 @@ class Position:
         if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
             last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
         return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Position:
