@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -132,9 +133,7 @@ class _Counter(TorchDispatchMode):
         if entry is None:
             return
         kind, buffer = entry
-        bound = dict(kwargs)
-        for arg, value in zip(func._schema.arguments, args):
-            bound[arg.name] = value
+        bound = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
         group = self._group(bound.get("process_group", bound.get("group_name")))
         if group is None:
             return
@@ -149,8 +148,6 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from torch.distributed.tensor import DTensor
-
         if any(issubclass(t, DTensor) for t in types):
             # let DTensor turn the op into collectives on its local tensors, which come back here
             return NotImplemented

@@ -29,33 +29,26 @@ PHASES = (
     "eval",
     "step end",
 )
+_UNIT_PHASES = PHASES[2:7]  # the hooks' phases, from all-gather to reduce-scatter: they name the unit
 
 
 @dataclass
 class Position:
     step: int = -1
-    micro: int = -1
-    """The micro-step index the training loop gave (`PositionTracker.micro_step`)."""
-    micro_count: int = 0
-    """How many micro-steps this rank has begun in this step (counted, not given)."""
-    last_count: int = -1
-    """How many micro-steps the previous step had (-1: no previous step in this process)."""
+    micro: int = -1  # the micro-step index the training loop gave
+    micro_count: int = 0  # micro-steps this rank has begun in this step (counted, not given)
+    last_count: int = -1  # micro-steps the previous step had (-1: no previous step in this process)
     phase: str = "start"
     unit: str = ""
     shape: tuple[int, ...] = ()
-    since: float = 0.0
-    """When this phase began (time.time(); ranks on different hosts compare with clock skew)."""
+    since: float = 0.0  # when this phase began (time.time(): hosts compare with clock skew)
 
     def describe(self, micro_steps: int | None = None) -> str:
         if self.step < 0:
             return f"before the first step ({self.phase})"
         of = f" of {micro_steps}" if micro_steps else ""
         micro = f", micro-step {self.micro}{of}" if self.micro >= 0 else ""
-        unit = (
-            f" {self.unit or '<root>'}"
-            if self.phase in ("all-gather", "forward", "backward all-gather", "backward", "reduce-scatter")
-            else ""
-        )
+        unit = f" {self.unit or '<root>'}" if self.phase in _UNIT_PHASES else ""
         shape = f", batch {list(self.shape)}" if self.shape else ""
         last = ""
         if self.micro >= 0 and self.micro_count != self.micro + 1:
