@@ -45,14 +45,9 @@ def nonfinite_modules(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         grads = [local_shard(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
         names.append(name or "<root>")
-        if not grads:
-            flags.append(torch.zeros((), device=device))
-            continue
-        bad = torch.stack([(~torch.isfinite(g)).any() for g in grads if g.numel()] or [torch.tensor(False)])
-        flags.append(bad.any().float().to(device))
-    if not flags:
-        return []
-    flag = torch.stack(flags)
+        bad = [(~torch.isfinite(g)).any().to(device) for g in grads if g.numel()]
+        flags.append(torch.stack(bad).any().float() if bad else torch.zeros((), device=device))
+    flag = torch.stack(flags)  # named_modules always has the root: never empty
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return [n for n, f in zip(names, flag.tolist()) if f]
@@ -100,20 +95,18 @@ def check_finite(
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
 
     bad_loss = [r for r, bad in enumerate(per_rank.tolist()) if bad]
-    parts = [f"step {step}: non-finite"]
-    what = []
-    if bad_loss:
-        what.append(f"loss on rank{'s' if len(bad_loss) > 1 else ''} {fmt_list(bad_loss)}")
-    if flags[1].item():
-        what.append("gradient norm")
-    parts.append(" and ".join(what))
+    what = [f"loss on rank{'s' if len(bad_loss) > 1 else ''} {fmt_list(bad_loss)}"] if bad_loss else []
+    what += ["gradient norm"] if flags[1].item() else []
     first = modules[-1] if modules else None
-    if first:
-        parts.append(
-            f"; the first module in backward order with a non-finite gradient is {first!r}"
-            f" ({len(modules)} module{'s' if len(modules) > 1 else ''} affected: {fmt_list(modules[::-1], 6)})"
-        )
-    else:
-        parts.append("; every gradient is finite (the loss alone is not)")
-    parts.append(". Lower the learning rate, check the data of this step, or skip such steps (on_nonfinite='skip').")
-    raise NonFiniteError(" ".join(parts[:2]) + "".join(parts[2:]), step=step, module=first)
+    where = (
+        f"the first module in backward order with a non-finite gradient is {first!r}"
+        f" ({len(modules)} module{'s' if len(modules) > 1 else ''} affected: {fmt_list(modules[::-1], 6)})"
+        if first
+        else "every gradient is finite (the loss alone is not)"
+    )
+    raise NonFiniteError(
+        f"step {step}: non-finite {' and '.join(what)}; {where}. Lower the learning rate, check the data of this "
+        "step, or skip such steps (on_nonfinite='skip').",
+        step=step,
+        module=first,
+    )
