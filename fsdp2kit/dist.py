@@ -138,23 +138,17 @@ def _elastic_store(timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
-def _factorizations(world: int, tp: int = 1) -> list[tuple[int, int]]:
-    """(shard, replicate) pairs whose product with ``tp`` is the world size."""
-    if tp < 1 or world % tp:
-        return []
-    dp = world // tp
-    return [(dp // r, r) for r in range(1, dp + 1) if dp % r == 0]
-
-
 def _fits(world: int, cp: int = 1) -> str:
     """Every (shard, replicate, tp) that fits a world (with ``cp`` given), for an error message."""
     if cp < 1 or world % cp:
         return f"none with cp={cp} (cp must divide the world size)"
+    n = world // cp
     combos = [
-        f"(shard={s}, replicate={r}" + (f", cp={cp}" if cp > 1 else "") + (f", tp={t})" if t > 1 else ")")
-        for t in range(1, world // cp + 1)
-        if (world // cp) % t == 0
-        for s, r in _factorizations(world // cp, t)
+        f"(shard={n // t // r}, replicate={r}" + (f", cp={cp}" if cp > 1 else "") + (f", tp={t})" if t > 1 else ")")
+        for t in range(1, n + 1)
+        if n % t == 0
+        for r in range(1, n // t + 1)
+        if (n // t) % r == 0
     ]
     return ", ".join(combos)
 

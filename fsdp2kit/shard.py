@@ -262,26 +262,16 @@ def _layout(
         units.extend((f"{label} {sub}", mods, reshard) for sub, mods in split.get(key, []))
         units.append((label, modules, reshard))
 
-    for i, b in enumerate(found):
-        add(
-            names[id(b)],
-            names[id(b)],
-            [b],
-            False if (i == len(found) - 1 and reshard_after_forward is None) else default,
-        )
+    last = found[-1] if reshard_after_forward is None else None  # the strategy's default keeps it gathered
+    for b in found:
+        add(names[id(b)], names[id(b)], [b], False if b is last else default)
     for g in groups:
         label = " + ".join(names[id(m)] for m in g)
         add("+".join(names[id(m)] for m in g), label, g, default)
     add("", f"(root) {type(model).__name__}", [model], root_reshard)
 
-    plan = ShardPlan(
-        strategy=resolved.name,
-        mesh_shape=tuple(mesh_shape),
-        mesh_dim_names=tuple(mesh_dim_names),
-        mixed_precision=precision.name,
-        cpu_offload=cpu_offload,
-        precision=precision,
-    )
+    plan = ShardPlan(resolved.name, tuple(mesh_shape), tuple(mesh_dim_names), precision.name, cpu_offload)
+    plan.precision = precision
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
