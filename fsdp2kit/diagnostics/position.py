@@ -116,11 +116,10 @@ class PositionTracker:
         self._handles.clear()
 
     def _hook(self, name: str, module: nn.Module) -> None:
-        def on_grad(phase: str):
-            def hook(grad):
-                self._set(phase, name)
-
-            return hook
+        def mark_grad(tensors, phase: str) -> None:
+            t = _first_grad_tensor(tensors)
+            if t is not None:
+                t.register_hook(lambda grad: self._set(phase, name))
 
         def before_fsdp(mod, args):
             # prepend=True and registered after fully_shard: runs before FSDP's own pre-forward hook.
@@ -128,28 +127,14 @@ class PositionTracker:
 
         def after_fsdp(mod, args):
             self._set("forward", name)
-            if torch.is_grad_enabled():
-                for t in args:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(on_grad("reduce-scatter"))
-                        break
-
-        def out_before_fsdp(mod, args, out):
-            # Runs before FSDP's post-forward, so its gradient hook is registered (and runs) first.
-            t = _first_grad_tensor(out)
-            if t is not None:
-                t.register_hook(on_grad("backward all-gather"))
-
-        def out_after_fsdp(mod, args, out):
-            t = _first_grad_tensor(out)
-            if t is not None:
-                t.register_hook(on_grad("backward"))
+            mark_grad(args, "reduce-scatter")  # the unit's backward is done when its input's gradient is
 
         self._handles += [
             module.register_forward_pre_hook(before_fsdp, prepend=True),
             module.register_forward_pre_hook(after_fsdp),
-            module.register_forward_hook(out_before_fsdp, prepend=True),
-            module.register_forward_hook(out_after_fsdp),
+            # Runs before FSDP's post-forward, so its gradient hook is registered (and runs) first.
+            module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward all-gather"), prepend=True),
+            module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward")),
         ]
 
 
