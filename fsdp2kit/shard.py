@@ -181,13 +181,9 @@ def estimate_plan(
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
 ) -> ShardPlan:
-    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without one.
-
-    Needs no process group and changes nothing, so a model built on the meta device can be
-    planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines. With
-    ``tp > 1`` the model's own TP plan (as `fsdp2kit.apply_tensor_parallel` would apply it) says
-    which parameters each TP rank holds a slice of.
-    """
+    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without a process
+    group and changing nothing (a meta model planned for 1024 GPUs from a laptop); with ``tp > 1`` each
+    rank's slices follow the model's own TP plan, as `fsdp2kit.apply_tensor_parallel` would apply it."""
     shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
     tp_shapes = None
     if tp > 1:

@@ -219,12 +219,9 @@ def _tensors(obj) -> list[torch.Tensor]:
 def step_model(
     model: nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing, lead: int | None
 ) -> tuple[nn.Module, dict[str, nn.Module], list[str], int]:
-    """A meta copy of ``model`` set up for a training step (train mode, no KV cache, ``activation_checkpointing``
-    applied): ``(copy, its modules by the original's names, the kept blocks' names, repeat)``.
-
-    With ``lead`` and identical blocks after the first ``lead``, only those, ``blocks[lead]`` (which stands for
-    the ``repeat`` middle blocks that do not run) and the last block are kept.
-    """
+    """A meta copy of ``model`` set up for a training step: ``(copy, its modules by the original's names, the
+    kept blocks' names, repeat)``. With ``lead`` and identical blocks after the first ``lead``, only those,
+    ``blocks[lead]`` (standing for the ``repeat`` middle blocks that do not run) and the last are kept."""
     from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 
     blocks = find_blocks(model)
