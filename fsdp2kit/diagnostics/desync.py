@@ -130,13 +130,10 @@ class RankMonitor(PositionTracker):
         if self._checked():
             self._compare(_END)
 
-    def _vector(self, kind: int) -> torch.Tensor:
+    def _compare(self, kind: int) -> None:
         p = self.position
         shape = list(p.shape[:_DIMS]) + [-1] * (_DIMS - len(p.shape[:_DIMS]))
-        return torch.tensor([kind, p.step, p.micro, p.micro_count, p.last_count, *shape], dtype=torch.int64)
-
-    def _compare(self, kind: int) -> None:
-        mine = self._vector(kind)
+        mine = torch.tensor([kind, p.step, p.micro, p.micro_count, p.last_count, *shape], dtype=torch.int64)
         if kind == _MICRO:
             self._set("check", "")
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
