@@ -1,7 +1,5 @@
-"""ShardPlan: what each FSDP unit holds per rank, computed from shapes alone.
-
-How it works and why: docs/internals.md, section fsdp2kit/plan.py.
-"""
+"""ShardPlan: what each FSDP unit holds per rank, computed from shapes alone (how and why: docs/internals.md, section
+fsdp2kit/plan.py)."""
 
 from __future__ import annotations
 

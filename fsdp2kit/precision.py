@@ -1,7 +1,5 @@
-"""Mixed-precision policies by name, and the dtype of the master weights.
-
-How it works and why: docs/internals.md, section fsdp2kit/precision.py.
-"""
+"""Mixed-precision policies by name, and the dtype of the master weights (how and why: docs/internals.md, section
+fsdp2kit/precision.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""shard_model: FSDP2 on every block, then on the embeddings, then on the root.
-
-How it works and why: docs/internals.md, section fsdp2kit/shard.py.
-"""
+"""shard_model: FSDP2 on every block, then on the embeddings, then on the root (how and why: docs/internals.md, section
+fsdp2kit/shard.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Run a function on a real multi-process group (gloo on CPU, NCCL on GPUs), from a test or a notebook.
-
-How it works and why: docs/internals.md, section fsdp2kit/testing.py.
-"""
+"""Run a function on a real multi-process group (gloo on CPU, NCCL on GPUs), from a test or a notebook (how and why:
+docs/internals.md, section fsdp2kit/testing.py)."""
 
 from __future__ import annotations
 

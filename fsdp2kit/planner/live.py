@@ -1,7 +1,5 @@
-"""LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (meta tensors too).
-
-How it works and why: docs/internals.md, section fsdp2kit/planner/live.py.
-"""
+"""LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (meta tensors too) (how and
+why: docs/internals.md, section fsdp2kit/planner/live.py)."""
 
 from __future__ import annotations
 

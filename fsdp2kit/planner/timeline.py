@@ -1,7 +1,5 @@
-"""The step's memory timeline: FSDP2's allocations replayed over a recorded step, at any mesh size.
-
-How it works and why: docs/internals.md, section fsdp2kit/planner/timeline.py.
-"""
+"""The step's memory timeline: FSDP2's allocations replayed over a recorded step, at any mesh size (how and why:
+docs/internals.md, section fsdp2kit/planner/timeline.py)."""
 
 from __future__ import annotations
 

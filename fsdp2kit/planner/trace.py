@@ -1,7 +1,5 @@
-"""One training step run on the meta device (shapes only, no memory), recorded as a sequence of memory events.
-
-How it works and why: docs/internals.md, section fsdp2kit/planner/trace.py.
-"""
+"""One training step run on the meta device (shapes only, no memory), recorded as a sequence of memory events (how and
+why: docs/internals.md, section fsdp2kit/planner/trace.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Activation checkpointing: full, every N-th block, selective by op, or torchtitan's op policy.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/activation.py.
-"""
+"""Activation checkpointing: full, every N-th block, selective by op, or torchtitan's op policy (how and why:
+docs/internals.md, section fsdp2kit/wrappers/activation.py)."""
 
 from __future__ import annotations
 

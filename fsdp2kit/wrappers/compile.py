@@ -1,7 +1,4 @@
-"""Per-block ("regional") torch.compile.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/compile.py.
-"""
+"""Per-block ("regional") torch.compile (how and why: docs/internals.md, section fsdp2kit/wrappers/compile.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Float8 training through torchao, with float8 all-gather of weights under FSDP2.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/float8.py.
-"""
+"""Float8 training through torchao, with float8 all-gather of weights under FSDP2 (how and why: docs/internals.md,
+section fsdp2kit/wrappers/float8.py)."""
 
 from __future__ import annotations
 

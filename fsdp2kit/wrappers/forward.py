@@ -1,7 +1,5 @@
-"""How the speed and memory wrappers change a block in place, and the order they must come in.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/forward.py.
-"""
+"""How the speed and memory wrappers change a block in place, and the order they must come in (how and why:
+docs/internals.md, section fsdp2kit/wrappers/forward.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Explicit forward and backward prefetch of the blocks' all-gathers.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/prefetch.py.
-"""
+"""Explicit forward and backward prefetch of the blocks' all-gathers (how and why: docs/internals.md, section
+fsdp2kit/wrappers/prefetch.py)."""
 
 from __future__ import annotations
 
