@@ -35,7 +35,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.dist import mesh_device
-from fsdp2kit.precision import resolve_mixed_precision
+from fsdp2kit.precision import resolve_precision
 from fsdp2kit.shard import resolve_strategy
 from fsdp2kit.units import assign_units
 
@@ -63,7 +63,7 @@ def fsdp1_sharding_strategy(strategy: str | None, mesh: DeviceMesh) -> ShardingS
 
 
 def fsdp1_mixed_precision(mixed_precision) -> MixedPrecision | None:
-    policy = resolve_mixed_precision(mixed_precision)
+    policy = resolve_precision(mixed_precision).policy
     if policy.param_dtype is None and policy.reduce_dtype is None:
         return None
     # Buffers keep their dtype, as under FSDP2 (which never casts buffers): RoPE's inv_freq in

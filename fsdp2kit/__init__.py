@@ -1,8 +1,4 @@
-"""fsdp2kit: PyTorch FSDP2 made easy to use well.
-
-The public face. Every helper takes a module (and a mesh) and changes it in place; see
-README.md for the order in which they compose.
-"""
+"""fsdp2kit: PyTorch FSDP2 made easy to use well. Every helper changes a module in place (README.md: the order)."""
 
 from fsdp2kit.accumulation import ACCUMULATION, accumulate
 from fsdp2kit.blocks import find_blocks

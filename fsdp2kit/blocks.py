@@ -1,11 +1,5 @@
-"""Finding the repeated blocks of a model, and the parameters that are shared between modules.
-
-FSDP's unit of communication is a module: one all-gather before it runs, one reduce-scatter
-after its backward. The natural unit in a transformer is the decoder block, so finding the
-blocks is the first step of sharding. We never match attribute names ("layers", "h", "blocks"):
-names differ in every model family and are easy to rename. We use what the model declares about
-itself, and otherwise its structure.
-"""
+"""Finding the repeated blocks of a model (by what it declares, else its structure; never by attribute names),
+and the parameters shared between modules."""
 
 from __future__ import annotations
 
@@ -35,11 +29,8 @@ def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.
 
 
 def _declared_block_classes(model: nn.Module) -> set[str]:
-    """Class names the model itself says must not be split (transformers' ``_no_split_modules``).
-
-    Composite models (a language model inside a vision-language model) declare them on their
-    sub-models, so every module's declaration counts.
-    """
+    """Class names the model's modules say must not be split (transformers' ``_no_split_modules``; composite
+    models declare them on their sub-models)."""
     names: set[str] = set()
     for module in model.modules():
         declared = getattr(module, "_no_split_modules", None)
@@ -53,11 +44,7 @@ def _n_params(module: nn.Module) -> int:
 
 
 def _largest_repeated_children(model: nn.Module) -> list[nn.Module]:
-    """The largest set of same-class siblings (by parameter count): the trunk of a hand-written model.
-
-    Sizing by parameters rather than count is what picks the decoder layers over, say, the
-    experts inside each layer: the layers contain the experts, so they always weigh more.
-    """
+    """The largest set of same-class siblings by parameter count (decoder layers, not the experts inside)."""
     best: list[nn.Module] = []
     best_size = 0
     for parent in model.modules():

@@ -1,10 +1,4 @@
-"""Process-group start-up and device meshes.
-
-`init_distributed` turns torchrun's environment into a process group and a device;
-`make_mesh` turns "how many ways to shard, how many to replicate" into the DeviceMesh
-that `shard_model` expects (1-D FSDP or 2-D hybrid HSDP), with optional context-parallel
-("cp") and tensor-parallel ("tp") dimensions.
-"""
+"""Process-group start-up (`init_distributed`) and device meshes (`make_mesh`)."""
 
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "DistInfo",
-    "data_parallel_dims",
     "data_parallel_mesh",
     "default_device_type",
     "fsdp_mesh_shape",
@@ -70,20 +63,11 @@ def init_distributed(
     timeout: timedelta | float = timedelta(minutes=10),
     device: str | None = None,
 ) -> DistInfo:
-    """Start (or join) the default process group from torchrun's environment.
+    """Start (or join) the default process group from torchrun's environment; safe to call twice.
 
-    - Under torchrun, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT come from the
-      environment. Started with plain ``python``, the process becomes a world of one, so the
-      same script runs unchanged on a laptop.
-    - The backend follows the device: NCCL for CUDA (with gloo beside it for CPU tensors, which
-      checkpointing and object collectives use), gloo on CPU. ``device="cpu"`` forces the CPU
-      path on a CUDA machine.
-    - On CUDA the current device is set from LOCAL_RANK before the group starts, so NCCL binds
-      each rank to its own GPU instead of piling all ranks onto GPU 0.
-    - ``timeout`` bounds every collective: a rank that dies or diverges turns into an error on
-      the others after this long instead of a hang (seconds, or a timedelta).
-    - Calling it again returns the same information without starting a second group.
-    - At exit, the interpreter waits a moment for gloo's worker threads (see `_settle_gloo_workers`).
+    Without torchrun's variables the process is a world of one. NCCL on CUDA (with gloo beside it for CPU
+    tensors), gloo on CPU; ``device="cpu"`` forces the CPU path. On CUDA each rank's device is set from
+    LOCAL_RANK before the group starts. ``timeout`` (seconds or a timedelta) bounds every collective.
     """
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
@@ -130,23 +114,14 @@ def init_distributed(
 
 
 def _settle_gloo_workers(seconds: float = 0.05) -> None:
-    """Give gloo's worker threads a moment without the GIL before the interpreter finalizes.
-
-    A gloo worker that frees a finished collective's Python tensors during finalization aborts
-    the whole process (SIGABRT) after all the work is done; this pause narrows that race inside
-    torch. The mechanism and the measurements: docs/gloo-exit.md.
-    """
+    """Give gloo's worker threads a moment without the GIL before the interpreter finalizes: one freeing a
+    collective's tensors during finalization aborts the process (docs/gloo-exit.md)."""
     time.sleep(seconds)
 
 
 def _elastic_store(timeout: timedelta) -> dict:
-    """Under torchrun with restarts: a store whose keys are private to this attempt.
-
-    After a worker dies, torchrun restarts every worker against the same store, where the
-    previous attempt's keys are still present: a restarted rank can read a peer's address from
-    the dead attempt and fail in gloo's connectFullMesh (pytorch/pytorch#167288 is the NCCL face
-    of it; docs/gloo-exit.md). Prefixing every key with the restart count keeps attempts apart.
-    """
+    """Under torchrun with restarts: a store whose keys are private to this attempt, so a restarted rank never
+    reads a dead attempt's peer address (pytorch/pytorch#167288; docs/gloo-exit.md)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return {}  # not torchelastic: env:// as usual
@@ -163,23 +138,17 @@ def _elastic_store(timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
-def _factorizations(world: int, tp: int = 1) -> list[tuple[int, int]]:
-    """(shard, replicate) pairs whose product with ``tp`` is the world size."""
-    if tp < 1 or world % tp:
-        return []
-    dp = world // tp
-    return [(dp // r, r) for r in range(1, dp + 1) if dp % r == 0]
-
-
 def _fits(world: int, cp: int = 1) -> str:
     """Every (shard, replicate, tp) that fits a world (with ``cp`` given), for an error message."""
     if cp < 1 or world % cp:
         return f"none with cp={cp} (cp must divide the world size)"
+    n = world // cp
     combos = [
-        f"(shard={s}, replicate={r}" + (f", cp={cp}" if cp > 1 else "") + (f", tp={t})" if t > 1 else ")")
-        for t in range(1, world // cp + 1)
-        if (world // cp) % t == 0
-        for s, r in _factorizations(world // cp, t)
+        f"(shard={n // t // r}, replicate={r}" + (f", cp={cp}" if cp > 1 else "") + (f", tp={t})" if t > 1 else ")")
+        for t in range(1, n + 1)
+        if n % t == 0
+        for r in range(1, n // t + 1)
+        if (n // t) % r == 0
     ]
     return ", ".join(combos)
 
@@ -187,30 +156,13 @@ def _fits(world: int, cp: int = 1) -> str:
 def make_mesh(
     shard: int = -1, replicate: int = 1, tp: int = 1, *, cp: int = 1, device_type: str | None = None
 ) -> DeviceMesh:
-    """A DeviceMesh over every rank of the default group.
+    """A DeviceMesh over every rank of the default group, dimensions ``("replicate", "shard", "cp", "tp")``.
 
-    The dimensions are named ``("replicate", "shard", "cp", "tp")``, outermost first, and a dimension
-    is present only when its size is above 1, with one exception below:
-
-    - ``replicate == 1, tp == 1``: a 1-D mesh ``("shard",)`` (plain FSDP);
-    - ``replicate > 1``: ``("replicate", "shard")`` (HSDP: parameters sharded within a group of
-      ``shard`` ranks, usually one node, and replicated across ``replicate`` groups);
-    - ``tp > 1``: a ``"tp"`` dimension is added innermost, so that the ranks of one
-      tensor-parallel group are neighbours (the same node, the fastest links: TP all-reduces
-      every layer's activations, FSDP only gathers parameters). With tp the ``"shard"``
-      dimension is always present, also when its size is 1 (a world that is all TP): that is
-      the dimension `shard_model` shards over, and the mesh a TP-only model passes to it, so
-      the same code runs at any data-parallel degree (FSDP over one rank moves no data).
-    - ``cp > 1``: a ``"cp"`` (context-parallel) dimension between ``"shard"`` and ``"tp"``: the
-      ranks of one cp group hold different tokens of the same sequences (see
-      `fsdp2kit.apply_context_parallel`). They compute on the same parameters, so `shard_model`
-      shards parameters over ``"shard"`` and ``"cp"`` together (one flattened dimension, as
-      torchtitan's ``dp_shard_cp``), and gradients are averaged over both. ``"shard"`` is then
-      always present, also when its size is 1.
-
-    One of ``shard`` and ``replicate`` may be -1, meaning "whatever the world size leaves";
-    ``tp`` and ``cp`` must be given. Sizes whose product is not the world size are a ``ValueError`` that
-    lists the sizes that would work.
+    A dimension is present when its size is above 1; ``"shard"`` always is (of size 1 too, with tp or cp: it
+    is what `shard_model` shards over). ``"tp"`` is innermost, so a tensor-parallel group is neighbouring
+    ranks; `shard_model` shards over ``"shard"`` and ``"cp"`` together. One of ``shard`` and ``replicate``
+    may be -1 (whatever the world size leaves); sizes that do not fit the world are a ``ValueError`` that
+    lists the sizes that would.
     """
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs a process group: call fsdp2kit.init_distributed() first")
@@ -243,11 +195,6 @@ def make_mesh(
     if tp > 1:
         shape, names = [*shape, tp], [*names, "tp"]
     return init_device_mesh(dev, tuple(shape), mesh_dim_names=tuple(names))
-
-
-def data_parallel_dims(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The names of a mesh's data-parallel dimensions (all but ``"tp"``), outermost first."""
-    return tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
 
 
 # The name of the flattened ("shard", "cp") dimension FSDP shards over (torchtitan's dp_shard_cp).
@@ -286,7 +233,7 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return DeviceMesh._concatenate([mesh["replicate"], flat])
     if "tp" not in names:
         return mesh
-    dims = data_parallel_dims(mesh)
+    dims = tuple(n for n in names if n != "tp")
     if not dims:
         raise ValueError(
             f"mesh {names} has a tp dimension but no data-parallel one; make it with make_mesh(shard=..., tp=...), "

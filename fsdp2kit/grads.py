@@ -21,14 +21,9 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Clip gradients by their total norm over every rank's shards; returns that norm.
-
-    The norm is a plain tensor with the same value on every rank, also when parameters live on
-    different meshes (an FSDP mesh and a 2-D HSDP mesh, say) or are plain replicated tensors.
-    ``torch.nn.utils.clip_grad_norm_`` returns a DTensor for sharded gradients and cannot mix
-    meshes, so each mesh's gradients are reduced on their own mesh and the partial norms are
-    combined here. A non-finite norm is returned as it is and the gradients are left unscaled.
-    """
+    """Clip gradients by their total norm over every rank's shards; returns that norm, a plain tensor equal on
+    every rank, also across meshes (torch's returns a DTensor and cannot mix meshes). A non-finite norm is
+    returned as it is, the gradients left unscaled (docs/long-runs.md)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -54,8 +49,6 @@ def clip_grad_norm_(
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    # A non-finite norm leaves the gradients as they are (torch's version turns them all into
-    # NaN), so fsdp2kit.diagnostics.check_finite can still name the module where it began.
     clip_coef = torch.where(torch.isfinite(total), clip_coef, torch.ones_like(clip_coef))
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
@@ -63,23 +56,13 @@ def clip_grad_norm_(
     return total
 
 
-def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally: backward passes inside skip the reduce-scatter/all-reduce (every micro-step
+    but the last; gradients are held unsharded meanwhile). Scale each micro-step's loss by 1/N to average."""
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(f"no_sync: {type(model).__name__} has no FSDP units; call shard_model first")
-    return modules
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally: backward passes inside skip the reduce-scatter/all-reduce.
-
-    Use it for every micro-step but the last of a gradient-accumulation step; the last backward,
-    outside the context, reduces the accumulated gradients once. Gradients are held unsharded
-    between micro-steps (the price of skipping communication), so peak memory grows by one
-    unsharded gradient per unit. Scale each micro-step's loss by 1/N to average.
-    """
-    modules = _fsdp_modules(model)
     for m in modules:
         m.set_requires_gradient_sync(False, recurse=False)
     try:

@@ -20,10 +20,8 @@ _PEAK_BF16 = {
 
 
 def transformer_flops_per_token(model: nn.Module, n_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention's
-    ``12 * layers * hidden * seq_len`` (the PaLM appendix formula). Embedding tables do no
-    matmul, so they are not counted, unless an output head shares the table's weight (tied
-    embeddings): that head is a matmul like any other Linear."""
+    """Training FLOPs per token (the PaLM appendix formula): 6 per parameter but embedding tables (unless a
+    head shares one), plus attention's ``12 * layers * hidden * seq_len``."""
     n = sum(p.numel() for p in model.parameters())
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     n -= sum(

@@ -1,8 +1,5 @@
-"""Named Llama-style configs for recipes and benchmarks, and building a causal LM without weights.
-
-Only configs live here (numbers from the models' published config.json files); nothing is
-downloaded. A local directory with a Hugging Face config.json works the same way.
-"""
+"""Named Llama-style configs (from the models' published config.json files) and building a causal LM without
+weights, from one of them or a local directory with a Hugging Face config.json."""
 
 from __future__ import annotations
 
@@ -52,12 +49,8 @@ def causal_lm_config(
     max_position_embeddings: int | None = None,
 ):
     """The transformers config `build_causal_lm` builds from: a named config or a local HF directory's.
-
-    ``vocab_size``/``max_seq_len`` adapt a named config to the data (ignored for a directory,
-    whose weights fix them). ``max_position_embeddings`` sets the model's position limit
-    explicitly, a directory's too: the user's statement that sequences past the config's limit
-    are meant (positions past the trained ones are extrapolated; see `max_positions`).
-    """
+    ``vocab_size``/``max_seq_len`` adapt a named config to the data; ``max_position_embeddings`` sets the
+    position limit of either (the user's statement that longer sequences are meant)."""
     from transformers import AutoConfig
 
     if max_position_embeddings is not None and (
@@ -83,11 +76,7 @@ def causal_lm_config(
 
 
 def max_positions(model_or_config) -> int | None:
-    """The longest sequence a model's config says it handles (``max_position_embeddings``), or None.
-
-    Rotary models run longer sequences without an error, at positions they never saw in
-    training; the planner notes it and the recipe refuses it unless the limit is raised.
-    """
+    """The longest sequence a model's config says it handles (``max_position_embeddings``), or None."""
     config = getattr(model_or_config, "config", model_or_config)
     limit = getattr(config, "max_position_embeddings", None)
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
@@ -102,18 +91,12 @@ def build_causal_lm(
     meta: bool = True,
     device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """A randomly initialised causal LM from `causal_lm_config` (a named config or a local HF directory's).
-
-    With ``meta=True`` no memory is allocated: shard it, then `fsdp2kit.materialize` or
-    `fsdp2kit.load_pretrained`. Otherwise it is built on ``device`` with the current torch seed.
-    """
+    """A randomly initialised causal LM from `causal_lm_config`: on the meta device (shard it, then
+    `fsdp2kit.materialize` or `fsdp2kit.load_pretrained`), or with ``meta=False`` on ``device``."""
     from transformers import AutoModelForCausalLM
 
     config = causal_lm_config(
         name, vocab_size=vocab_size, max_seq_len=max_seq_len, max_position_embeddings=max_position_embeddings
     )
-    if not meta:
-        with torch.device(device), quiet_imports():
-            return AutoModelForCausalLM.from_config(config)
-    with torch.device("meta"), quiet_imports():
+    with torch.device("meta" if meta else device), quiet_imports():
         return AutoModelForCausalLM.from_config(config)

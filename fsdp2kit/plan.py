@@ -1,7 +1,5 @@
-"""ShardPlan: what each FSDP unit holds per rank, computed from shapes alone.
-
-How it works and why: docs/internals.md, section fsdp2kit/plan.py.
-"""
+"""ShardPlan: what each FSDP unit holds per rank, computed from shapes alone (how and why: docs/internals.md, section
+fsdp2kit/plan.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +17,8 @@ __all__ = ["ShardPlan", "UnitPlan"]
 
 
 def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) -> torch.Size:
-    """The part of a parameter one TP rank holds (the whole parameter without TP): what FSDP then shards.
-
-    ``planned`` (by ``id(p)``) gives it for a model TP has not been applied to (`estimate_plan`).
-    """
+    """The part of a parameter one TP rank holds, what FSDP shards; ``planned`` (by ``id(p)``) gives it for a
+    model TP has not been applied to (`estimate_plan`)."""
     from torch.distributed.tensor import DTensor
 
     if planned is not None and id(p) in planned:
@@ -31,17 +27,14 @@ def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) 
 
 
 def _sharded_numel(shape: torch.Size, shard: int) -> int:
-    if len(shape) == 0:
-        return 1
-    return math.ceil(shape[0] / shard) * math.prod(shape[1:])
+    return math.ceil(shape[0] / shard) * math.prod(shape[1:]) if len(shape) else 1
 
 
 def _sharded_bytes(
     p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None, dtype: torch.dtype | None = None
 ) -> int:
-    """Bytes of the largest shard of ``p`` (stored in ``dtype``, default its own). A tensor subclass that
-    stores other tensors (torchao's NF4Tensor: packed 4-bit data plus scalers) is split in
-    proportion, so it counts what it stores."""
+    """Bytes of the largest shard of ``p`` (stored in ``dtype``, default its own); an NF4 weight counts the
+    inner tensors it stores."""
     if is_nf4(p):
         total = 0
         for attr in p.__tensor_flatten__()[0]:

@@ -1,7 +1,5 @@
-"""Mixed-precision policies by name, and the dtype of the master weights.
-
-How it works and why: docs/internals.md, section fsdp2kit/precision.py.
-"""
+"""Mixed-precision policies by name, and the dtype of the master weights (how and why: docs/internals.md, section
+fsdp2kit/precision.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ __all__ = [
     "Precision",
     "cast_masters",
     "dtype_name",
-    "resolve_mixed_precision",
     "resolve_precision",
     "warn_as_built",
 ]
@@ -45,11 +42,8 @@ class Precision:
         return self.master_dtype
 
 
-# Gradients are reduced in fp32 in every named policy, pure_bf16 too: averaging N low-precision
-# gradients in bf16 loses the low bits exactly where small updates live, and the reduce-scatter
-# costs the same bytes either way once communication overlaps compute (pure_bf16's gradients are
-# then stored in bf16). fp16 also needs loss scaling (torch.amp.GradScaler) because its range is
-# narrow; bf16 does not.
+# Gradients are reduced in fp32 in every named policy, pure_bf16 too: averaging in bf16 loses the low bits where
+# small updates live, and the reduce-scatter overlaps compute either way.
 _BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", MixedPrecisionPolicy(), torch.float32),
@@ -78,11 +72,6 @@ def resolve_precision(mixed_precision: str | MixedPrecisionPolicy | Precision | 
     )
 
 
-def resolve_mixed_precision(mixed_precision: str | MixedPrecisionPolicy | Precision | None) -> MixedPrecisionPolicy:
-    """FSDP2's policy for any value `resolve_precision` takes."""
-    return resolve_precision(mixed_precision).policy
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
         dtype, str(dtype).removeprefix("torch.")
@@ -90,14 +79,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def cast_masters(model: nn.Module, precision: Precision) -> int:
-    """Cast the trainable floating-point parameters of a sharded model to the master dtype, in place.
-
-    Runs after ``fully_shard``, so each rank casts its own shard (meta shards stay meta, and
-    `materialize` / `load_pretrained` fill them in the new dtype). Goes through ``Module._apply``,
-    whose FSDP2 override re-registers each new shard (``FSDPParam.reset_sharded_param``), the way
-    ``model.to(dtype)`` after ``fully_shard`` does; parameters keep their objects. Returns how
-    many parameters were cast.
-    """
+    """Cast the trainable floating-point parameters of a sharded model to the master dtype, in place, each rank
+    its own shard; returns how many. Through ``Module._apply``, whose FSDP2 override re-registers each shard
+    (as ``model.to(dtype)`` after ``fully_shard`` does)."""
     master = precision.master_dtype
     todo = {id(p) for p in model.parameters() if precision.master(p) != p.dtype}
     if master is None or not todo:

@@ -1,9 +1,4 @@
-"""Checks that run before any collective, so a bad model fails with a sentence instead of a hang.
-
-Each of these mistakes otherwise surfaces late and far from its cause: an AssertionError inside
-FSDP's lazy init on the first forward, a silent all-gather of the wrong tensor, or an optimizer
-that steps parameters nobody uses any more.
-"""
+"""Checks that run before any collective, so a bad model fails with a sentence instead of a hang."""
 
 from __future__ import annotations
 
@@ -150,8 +145,7 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> N
 
 
 def _live_optimizers() -> list[torch.optim.Optimizer]:
-    """Every optimizer object in the process: a scan of the garbage collector's objects (~50 ms at
-    400k objects), by exact type against the Optimizer subclasses that exist."""
+    """Every optimizer object in the process: a scan of the garbage collector's objects (~50 ms at 400k)."""
     kinds, todo = set(), [torch.optim.Optimizer]
     while todo:
         cls = todo.pop()
@@ -162,16 +156,10 @@ def _live_optimizers() -> list[torch.optim.Optimizer]:
 
 
 def check_optimizers_at_first_forward(model: nn.Module, replaced: Iterable[nn.Parameter]) -> None:
-    """At ``model``'s first forward, give every optimizer that holds a parameter ``shard_model``
-    replaced, or a frozen sharded one, a step pre-hook that raises instead of stepping it.
-
-    An optimizer built before ``shard_model`` keeps the old parameters, which no longer take part
-    in the model: training would run and the loss would simply not move. Nothing global is
-    installed: the replaced parameters are watched by weak reference (in the right order nothing
-    holds them any more and the check costs nothing); only when one is still alive, or the model
-    has frozen parameters, are the process's optimizers looked up, once. An optimizer built after
-    the first forward is not checked.
-    """
+    """At ``model``'s first forward, give every optimizer that holds a parameter ``shard_model`` replaced (its
+    loss would not move), or a frozen sharded one, a step pre-hook that raises. Nothing global is installed:
+    only while a replaced parameter is alive (weakly watched) or the model has frozen ones are the process's
+    optimizers looked up, once."""
     watched = [weakref.ref(p) for p in replaced]
 
     def first_forward(module: nn.Module, args: tuple) -> None:

@@ -1,7 +1,5 @@
-"""shard_model: FSDP2 on every block, then on the embeddings, then on the root.
-
-How it works and why: docs/internals.md, section fsdp2kit/shard.py.
-"""
+"""shard_model: FSDP2 on every block, then on the embeddings, then on the root (how and why: docs/internals.md, section
+fsdp2kit/shard.py)."""
 
 from __future__ import annotations
 
@@ -113,35 +111,22 @@ def shard_model(
     Args:
         model: the model, on the mesh's device, on CPU with ``cpu_offload``, or on the meta
             device (then call `fsdp2kit.materialize` afterwards).
-        mesh: from `fsdp2kit.make_mesh`: 1-D ``("shard",)`` or 2-D ``("replicate", "shard")``,
-            or either with a ``"tp"`` dimension after `fsdp2kit.apply_tensor_parallel`: FSDP then
-            shards over the data-parallel dimensions only (FSDP x TP, HSDP x TP), each rank's TP
-            slice of every parameter, and the plan's figures are per rank with TP. With a ``"cp"``
-            dimension (`fsdp2kit.apply_context_parallel`), FSDP shards over ``"shard"`` and ``"cp"``
-            together (the plan shows them as one ``shard_cp`` dimension).
+        mesh: from `fsdp2kit.make_mesh`. FSDP shards over its data-parallel dimensions (each rank's slice
+            after `fsdp2kit.apply_tensor_parallel`), ``"shard"`` and ``"cp"`` as one ``shard_cp``.
         blocks: which modules become FSDP units, see `fsdp2kit.blocks.find_blocks`.
-        strategy: FSDP1's names. ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh),
-            ``SHARD_GRAD_OP`` (ZeRO-2: keep gathered parameters from forward to backward, one
-            all-gather fewer per block for the memory of the whole unsharded model at the end
-            of forward), ``NO_SHARD`` (DDP-like, replicate everything), ``HYBRID_SHARD`` (the
-            default on a 2-D mesh: FULL_SHARD within a shard group, replicated across groups)
-            and ``HYBRID_SHARD_ZERO2``.
-        reshard_after_forward: overrides the strategy for every unit. ``True`` / ``False``, or
-            an int: reshard after forward to groups of that many ranks (e.g. GPUs per node), so
-            backward's all-gather stays inside a node. ``None`` keeps the strategy's default,
-            under which the last block does not reshard: backward starts with it, so freeing
-            and re-gathering it at once would cost an all-gather for nothing.
-        mixed_precision: ``"bf16"`` / ``"fp16"``: compute in that dtype, reduce gradients in
-            fp32, and keep fp32 master weights whatever dtype the model was built or stored in
-            (trainable floating-point parameters are cast to fp32 after sharding, one shard per
-            rank; frozen ones keep their storage dtype). ``"pure_bf16"``: bf16 parameters,
-            gradients and optimizer state, on purpose (half the memory; small updates round
-            away). ``"fp32"``: fp32 masters and compute. ``None`` or a ``MixedPrecisionPolicy``:
-            parameters trained as built (a warning when that leaves trainable ones in 16 bits).
-            The plan's precision line names the master and optimizer-state dtypes
-            (`fsdp2kit.precision`).
-        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
-            optimizer step then runs on CPU. Saves accelerator memory, costs host-device copies.
+        strategy: FSDP1's names: ``FULL_SHARD`` (ZeRO-3, the default on a 1-D mesh), ``SHARD_GRAD_OP``
+            (ZeRO-2: gathered parameters kept from forward to backward), ``NO_SHARD`` (DDP-like),
+            ``HYBRID_SHARD`` (the default on a 2-D mesh) and ``HYBRID_SHARD_ZERO2``.
+        reshard_after_forward: overrides the strategy for every unit: ``True`` / ``False``, or an int, the
+            group size to reshard to after forward (e.g. GPUs per node). ``None`` keeps the strategy's
+            default, under which the last block, where backward starts, does not reshard.
+        mixed_precision: ``"bf16"`` / ``"fp16"``: compute in that dtype, reduce gradients in fp32, fp32 master
+            weights whatever the dtype built or stored (frozen parameters keep theirs). ``"pure_bf16"``: bf16
+            parameters, gradients and optimizer state, on purpose. ``"fp32"``. ``None`` or a
+            ``MixedPrecisionPolicy``: parameters trained as built (a warning when trainable ones are 16-bit).
+            The plan's precision line names the master and optimizer-state dtypes (`fsdp2kit.precision`).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer
+            step runs on CPU).
 
     On any backend, an embedding unit that is one plain ``nn.Embedding`` is not all-gathered
     again in backward (a lookup's gradient does not read the table); tied to a head, it is.
@@ -155,16 +140,7 @@ def shard_model(
     dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
     # With a cp dimension, FSDP shards over shard x cp together: the layout sees them as one dim.
     shape, names = fsdp_mesh_shape(tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
-    layout = _layout(
-        model,
-        shape,
-        names,
-        blocks=blocks,
-        strategy=strategy,
-        reshard_after_forward=reshard_after_forward,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-    )
+    layout = _layout(model, shape, names, blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload)
     check_devices(model, mesh, cpu_offload=cpu_offload)
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
@@ -203,13 +179,9 @@ def estimate_plan(
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
 ) -> ShardPlan:
-    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without one.
-
-    Needs no process group and changes nothing, so a model built on the meta device can be
-    planned for 8 or 1024 GPUs from a laptop: "does it fit?" before renting the machines. With
-    ``tp > 1`` the model's own TP plan (as `fsdp2kit.apply_tensor_parallel` would apply it) says
-    which parameters each TP rank holds a slice of.
-    """
+    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without a process
+    group and changing nothing (a meta model planned for 1024 GPUs from a laptop); with ``tp > 1`` each
+    rank's slices follow the model's own TP plan, as `fsdp2kit.apply_tensor_parallel` would apply it."""
     shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
     tp_shapes = None
     if tp > 1:
@@ -217,17 +189,8 @@ def estimate_plan(
 
         shape, names = (*shape, tp), (*names, "tp")
         tp_shapes = planned_tp_shapes(model, tp)
-    return _layout(
-        model,
-        shape,
-        names,
-        blocks=blocks,
-        strategy=strategy,
-        reshard_after_forward=reshard_after_forward,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-        tp_shapes=tp_shapes,
-    ).plan
+    args = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, tp_shapes)
+    return _layout(model, shape, names, *args).plan
 
 
 @dataclass
@@ -246,7 +209,6 @@ def _layout(
     model: nn.Module,
     mesh_shape: tuple[int, ...],
     mesh_dim_names: tuple[str, ...],
-    *,
     blocks: BlockSpec,
     strategy: str | None,
     reshard_after_forward: bool | int | None,
@@ -294,26 +256,16 @@ def _layout(
         units.extend((f"{label} {sub}", mods, reshard) for sub, mods in split.get(key, []))
         units.append((label, modules, reshard))
 
-    for i, b in enumerate(found):
-        add(
-            names[id(b)],
-            names[id(b)],
-            [b],
-            False if (i == len(found) - 1 and reshard_after_forward is None) else default,
-        )
+    last = found[-1] if reshard_after_forward is None else None  # the strategy's default keeps it gathered
+    for b in found:
+        add(names[id(b)], names[id(b)], [b], False if b is last else default)
     for g in groups:
         label = " + ".join(names[id(m)] for m in g)
         add("+".join(names[id(m)] for m in g), label, g, default)
     add("", f"(root) {type(model).__name__}", [model], root_reshard)
 
-    plan = ShardPlan(
-        strategy=resolved.name,
-        mesh_shape=tuple(mesh_shape),
-        mesh_dim_names=tuple(mesh_dim_names),
-        mixed_precision=precision.name,
-        cpu_offload=cpu_offload,
-        precision=precision,
-    )
+    plan = ShardPlan(resolved.name, tuple(mesh_shape), tuple(mesh_dim_names), precision.name, cpu_offload)
+    plan.precision = precision
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]

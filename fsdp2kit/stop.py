@@ -56,23 +56,12 @@ class StopSignal:
                     ck.save(step, model, optimizer=opt)  # every rank saves the same step
                     sys.exit(fk.EXIT_PREEMPTED)
 
-    A scheduler may deliver the signal to one process only (a node's ranks, or just the one it
-    picked); the handler only sets a flag, so the current step finishes untouched, and the flag
-    reaches the other ranks through one all-reduce (MAX over one int) at the next boundary. Every
-    rank then stops after the same step and can save a complete checkpoint.
-
-    When the first signal is one of ``abort_on_repeat`` (SIGINT: a Ctrl-C, the user is at the
-    terminal), any further stop signal more than ``repeat_after`` seconds later aborts at once:
-    the previous handlers come back and `KeyboardInterrupt` is raised in the main thread, as
-    Python does for a Ctrl-C. Any, not only SIGINT: torchrun runs each worker in a session of its
-    own, so the terminal's Ctrl-C reaches torchrun alone; it forwards the first as SIGINT and
-    answers a second with SIGTERM (and SIGKILL ``--shutdown-timeout`` seconds, 30 by default,
-    after the first). The grace period covers launchers whose workers share the terminal's
-    process group, where one Ctrl-C arrives twice: from the terminal and forwarded.
-
-    ``on_signal`` is called inside the handler with the first signal (keep it to an ``os.write``:
-    a handler may interrupt a ``print``). The handlers are installed by the constructor, in the
-    main thread, and the previous ones come back with `close` (or at the end of a ``with``).
+    The handler only sets a flag (the current step finishes untouched); one all-reduce at the next boundary
+    makes every rank stop after the same step, whichever rank the scheduler signalled. After a first signal in
+    ``abort_on_repeat`` (a Ctrl-C), any stop signal more than ``repeat_after`` seconds later puts the previous
+    handlers back and raises `KeyboardInterrupt` (docs/long-runs.md, "Ctrl-C"). ``on_signal(sig)`` runs inside
+    the handler on the first signal (keep it to an ``os.write``). Create it in the main thread; `close` (or
+    the end of the ``with``) puts the previous handlers back.
     """
 
     def __init__(
@@ -114,11 +103,8 @@ class StopSignal:
         return self.received is not None
 
     def should_stop(self, device: torch.device | str = "cpu", group=None) -> bool:
-        """Whether any rank has received a signal: the same answer on every rank. Collective.
-
-        One all-reduce (MAX) of two integers: the highest rank that received a signal (plus one)
-        and that signal's number, kept in `by_rank` and `agreed_signal` for the log.
-        """
+        """Whether any rank has received a signal: the same answer on every rank. Collective: one all-reduce (MAX)
+        of the highest rank that received one (plus one) and its signal, kept in `by_rank` and `agreed_signal`."""
         if not dist.is_initialized():
             self.by_rank = 0 if self.requested else None
             self.agreed_signal = self.received
@@ -145,8 +131,6 @@ class StopSignal:
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, handler)
         self._previous.clear()
-
-    restore = close  # the older name
 
     def __enter__(self) -> StopSignal:
         return self

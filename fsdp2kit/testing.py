@@ -1,7 +1,5 @@
-"""Run a function on a real multi-process group (gloo on CPU, NCCL on GPUs), from a test or a notebook.
-
-How it works and why: docs/internals.md, section fsdp2kit/testing.py.
-"""
+"""Run a function on a real multi-process group (gloo on CPU, NCCL on GPUs), from a test or a notebook (how and why:
+docs/internals.md, section fsdp2kit/testing.py)."""
 
 from __future__ import annotations
 
@@ -64,19 +62,11 @@ def run_world(
     grace: float = 10.0,
     device: str = "cpu",
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` fresh processes that form a gloo group on CPU.
-
-    With ``device="cuda"`` each rank takes the GPU of its rank number and the group is NCCL
-    (with gloo beside it for CPU tensors), as `init_distributed` sets it up under torchrun; the
-    world may not be larger than the number of GPUs. Return CPU values from ``fn`` there: a
-    CUDA tensor sent back through the result queue would point into a process that has exited.
-
-    ``fn`` must be importable by name (a module-level function). Each process has called
-    ``fsdp2kit.init_distributed()`` before ``fn`` runs. Returns the ranks' return values in rank
-    order. Raises `WorldError` if any rank raised (with every rank's traceback) or if the whole
-    world is not done within ``timeout`` seconds (naming the ranks that hung). Once one rank has
-    failed, the rest get ``grace`` seconds to report before they are killed, so an error on one
-    rank never turns into a hang on the others.
+    """Run ``fn(*args)`` (a module-level function) on ``world_size`` fresh processes, each after
+    ``fsdp2kit.init_distributed()``: a gloo group, or with ``device="cuda"`` NCCL with a GPU a rank (return
+    CPU values then). Returns the ranks' values in rank order; raises `WorldError` with every failed rank's
+    traceback, or naming the ranks still running after ``timeout`` s. Once a rank failed, the rest get
+    ``grace`` seconds before they are killed, so an error never turns into a hang.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"run_world: device must be 'cpu' or 'cuda', got {device!r}")

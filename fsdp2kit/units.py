@@ -1,9 +1,4 @@
-"""Which modules form each FSDP unit: embedding groups with their tied heads, and dtype sub-units.
-
-A parameter shared between modules must live in one unit (FSDP would shard it in one and the
-other unit would compute with the wrong-sized tensor), and a unit's trainable parameters must
-share one dtype (FSDP2 reduces them in one buffer): both are decided here, before any collective.
-"""
+"""Which modules form each FSDP unit: embedding groups with their tied heads, and dtype sub-units."""
 
 from __future__ import annotations
 
@@ -18,11 +13,8 @@ __all__ = ["assign_units", "dtype_subunits"]
 
 
 def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
-    """Embedding groups outside the blocks, and each parameter's unit (by id) for the checks.
-
-    Raises if a parameter shared between modules would end up in two units: FSDP would shard it
-    in one and the other unit would compute with the sharded (wrong-sized) tensor.
-    """
+    """Embedding groups outside the blocks, and each parameter's unit (by id); raises if a parameter shared
+    between modules would end up in two units (the other would compute with the sharded tensor)."""
     block_ids = {id(b) for b in blocks}
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -85,17 +77,9 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
 def dtype_subunits(
     model: nn.Module, unit: str, params: dict[str, nn.Parameter], unit_of: dict[int, str]
 ) -> list[tuple[str, list[nn.Module]]]:
-    """Sub-units that give every FSDP unit trainable parameters of one dtype.
-
-    FSDP2 reduce-scatters a unit's gradients as one flat buffer and keeps one original dtype
-    per unit, so a unit whose trainable parameters mix dtypes (fp32 adapters beside bf16
-    trainable norms) cannot be one unit. Frozen parameters are free to differ (FSDP2 all-gathers
-    mixed dtypes as bytes). The dtype holding most trainable elements stays in the unit; the
-    modules that own each other dtype's parameters become one extra unit per dtype, sharded
-    before the unit (FSDP2 wants children first): one more all-gather and reduce-scatter per
-    dtype, not a whole-model upcast. Raises when a module owns trainable parameters of two
-    dtypes itself, since no grouping of modules can separate them.
-    """
+    """Sub-units that give every FSDP unit trainable parameters of one dtype (FSDP2 reduces a unit's gradients
+    in one flat buffer; frozen ones may differ). The majority dtype stays; the modules owning each other
+    dtype's become one extra unit per dtype, sharded first. Raises when one module mixes them itself."""
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     numel: dict[torch.dtype, int] = defaultdict(int)
     for p in trainable.values():

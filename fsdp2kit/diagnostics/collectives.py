@@ -1,36 +1,27 @@
 """count_collectives: every collective a block of code issues on this rank, by process group and kind, with bytes.
 
-How: a ``TorchDispatchMode`` (the machinery of torch's own ``CommDebugMode``, which counts calls
-but not bytes) sees each c10d op (``dist.all_gather_into_tensor``, ``reduce_scatter_tensor``,
-``all_reduce``..., what FSDP2 calls on its own streams and what fsdp2kit calls) and each
-functional collective (what DTensor's redistributions and tensor parallelism call) as it is
-dispatched. A mode sees ops on plain tensors only, so for a DTensor op it steps aside
-(``NotImplemented``) and sees the collectives DTensor turns it into, as ``CommDebugMode`` does.
-The mode is pushed on entry and popped on exit: nothing is left behind, and outside the block
-every op dispatches as before. Inside it every op pays a Python call: count a step, not a run.
-
-Autograd runs backward with the forward thread's modes (torch propagates them to its worker
-threads), so FSDP2's backward all-gathers and reduce-scatters are counted on CUDA as on CPU.
+A ``TorchDispatchMode``, as torch's ``CommDebugMode`` (which counts calls but not bytes): it sees each c10d op
+and functional collective as it is dispatched; a DTensor op it leaves to DTensor, whose collectives come back to it.
+Autograd runs backward with the forward thread's modes, so FSDP2's backward collectives are counted too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["CollectiveCounts", "CollectiveEvent", "count_collectives"]
 
-# Which kind each op is and which of its arguments is the whole buffer whose size is reported
-# (the "size" of nccl-tests): an all-gather's output, a reduce-scatter's input, an all-reduce's
-# or broadcast's tensor, an all-to-all's input. Functional all-gathers name only their input:
-# the output is group_size times it.
+# Each op's kind and the argument that is its whole buffer (`count_collectives` says which); functional
+# all-gathers name only their input, the output is group_size times it.
 _C10D = {
     "_allgather_base_": ("all_gather", "output_tensor"),
     "allgather_": ("all_gather", "output_tensors"),
@@ -73,38 +64,23 @@ class CollectiveEvent:
     kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, broadcast (or reduce, gather, scatter)
     group: str  # the mesh dimension's name, else the process group's description ("world": the default group)
     group_size: int
-    nbytes: (
-        int  # the whole buffer: all-gather output, reduce-scatter input, all-reduce/broadcast tensor, all-to-all input
-    )
+    nbytes: int  # the whole buffer, as `count_collectives` says
     dtype: str  # torch's dtype name ("bfloat16"; "a+b" when a coalesced call mixes dtypes)
 
 
 @dataclass
 class CollectiveCounts:
-    """What `count_collectives` saw, in call order (``events``), with sums by group and kind.
-
-    ``bytes`` are the size of each collective's whole buffer, the same number on every rank of
-    its group: an all-gather's output, a reduce-scatter's input, an all-reduce's or a
-    broadcast's tensor, an all-to-all's input (nccl-tests' "size"; a ring all-gather or
-    reduce-scatter puts ``(n - 1) / n`` of it on each rank's wire, a ring all-reduce twice that).
-    `fsdp2kit.planner.comm` predicts the same figures from shapes.
-    """
+    """What `count_collectives` saw, in call order (``events``), with sums by group and kind."""
 
     events: list[CollectiveEvent] = field(default_factory=list)
 
     def by_group(self) -> dict[str, dict[str, int]]:
         """``{group: {kind: bytes}}``."""
-        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for e in self.events:
-            out[e.group][e.kind] += e.nbytes
-        return {g: dict(k) for g, k in out.items()}
+        return {g: {k: row["bytes"] for k, row in kinds.items()} for g, kinds in self.summary().items()}
 
     def counts(self) -> dict[str, dict[str, int]]:
         """``{group: {kind: calls}}``."""
-        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for e in self.events:
-            out[e.group][e.kind] += 1
-        return {g: dict(k) for g, k in out.items()}
+        return {g: {k: row["count"] for k, row in kinds.items()} for g, kinds in self.summary().items()}
 
     @property
     def total_bytes(self) -> int:
@@ -134,22 +110,6 @@ class CollectiveCounts:
         return "; ".join(parts) or "no collectives"
 
 
-def _nbytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    return 0
-
-
-def _dtypes(obj) -> list[torch.dtype]:
-    if isinstance(obj, torch.Tensor):
-        return [obj.dtype]
-    if isinstance(obj, (list, tuple)):
-        return [d for o in obj for d in _dtypes(o)]
-    return []
-
-
 class _Counter(TorchDispatchMode):
     def __init__(self, counts: CollectiveCounts, names: dict[str, str]):
         super().__init__()
@@ -173,24 +133,21 @@ class _Counter(TorchDispatchMode):
         if entry is None:
             return
         kind, buffer = entry
-        bound = dict(kwargs)
-        for arg, value in zip(func._schema.arguments, args):
-            bound[arg.name] = value
+        bound = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
         group = self._group(bound.get("process_group", bound.get("group_name")))
         if group is None:
             return
-        nbytes = _nbytes(bound[buffer])
+        tensors = [t for t in tree_leaves(bound[buffer]) if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if func.namespace != "c10d" and kind == "all_gather":
             nbytes *= bound["group_size"]
         name = self.names.get(group.group_name) or group.group_desc.removeprefix("mesh_")
-        dtypes = sorted({str(d).removeprefix("torch.") for d in _dtypes(bound[buffer])})
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
         event = CollectiveEvent(kind, "world" if name == "default_pg" else name, group.size(), nbytes, "+".join(dtypes))
         self.counts.events.append(event)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from torch.distributed.tensor import DTensor
-
         if any(issubclass(t, DTensor) for t in types):
             # let DTensor turn the op into collectives on its local tensors, which come back here
             return NotImplemented
@@ -210,24 +167,14 @@ def _mesh_names(mesh: DeviceMesh | None) -> dict[str, str]:
 def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCounts]:
     """Count the collectives this rank issues inside the block: kind, process group, bytes, dtype.
 
-    ``with fk.count_collectives(mesh) as counts: <one training step>``, then
-    ``counts.summary()`` (``{group: {kind: {"count", "bytes", "dtypes", "ranks"}}}``),
-    ``counts.by_group()`` (``{group: {kind: bytes}}``), ``counts.events`` (every call in order)
-    or ``print(counts)``. Counted: FSDP2's all-gathers and reduce-scatters (and HSDP's
-    all-reduces), DTensor's and tensor parallelism's collectives, fsdp2kit's own (gradient
-    clipping's norm, checkpoint agreement), the user's ``dist.*`` calls; send/recv and barriers
-    are not collectives of data and are left out.
+    ``with fk.count_collectives(mesh) as counts: <one training step>``, then ``counts.summary()``,
+    ``counts.by_group()``, ``counts.events`` or ``print(counts)``. Send/recv and barriers are left out.
 
-    Bytes are each call's whole buffer, the same on every rank of its group: an all-gather's
-    output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor, an all-to-all's
-    input (nccl-tests' "size"). ``fsdp2kit.planner.comm.plan_comm`` predicts the FSDP ones.
-
-    Groups are named by ``mesh``'s dimension names (``"shard"``, ``"replicate"``, ``"tp"``...)
-    when it is given and the group is one of its dimensions; otherwise by the group's
-    description (a DeviceMesh dimension's name; ``"world"`` for the default group).
-
-    The counting mode is active for this thread (and autograd's backward of work started in it)
-    and only inside the block; it costs a Python call per op, so count a step, not a run.
+    Bytes are each call's whole buffer, the same on every rank of its group (nccl-tests' "size"): an
+    all-gather's output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor, an all-to-all's
+    input; ``fsdp2kit.plan_comm`` predicts the FSDP ones. Groups are named by ``mesh``'s dimension names,
+    else by the group's description (``"world"``: the default group). Every op inside pays a Python call:
+    count a step, not a run.
     """
     counts = CollectiveCounts()
     with _Counter(counts, _mesh_names(mesh)):

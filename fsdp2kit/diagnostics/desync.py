@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,27 +66,11 @@ class RankMonitor(PositionTracker):
                 mon.phase("optimizer"); optimizer.step()
         mon.close()
 
-    What it does, and what it costs:
-
-    - The position (step, micro-step, FSDP unit, phase) is kept by hooks (`PositionTracker`):
-      attribute writes, nothing else.
-    - A background thread publishes the position in the c10d store every ``heartbeat`` seconds
-      (also a sign of life), and looks there four times a second for a request (one integer
-      read): a rank about to report asks every rank for its position, so a report lists where
-      each rank is at that moment, not where it was at its last heartbeat.
-    - Every ``check_every`` steps, each micro-step start and the step end are compared across
-      ranks (step, micro-step index and count, batch shape) with one all-gather of 9 integers on
-      a gloo group of its own, whose timeout is ``timeout``: not the default group, which may be
-      the one that hangs. Ranks that disagree, or do not arrive within ``timeout``, give a
-      `DesyncError` that lists every rank's position and names the ranks that diverged: those
-      whose own count contradicts the loop (a skipped or extra micro-step), else the minority.
-    - `guard` turns a collective error or timeout inside it into the same report.
-    - A rank stuck in a collective cannot raise; its thread prints the report another rank
-      published (once), so every rank's log says who was where. The launcher (torchrun) then ends
-      the stuck ranks when the reporting rank exits.
-    - A rank that does not answer is named as gone when its process has exited (same host: its
-      pid is checked, and a killing signal is named when the process is still a zombie), else as
-      silent since its last heartbeat; its last published position is shown with its age.
+    The position is kept by hooks (`PositionTracker`); a thread publishes it in the c10d store every
+    ``heartbeat`` seconds and answers requests for it. Every ``check_every`` steps, micro-step starts and the
+    step end are compared across ranks (one all-gather on a gloo group of its own, timeout ``timeout``); a
+    mismatch, a timeout, or a collective failing inside `guard` raises a `DesyncError` that lists every rank's
+    position and names the ranks that diverged or are gone. Why each piece: docs/long-runs.md.
 
     Collective to create (it makes the gloo group): every rank, same order. With no process
     group (or one rank), only the tracking is done.
@@ -145,13 +130,10 @@ class RankMonitor(PositionTracker):
         if self._checked():
             self._compare(_END)
 
-    def _vector(self, kind: int) -> torch.Tensor:
+    def _compare(self, kind: int) -> None:
         p = self.position
         shape = list(p.shape[:_DIMS]) + [-1] * (_DIMS - len(p.shape[:_DIMS]))
-        return torch.tensor([kind, p.step, p.micro, p.micro_count, p.last_count, *shape], dtype=torch.int64)
-
-    def _compare(self, kind: int) -> None:
-        mine = self._vector(kind)
+        mine = torch.tensor([kind, p.step, p.micro, p.micro_count, p.last_count, *shape], dtype=torch.int64)
         if kind == _MICRO:
             self._set("check", "")
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
@@ -178,10 +160,6 @@ class RankMonitor(PositionTracker):
                 self._raise(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})", e)
             raise
 
-    def positions(self) -> dict[int, Position | None]:
-        """Every rank's last published position (this rank's current one), read from the store."""
-        return {r: p for r, (p, _) in self._published_positions().items()}
-
     def _published_positions(self) -> dict[int, tuple[Position | None, float | None]]:
         out: dict[int, tuple[Position | None, float | None]] = {}
         for r in range(self.world):
@@ -197,11 +175,8 @@ class RankMonitor(PositionTracker):
 
     def _ask_positions(self, wait: float, gone: dict[int, str]) -> set[int]:
         """Ask every rank's thread for its position now; the ranks that answered within ``wait`` seconds.
-
-        Meanwhile the ranks that have not answered are looked for among the exited processes (into
-        ``gone``), every 20 ms: a killed one is a zombie that names its signal only until the
-        launcher reaps it (torchrun looks every 0.1 s).
-        """
+        Meanwhile (every 20 ms: a zombie names its signal only until the launcher reaps it) the others
+        are looked for among the exited processes, into ``gone``."""
         asked = self._store.add("ask", 1)
         pending, answered = set(range(self.world)) - {self.rank} - set(gone), {self.rank}
         deadline = time.monotonic() + wait
@@ -241,17 +216,15 @@ class RankMonitor(PositionTracker):
         gone.update(self._gone([r for r in others if r not in answered and r not in gone]))
         published = self._published_positions()
         positions = {r: p for r, (p, _) in published.items()}
-        if gone:
-            diverged = sorted(gone)
-        else:
-            diverged = _diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps)
+        # A gone rank is the one to name; else the counts or the minority (_diverged, _blame).
+        diverged = sorted(gone) or (_diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps))
         lines = [f"rank {self.rank}: {what} at step {self.position.step}."]
-        for r, how in sorted(gone.items()):
-            lines.append(f"Rank {r} is gone: {how}.")
-        if diverged:
-            lines.append(f"Diverged: rank{'s' if len(diverged) > 1 else ''} {fmt_list(diverged)}.")
-        else:
-            lines.append("Which rank diverged cannot be told from the positions alone.")
+        lines += [f"Rank {r} is gone: {how}." for r, how in sorted(gone.items())]
+        lines.append(
+            f"Diverged: rank{'s' if len(diverged) > 1 else ''} {fmt_list(diverged)}."
+            if diverged
+            else "Which rank diverged cannot be told from the positions alone."
+        )
         lines.append("Where each rank is:")
         now = time.time()
         for r, (p, at) in published.items():
@@ -277,7 +250,7 @@ class RankMonitor(PositionTracker):
     # --- the background thread ---------------------------------------------------------------
     def _publish(self) -> None:
         self._published = self.seq
-        self._store.set(f"pos/{self.rank}", json.dumps({**self.position.to_dict(), "at": time.time()}))
+        self._store.set(f"pos/{self.rank}", json.dumps({**asdict(self.position), "at": time.time()}))
 
     def _watch(self) -> None:
         # Every `_POLL` s one integer read (is there a request for positions?); every heartbeat the
@@ -361,22 +334,17 @@ def _minority(rows: list) -> list[int]:
 
 
 def _process_end(pid: int) -> str | None:
-    """How process ``pid`` (on this host) ended, in words, or None while it runs.
-
-    Only its parent (the launcher) can reap it and learn its status; until then it is a zombie
-    whose exit code Linux shows in /proc/PID/stat (field 52), which names a killing signal.
-    """
+    """How process ``pid`` (on this host) ended, in words, or None while it runs (a zombie's exit code
+    is field 52 of /proc/PID/stat)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        fields = None
-    if fields is None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return "has exited"
         except PermissionError:
-            return None
+            pass
         return None
     if fields[0] != "Z":
         return None

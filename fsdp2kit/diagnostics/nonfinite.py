@@ -38,24 +38,16 @@ def _device_of(model: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def nonfinite_modules(model: nn.Module) -> list[str]:
-    """Names of the modules with a non-finite gradient in any of their own parameters, on any rank.
-
-    In the model's module order (``named_modules``). Collective when a process group exists (one
-    all-reduce of one flag per module): call it on every rank.
-    """
+    """Names of the modules with a non-finite gradient in any of their own parameters, on any rank, in module
+    order. Collective (one all-reduce of one flag per module): call it on every rank."""
     names, flags = [], []
     device = _device_of(model)
     for name, module in model.named_modules():
         grads = [local_shard(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
         names.append(name or "<root>")
-        if not grads:
-            flags.append(torch.zeros((), device=device))
-            continue
-        bad = torch.stack([(~torch.isfinite(g)).any() for g in grads if g.numel()] or [torch.tensor(False)])
-        flags.append(bad.any().float().to(device))
-    if not flags:
-        return []
-    flag = torch.stack(flags)
+        bad = [(~torch.isfinite(g)).any().to(device) for g in grads if g.numel()]
+        flags.append(torch.stack(bad).any().float() if bad else torch.zeros((), device=device))
+    flag = torch.stack(flags)  # named_modules always has the root: never empty
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return [n for n, f in zip(names, flag.tolist()) if f]
@@ -71,25 +63,12 @@ def check_finite(
 ) -> bool:
     """Whether this step's loss and gradient norm are finite on every rank; the same answer everywhere.
 
-    Call it after ``backward`` (and after `clip_grad_norm_`, which leaves gradients untouched when
-    their norm is not finite) and before ``optimizer.step()``, on every rank. ``loss`` is this
-    rank's loss (it may differ between ranks), ``grad_norm`` the global norm. One all-reduce of
-    two flags (whatever the world size) decides for all ranks at once, so every rank takes the
-    same branch and none is left waiting in a collective the others skipped.
-
-    When something is not finite and the answer is to raise, the gradients are searched (two more
-    all-reduces, one flag per module and one per rank, paid only then) for the modules whose own
-    parameters have a non-finite gradient. The one named is
-    the first in backward order (the last in module order): backward runs from the output to the
-    input, so that is where the non-finite value entered the gradients (with a NaN loss, it is the
-    output layer). Then:
-
-    - ``on_nonfinite="raise"``: `NonFiniteError` naming the step, the ranks whose loss was not
-      finite and that module, on every rank;
-    - ``on_nonfinite="skip"``: the gradients are zeroed (``None``) and ``False`` is returned, so the
-      caller skips ``optimizer.step()`` for this step.
-
-    This costs one host-device synchronisation per step on a GPU (the verdict is read on the host).
+    Call it on every rank after ``backward`` (and `clip_grad_norm_`) and before ``optimizer.step()``. ``loss``
+    is this rank's loss, ``grad_norm`` the global norm; one all-reduce of two flags decides for all ranks.
+    When something is not finite: ``on_nonfinite="raise"`` raises `NonFiniteError` naming the step, the ranks
+    whose loss was not finite and the first module in backward order with a non-finite gradient (two more
+    all-reduces, paid only then); ``"skip"`` sets the gradients to None and returns False, so the caller skips
+    ``optimizer.step()``. Why: docs/long-runs.md.
     """
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
@@ -116,20 +95,18 @@ def check_finite(
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
 
     bad_loss = [r for r, bad in enumerate(per_rank.tolist()) if bad]
-    parts = [f"step {step}: non-finite"]
-    what = []
-    if bad_loss:
-        what.append(f"loss on rank{'s' if len(bad_loss) > 1 else ''} {fmt_list(bad_loss)}")
-    if flags[1].item():
-        what.append("gradient norm")
-    parts.append(" and ".join(what))
+    what = [f"loss on rank{'s' if len(bad_loss) > 1 else ''} {fmt_list(bad_loss)}"] if bad_loss else []
+    what += ["gradient norm"] if flags[1].item() else []
     first = modules[-1] if modules else None
-    if first:
-        parts.append(
-            f"; the first module in backward order with a non-finite gradient is {first!r}"
-            f" ({len(modules)} module{'s' if len(modules) > 1 else ''} affected: {fmt_list(modules[::-1], 6)})"
-        )
-    else:
-        parts.append("; every gradient is finite (the loss alone is not)")
-    parts.append(". Lower the learning rate, check the data of this step, or skip such steps (on_nonfinite='skip').")
-    raise NonFiniteError(" ".join(parts[:2]) + "".join(parts[2:]), step=step, module=first)
+    where = (
+        f"the first module in backward order with a non-finite gradient is {first!r}"
+        f" ({len(modules)} module{'s' if len(modules) > 1 else ''} affected: {fmt_list(modules[::-1], 6)})"
+        if first
+        else "every gradient is finite (the loss alone is not)"
+    )
+    raise NonFiniteError(
+        f"step {step}: non-finite {' and '.join(what)}; {where}. Lower the learning rate, check the data of this "
+        "step, or skip such steps (on_nonfinite='skip').",
+        step=step,
+        module=first,
+    )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["PHASES", "Position", "PositionTracker"]
@@ -28,33 +29,26 @@ PHASES = (
     "eval",
     "step end",
 )
+_UNIT_PHASES = PHASES[2:7]  # the hooks' phases, from all-gather to reduce-scatter: they name the unit
 
 
 @dataclass
 class Position:
     step: int = -1
-    micro: int = -1
-    """The micro-step index the training loop gave (`PositionTracker.micro_step`)."""
-    micro_count: int = 0
-    """How many micro-steps this rank has begun in this step (counted, not given)."""
-    last_count: int = -1
-    """How many micro-steps the previous step had (-1: no previous step in this process)."""
+    micro: int = -1  # the micro-step index the training loop gave
+    micro_count: int = 0  # micro-steps this rank has begun in this step (counted, not given)
+    last_count: int = -1  # micro-steps the previous step had (-1: no previous step in this process)
     phase: str = "start"
     unit: str = ""
     shape: tuple[int, ...] = ()
-    since: float = 0.0
-    """When this phase began (time.time(); ranks on different hosts compare with clock skew)."""
+    since: float = 0.0  # when this phase began (time.time(): hosts compare with clock skew)
 
     def describe(self, micro_steps: int | None = None) -> str:
         if self.step < 0:
             return f"before the first step ({self.phase})"
         of = f" of {micro_steps}" if micro_steps else ""
         micro = f", micro-step {self.micro}{of}" if self.micro >= 0 else ""
-        unit = (
-            f" {self.unit or '<root>'}"
-            if self.phase in ("all-gather", "forward", "backward all-gather", "backward", "reduce-scatter")
-            else ""
-        )
+        unit = f" {self.unit or '<root>'}" if self.phase in _UNIT_PHASES else ""
         shape = f", batch {list(self.shape)}" if self.shape else ""
         last = ""
         if self.micro >= 0 and self.micro_count != self.micro + 1:
@@ -62,9 +56,6 @@ class Position:
         if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
             last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
         return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Position:
@@ -74,15 +65,9 @@ class Position:
 
 
 class PositionTracker:
-    """Keeps `position` current: the loop calls `step`/`micro_step`/`phase`, hooks on the FSDP units do the rest.
-
-    The hooks on each FSDP unit (``fully_shard``-ed module) mark, in order: all-gather (before
-    FSDP's own pre-forward hook, which gathers), forward, backward all-gather (a gradient hook
-    on the unit's output that runs before FSDP's), backward, and reduce-scatter (a gradient hook
-    on the unit's input, which fires when the unit's backward is done, just before FSDP's
-    post-backward reduces the gradients). Each is a few attribute writes: no synchronisation,
-    no communication. `benchmarks/monitor_overhead.py` measures it.
-    """
+    """Keeps `position` current: the loop calls `step`/`micro_step`/`phase`, hooks on the FSDP units mark
+    all-gather, forward, backward all-gather, backward and reduce-scatter (docs/long-runs.md): attribute
+    writes only."""
 
     def __init__(self, model: nn.Module | None = None):
         self.position = Position(since=time.time())
@@ -131,11 +116,10 @@ class PositionTracker:
         self._handles.clear()
 
     def _hook(self, name: str, module: nn.Module) -> None:
-        def on_grad(phase: str):
-            def hook(grad):
-                self._set(phase, name)
-
-            return hook
+        def mark_grad(tensors, phase: str) -> None:
+            t = _first_grad_tensor(tensors)
+            if t is not None:
+                t.register_hook(lambda grad: self._set(phase, name))
 
         def before_fsdp(mod, args):
             # prepend=True and registered after fully_shard: runs before FSDP's own pre-forward hook.
@@ -143,42 +127,18 @@ class PositionTracker:
 
         def after_fsdp(mod, args):
             self._set("forward", name)
-            if torch.is_grad_enabled():
-                for t in args:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(on_grad("reduce-scatter"))
-                        break
-
-        def out_before_fsdp(mod, args, out):
-            # Runs before FSDP's post-forward, so its gradient hook is registered (and runs) first.
-            t = _first_grad_tensor(out)
-            if t is not None:
-                t.register_hook(on_grad("backward all-gather"))
-
-        def out_after_fsdp(mod, args, out):
-            t = _first_grad_tensor(out)
-            if t is not None:
-                t.register_hook(on_grad("backward"))
+            mark_grad(args, "reduce-scatter")  # the unit's backward is done when its input's gradient is
 
         self._handles += [
             module.register_forward_pre_hook(before_fsdp, prepend=True),
             module.register_forward_pre_hook(after_fsdp),
-            module.register_forward_hook(out_before_fsdp, prepend=True),
-            module.register_forward_hook(out_after_fsdp),
+            # Runs before FSDP's post-forward, so its gradient hook is registered (and runs) first.
+            module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward all-gather"), prepend=True),
+            module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward")),
         ]
 
 
 def _first_grad_tensor(out) -> torch.Tensor | None:
     if not torch.is_grad_enabled():
         return None
-    if isinstance(out, torch.Tensor):
-        return out if out.requires_grad else None
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            t = _first_grad_tensor(o)
-            if t is not None:
-                return t
-    logits = getattr(out, "logits", None)  # a transformers ModelOutput is a dict, but keep it cheap
-    return logits if isinstance(logits, torch.Tensor) and logits.requires_grad else None
+    return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)

@@ -1,10 +1,6 @@
 """The model as training will change it, built on the meta device: LoRA adapters, an NF4 base, a TP rank's slices.
 
-The planner then records and replays this model like any other, so a LoRA, QLoRA or
-tensor-parallel plan is traced (what autograd saves, the dequantized NF4 weights, the gathered
-logits) rather than scaled from a full-training one. Each step does what the recipe's does:
-`fsdp2kit.quantize_nf4` before `fsdp2kit.apply_lora` (recipes/support/lora.py), and
-`fsdp2kit.apply_tensor_parallel`'s ``"auto"`` plan (its shapes from ``planned_tp_shapes``).
+The planner records and replays it like any other model, so a LoRA, QLoRA or TP plan is traced, not scaled.
 """
 
 from __future__ import annotations
@@ -44,20 +40,13 @@ def lora_model(
 
 
 def _gather_output(tp: int, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    # The head's "colwise_gather_output" style: every TP rank ends with the whole vocabulary's
-    # logits (torch all-gathers the slices into one new tensor). tp copies of the slice allocate
-    # the same bytes on the meta device.
+    # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
     return torch.cat([output] * tp, dim=-1)
 
 
 def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
-    """A meta copy of ``model`` as one rank of ``apply_tensor_parallel(model, mesh, "auto")`` holds it.
-
-    Split parameters get their local shapes, so attention runs ``heads / tp`` heads and the MLP
-    ``intermediate / tp`` columns, as transformers' attention does on a TP rank; row-wise outputs
-    (after their all-reduce) and the embedding's output are whole, as on a rank. The output head,
-    split over the vocabulary, gathers its logits (the ``"auto"`` plan without ``loss_parallel``).
-    """
+    """A meta copy of ``model`` as one rank of ``apply_tensor_parallel(model, mesh, "auto")`` holds it: split
+    parameters in their local shapes, the vocabulary-split head gathering its logits."""
     from fsdp2kit.parallel.tensor_parallel import planned_tp_shapes
 
     shapes = planned_tp_shapes(model, tp)

@@ -1,12 +1,8 @@
 """Matmul FLOPs of one training step, per FSDP unit: forward, backward, and activation checkpointing's recompute.
 
-The step runs on the meta device (shapes only), as the memory trace does (`fsdp2kit.planner.trace`), under a
-dispatch mode that counts every matmul the real step would run: Linear's mm/addmm, batched bmm, float8's
-_scaled_mm (torch's own formulas, `torch.utils.flop_counter`), MoE experts' grouped_mm, and fused attention
-(2 matmuls of ``seq_q x seq_k`` a head forward, 4 backward; a causal mask is not halved, the convention
-behind published MFU figures). A checkpointed block's recompute is counted where it happens, in backward,
-as torch runs it: it stops once every saved tensor is back (so a block's last Linear is not run again), and
-selective checkpointing recomputes only what its policy does not save, because the saved ops never reach this mode.
+The memory trace's meta step (`fsdp2kit.planner.trace`) runs under a dispatch mode that counts every matmul
+(torch's formulas, MoE experts' grouped_mm; a causal mask is not halved, as published MFU figures count). A
+checkpointed block's recompute is counted where torch runs it, so selective policies count only what they redo.
 """
 
 from __future__ import annotations
@@ -17,22 +13,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from fsdp2kit.blocks import find_blocks
-from fsdp2kit.planner.trace import _as_a_real_step, _signature, _tensors, meta_copy
+from fsdp2kit.planner.trace import _as_a_real_step, _tensors, step_model, unit_modules
 
 __all__ = ["UnitFlops", "count_flops"]
 
 aten = torch.ops.aten
-_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
-# Fused attention ops whose first three arguments are (query, key, value) (or grad_out first, for backward).
-_ATTENTION_FWD = {
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
+# torch's own formulas (matmuls, float8's _scaled_mm, fused attention's forward); the CPU flash kernel, which the
+# planner's meta step runs (trace.py), counts as the other fused kernels do.
+_FLOPS = {
+    **flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
 }
+# Fused attention's backward, (grad_out, query, key, value, ...): its 4 matmuls, twice the forward's (torch's
+# formula adds a recompute of the scores).
 _ATTENTION_BWD = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
     aten._scaled_dot_product_flash_attention_backward,
@@ -63,11 +59,6 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
     return 2.0 * out.numel() * a.shape[-1]
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
-    b, h, sq, d = q.shape
-    return 2.0 * b * h * sq * k.shape[-2] * (d + v.shape[-1])
-
-
 class _Count(TorchDispatchMode):
     def __init__(self, sink) -> None:
         super().__init__()
@@ -77,18 +68,16 @@ class _Count(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in _MATMULS:
-            self.sink(float(flop_registry[packet](*args, **kwargs, out_val=out)))
+        if packet in _ATTENTION_BWD:
+            self.sink(2.0 * sdpa_flop_count(*(t.shape for t in args[1:4])))
+        elif packet in _FLOPS:
+            self.sink(float(_FLOPS[packet](*args, **kwargs, out_val=out)))
         elif packet is aten._grouped_mm:
             self.sink(_grouped_mm(args[0], args[1], out))
         elif func.name() == "transformers::grouped_mm_fallback":  # what the planner runs for non-bf16 experts
             self.sink(2.0 * out.numel() * args[0].shape[-1])
         elif func.name() == "transformers::grouped_mm_fallback_backward":  # (input, weight, offs, grad_output)
             self.sink(4.0 * args[3].numel() * args[0].shape[-1])
-        elif packet in _ATTENTION_FWD:
-            self.sink(_attention(*args[:3]))
-        elif packet in _ATTENTION_BWD:
-            self.sink(2.0 * _attention(*args[1:4]))
         return out
 
 
@@ -105,28 +94,8 @@ def count_flops(
     forward + backward of ``batch`` x ``seq`` tokens. A unit is charged the FLOPs of the ops that run while it
     is the innermost unit in forward (or recomputing), and in backward from its output's gradient on.
     Also the units' forward order (first entry; the root first), for the overlap model."""
-    from fsdp2kit.wrappers.activation import apply_activation_checkpointing
-
-    blocks = find_blocks(model)
-    names_of = {id(m): n for n, m in model.named_modules()}
-    every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
-    keep = None
     # Identical blocks cost identical FLOPs: run the first, one that stands for the middle ones, and the last.
-    if not every_n and len(blocks) > 4 and len({_signature(b) for b in blocks[1:-1]}) == 1:
-        keep = [blocks[0], blocks[1], blocks[-1]]
-    clone = meta_copy(model, compute_dtype, keep)
-    clone.train()
-    config = getattr(clone, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
-    if callable(activation_checkpointing):
-        activation_checkpointing(clone)
-    elif activation_checkpointing is not None:
-        apply_activation_checkpointing(clone, mode=activation_checkpointing)
-    kept = [names_of[id(b)] for b in (keep or blocks)]
-    clone_name = {id(m): n for n, m in clone.named_modules()}
-    rename = {clone_name[id(c)]: k for c, k in zip(find_blocks(clone), kept)}
-    modules = {rename.get(n, n): m for n, m in clone.named_modules()}
+    clone, modules, kept, repeat = step_model(model, compute_dtype, activation_checkpointing, lead=1)
 
     flops = [UnitFlops() for _ in unit_names]
     stack: list[int] = []
@@ -166,12 +135,9 @@ def count_flops(
         return pre, post
 
     handles = []
-    for i, names in enumerate(unit_names):
-        for n in names:
-            if n in modules:
-                pre, post = hooks(i)
-                handles.append(modules[n].register_forward_pre_hook(pre))
-                handles.append(modules[n].register_forward_hook(post))
+    for i, _, module in unit_modules(unit_names, modules):
+        pre, post = hooks(i)
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:
         with _as_a_real_step(), _Count(sink):
             ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -185,10 +151,11 @@ def count_flops(
     finally:
         for h in handles:
             h.remove()
-    if keep is not None:
+    if repeat:
         unit_of = {n: i for i, names in enumerate(unit_names) for n in names}
         stand_in = flops[unit_of[kept[1]]]
-        middle = [unit_of[names_of[id(b)]] for b in blocks[2:-1]]
+        names_of = {id(m): n for n, m in model.named_modules()}
+        middle = [unit_of[names_of[id(b)]] for b in find_blocks(model)[2:-1]]
         for i in middle:
             flops[i] = UnitFlops(stand_in.forward, stand_in.backward, stand_in.recompute)
         at = order.index(unit_of[kept[1]]) + 1

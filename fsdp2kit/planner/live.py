@@ -1,7 +1,5 @@
-"""LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (meta tensors too).
-
-How it works and why: docs/internals.md, section fsdp2kit/planner/live.py.
-"""
+"""LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (meta tensors too) (how and
+why: docs/internals.md, section fsdp2kit/planner/live.py)."""
 
 from __future__ import annotations
 
@@ -21,12 +19,8 @@ __all__ = ["LiveBytes", "tensor_storages"]
 
 
 def tensor_storages(t: torch.Tensor | None) -> list[torch.UntypedStorage]:
-    """The storages that hold ``t``'s bytes: a DTensor's local shard's, a wrapper subclass's inner tensors'.
-
-    A wrapper subclass (torchao's NF4Tensor) answers ``untyped_storage()`` with a storage sized
-    for its outer shape and dtype (a bf16 weight's bytes) that holds no memory; its real bytes
-    are its inner tensors' (4-bit codes, scalers), read through ``__tensor_flatten__``.
-    """
+    """The storages that hold ``t``'s bytes: a DTensor's local shard's, a wrapper subclass's (NF4) inner
+    tensors' (its own ``untyped_storage()`` is sized for its outer shape and holds no memory)."""
     if t is None:
         return []
     if isinstance(t, DTensor):
@@ -41,12 +35,8 @@ def tensor_storages(t: torch.Tensor | None) -> list[torch.UntypedStorage]:
 
 
 class LiveBytes(TorchDispatchMode):
-    """A dispatch mode that keeps ``live`` (bytes now), ``peak`` and ``on_peak`` callbacks.
-
-    ``on_peak(live)`` runs whenever a new peak is reached, so a caller can classify what is
-    alive at that moment; ``label`` is a free-form phase name that the caller updates (the
-    phase of the peak is kept in ``peak_label``).
-    """
+    """A dispatch mode that keeps ``live`` (bytes now) and ``peak``; ``on_peak(live)`` runs at each new peak,
+    ``on_op(live)`` after every op. ``label`` is a phase name for the caller to set and read."""
 
     def __init__(
         self,
@@ -64,7 +54,6 @@ class LiveBytes(TorchDispatchMode):
         self._ignored: set[int] = set()
         self.live = 0
         self.peak = 0
-        self.peak_label = ""
         self.label = ""
         self.on_peak = on_peak
 
@@ -109,7 +98,6 @@ class LiveBytes(TorchDispatchMode):
             self.on_op(self.live)
         if self.live > self.peak:
             self.peak = self.live
-            self.peak_label = self.label
             if self.on_peak is not None:
                 self.on_peak(self.live)
         return self.live

@@ -1,7 +1,5 @@
-"""The step's memory timeline: FSDP2's allocations replayed over a recorded step, at any mesh size.
-
-How it works and why: docs/internals.md, section fsdp2kit/planner/timeline.py.
-"""
+"""The step's memory timeline: FSDP2's allocations replayed over a recorded step, at any mesh size (how and why:
+docs/internals.md, section fsdp2kit/planner/timeline.py)."""
 
 from __future__ import annotations
 
@@ -90,10 +88,8 @@ class FsdpTimeline:
         u.pending_gather = 0
         moment = []
         if forward and self._ag_state:
-            # The previous unit's kept flat buffer goes before this copy-out, but after this
-            # unit's all-gather filled its own (FSDPParamGroup.wait_for_unshard): both are alive
-            # while FSDP2's own ops run (a LoRA block, whose small reduce-scatter input does not
-            # hide it, measures two block-sized flat buffers here).
+            # The previous unit's kept flat buffer goes before this copy-out, after this unit's all-gather
+            # filled its own (FSDPParamGroup.wait_for_unshard): both are alive while FSDP2's ops run.
             moment.append(self.between_ops())
             self.buffers -= self._ag_state
             self._ag_state = 0

@@ -1,7 +1,5 @@
-"""One training step run on the meta device (shapes only, no memory), recorded as a sequence of memory events.
-
-How it works and why: docs/internals.md, section fsdp2kit/planner/trace.py.
-"""
+"""One training step run on the meta device (shapes only, no memory), recorded as a sequence of memory events (how and
+why: docs/internals.md, section fsdp2kit/planner/trace.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +7,14 @@ import contextlib
 import copy
 import functools
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 from fsdp2kit._internal.scoped import divert
 from fsdp2kit.blocks import find_blocks
@@ -22,11 +22,10 @@ from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "meta_copy", "record_step"]
+__all__ = ["Recording", "meta_copy", "record_step", "step_model", "unit_modules"]
 
-# Blocks that run as themselves before the one that stands for the middle ones: the first two
-# hold a little more than the rest (the embedding output and the first block's output are still
-# referenced by the model's loop while they run), measured on Llama; the third is like the rest.
+# Blocks that run as themselves before the one that stands for the middle ones: the first two hold a little
+# more than the rest (the embedding's and first block's outputs are still referenced), measured on Llama.
 _LEAD = 3
 
 
@@ -65,14 +64,9 @@ def meta_copy(
     keep: list[nn.Module] | None = None,
     shapes: dict[int, tuple[int, ...]] | None = None,
 ) -> nn.Module:
-    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as
-    they are), with only the blocks in ``keep`` if given and the parameters named by id in
-    ``shapes`` given those shapes (a tensor-parallel rank's slices).
-
-    A wrapper-subclass parameter already on the meta device (a planned NF4 weight) is kept as is:
-    its bytes are its inner tensors' and its dtype is the one it computes in; a real NF4 weight
-    becomes such a placeholder.
-    """
+    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as they are),
+    with only the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
+    (a tensor-parallel rank's slices). NF4 weights become (or stay) meta NF4 placeholders."""
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
     for t in list(model.parameters()) + list(model.buffers()):
@@ -98,16 +92,14 @@ def meta_copy(
 
 
 def _exchange(x: torch.Tensor) -> torch.Tensor:
-    """One ``all_to_all_single`` on a rank: a contiguous send buffer, then the receive buffer (the send
-    buffer dies when the call returns)."""
+    """One ``all_to_all_single``'s buffers on a rank: a contiguous send buffer, then the receive buffer."""
     send = x.contiguous()
     return torch.empty_like(send)
 
 
 class _SeqToHeads(torch.autograd.Function):
     """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` with the copies `fsdp2kit.apply_context_parallel`'s
-    all-to-all style makes: the exchange with the peer dimension first, the received chunks laid out
-    over the whole sequence, and put back in token order (undoing the causal load balance). Saves nothing."""
+    all-to-all style makes (the exchange, then the reorder back to token order). Saves nothing."""
 
     @staticmethod
     def forward(ctx, x, cp):
@@ -128,8 +120,8 @@ class _SeqToHeads(torch.autograd.Function):
 
 
 class _HeadsToSeq(torch.autograd.Function):
-    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out in memory as
-    ``(b, seq/cp, heads, d)`` as the library returns it to the attention module. Saves nothing."""
+    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out as
+    ``(b, seq/cp, heads, d)``. Saves nothing."""
 
     @staticmethod
     def forward(ctx, out, cp):
@@ -151,9 +143,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
-    """Attention as the all-to-all style runs it on a rank (`fsdp2kit.apply_context_parallel`): q goes to
-    ``heads/cp`` heads over the whole sequence, k and v together (stacked, one exchange), the kernel
-    runs over the whole sequence, and its output comes back to this rank's tokens."""
+    """Attention as the all-to-all style runs it on a rank: q, then k and v stacked (one exchange), to
+    ``heads/cp`` heads over the whole sequence; the output back to this rank's tokens."""
     check_heads(cp, q.shape[1], k.shape[1])
     b, kv_heads, s, d = k.shape
     q = _SeqToHeads.apply(q, cp)
@@ -189,22 +180,15 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1):
-    """What must differ between a shapes-only step and a real one, for this thread's step only.
+    """What must differ between a shapes-only step and a real one, diverted for this thread only (`divert`;
+    not a TorchFunctionMode: none is active while backward recomputes checkpointed blocks).
 
-    - transformers cannot check whether positions are packed on meta tensors (it reads their
-      values) and materialises a (batch, 1, seq, seq) mask whenever it suspects tracing; a real
-      step with plain causal batches skips the mask, so the recorded one does too.
-    - SDPA on meta takes the math path, which saves the (seq x seq) attention weights; a real
-      step runs a fused kernel (flash on CUDA and on CPU) that saves its output and the
-      log-sum-exp, so the recorded step calls the CPU flash kernel, whose meta kernel has the
-      same outputs.
-    - MoE experts: transformers 5 runs them as one grouped matmul (torch's grouped_mm, fp32 too
-      on CPU and CUDA), but torch's meta kernel for it takes bf16 only. On meta tensors of any
-      other dtype the recording uses transformers' own fallback op instead, whose meta (fake)
-      kernel gives the same output and whose backward saves the same input and weight.
-
-    Each function is diverted for this thread only (`divert`). Not SDPA by a TorchFunctionMode:
-    no mode is active while autograd runs backward, where activation checkpointing recomputes.
+    - transformers cannot tell packed positions on meta tensors and builds a (batch, 1, seq, seq) mask when
+      it suspects tracing; a real step with plain causal batches has none.
+    - SDPA on meta takes the math path, which saves the (seq x seq) weights; a real step runs a fused kernel,
+      so the CPU flash kernel runs (its meta kernel has the same outputs).
+    - MoE experts: torch's meta grouped_mm takes bf16 only; other dtypes use transformers' fallback op,
+      whose meta kernel and saved tensors are the same.
     """
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
@@ -227,15 +211,47 @@ def _not_packed(original, position_ids) -> None:
 
 
 def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    if hasattr(obj, "to_tuple"):  # transformers ModelOutput
-        return _tensors(obj.to_tuple())
-    return []
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]  # transformers registers ModelOutput
+
+
+def step_model(
+    model: nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing, lead: int | None
+) -> tuple[nn.Module, dict[str, nn.Module], list[str], int]:
+    """A meta copy of ``model`` set up for a training step: ``(copy, its modules by the original's names, the
+    kept blocks' names, repeat)``. With ``lead`` and identical blocks after the first ``lead``, only those,
+    ``blocks[lead]`` (standing for the ``repeat`` middle blocks that do not run) and the last are kept."""
+    from fsdp2kit.wrappers.activation import apply_activation_checkpointing
+
+    blocks = find_blocks(model)
+    keep, repeat = None, 0
+    every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
+    if (
+        lead is not None
+        and not every_n
+        and len(blocks) > lead + 3
+        and len({_signature(b) for b in blocks[lead:-1]}) == 1
+    ):
+        keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
+    clone = meta_copy(model, compute_dtype, keep)
+    clone.train()
+    config = getattr(clone, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+    if callable(activation_checkpointing):
+        activation_checkpointing(clone)
+    elif activation_checkpointing is not None:
+        apply_activation_checkpointing(clone, mode=activation_checkpointing)
+    names_of = {id(m): n for n, m in model.named_modules()}
+    kept = [names_of[id(b)] for b in (keep or blocks)]
+    # In the copy, the kept blocks are renumbered (layers.0, layers.1, layers.2): map them back.
+    clone_name = {id(m): n for n, m in clone.named_modules()}
+    rename = {clone_name[id(c)]: k for c, k in zip(find_blocks(clone), kept)}
+    return clone, {rename.get(n, n): m for n, m in clone.named_modules()}, kept, repeat
+
+
+def unit_modules(unit_names: list[list[str]], modules: dict[str, nn.Module]) -> list[tuple[int, str, nn.Module]]:
+    """``(unit index, name, module)`` for every module of ``unit_names`` that the step copy has."""
+    return [(i, n, modules[n]) for i, names in enumerate(unit_names) for n in names if n in modules]
 
 
 def record_step(
@@ -251,36 +267,12 @@ def record_step(
 ) -> Recording:
     """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
 
-    ``unit_names`` lists each FSDP unit's module names, children first (as `estimate_plan` orders
-    them); events name units by their index in that list. ``seq`` is the tokens a rank holds;
-    with ``cp > 1`` they are one of ``cp`` context-parallel ranks' share of a ``seq * cp``-token
-    sequence, and attention runs as `fsdp2kit.apply_context_parallel`'s all-to-all style does.
-    """
-    from fsdp2kit.wrappers.activation import apply_activation_checkpointing
-
-    blocks = find_blocks(model)
-    names_of = {id(m): n for n, m in model.named_modules()}
-    keep, repeat = None, 0
-    every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
-    lead = _LEAD
-    if truncate and not every_n and len(blocks) > lead + 3 and len({_signature(b) for b in blocks[lead:-1]}) == 1:
-        keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
-    clone = meta_copy(model, compute_dtype, keep)
-    clone.train()
-    config = getattr(clone, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
-    if callable(activation_checkpointing):
-        activation_checkpointing(clone)
-    elif activation_checkpointing is not None:
-        apply_activation_checkpointing(clone, mode=activation_checkpointing)
-
-    kept_names = [names_of[id(b)] for b in (keep or blocks)]
-    # In the copy, the kept blocks are renumbered (layers.0, layers.1, layers.2): map them back.
-    clone_blocks = find_blocks(clone)
-    clone_name = {id(m): n for n, m in clone.named_modules()}
-    rename = {clone_name[id(c)]: kept for c, kept in zip(clone_blocks, kept_names)}
-    modules = {rename.get(n, n): m for n, m in clone.named_modules()}
+    Events name units by their index in ``unit_names`` (each unit's module names, children first). ``seq``
+    is the tokens a rank holds: with ``cp > 1``, its share of a ``seq * cp``-token sequence, attention run
+    as `fsdp2kit.apply_context_parallel`'s all-to-all style does."""
+    clone, modules, kept_names, repeat = step_model(
+        model, compute_dtype, activation_checkpointing, _LEAD if truncate else None
+    )
 
     rec = Recording(blocks=kept_names, repeat=repeat)
     events = rec.events
@@ -304,7 +296,7 @@ def record_step(
     live.on_op = on_op
     state = {"backward": False}
     calls: dict[int, int] = {}
-    unit_size = {i: sum(1 for n in names if n in modules) for i, names in enumerate(unit_names)}
+    unit_size = Counter(i for i, _, _ in unit_modules(unit_names, modules))
 
     def make_hooks(name: str, index: int):
         def pre(mod, args, kwargs):
@@ -355,19 +347,13 @@ def record_step(
         return pre, post
 
     handles = []
-    for i, names in enumerate(unit_names):
-        for n in names:
-            if n in modules:
-                pre, post = make_hooks(n, i)
-                handles.append(modules[n].register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(modules[n].register_forward_hook(post, with_kwargs=True))
-
     param_unit: dict[int, int] = {}
-    for i, names in enumerate(unit_names):
-        for n in names:
-            if n in modules:
-                for p in modules[n].parameters():
-                    param_unit.setdefault(id(p), i)
+    for i, n, module in unit_modules(unit_names, modules):
+        pre, post = make_hooks(n, i)
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+        for p in module.parameters():
+            param_unit.setdefault(id(p), i)
 
     def on_grad(p: torch.Tensor) -> None:
         # FSDP2 holds the unsharded gradient until the unit's post-backward: the timeline counts

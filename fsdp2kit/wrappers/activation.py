@@ -1,10 +1,9 @@
-"""Activation checkpointing: full, every N-th block, selective by op, or torchtitan's op policy.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/activation.py.
-"""
+"""Activation checkpointing: full, every N-th block, selective by op, or torchtitan's op policy (how and why:
+docs/internals.md, section fsdp2kit/wrappers/activation.py)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -42,12 +41,9 @@ def _ops(*names: str) -> frozenset:
     return frozenset(found)
 
 
-# The selective policy: outputs of these ops are saved, every other op is recomputed.
-# - matrix multiplies: a Linear is mm/addmm; batched attention scores are bmm; float8 Linear
-#   layers (torchao) multiply with _scaled_mm;
-# - fused attention kernels (each backend has its own op; the CPU one is "..._for_cpu");
-# - max: the absolute maximum that float8 scaling computes over a whole tensor. Its output is one
-#   number, so saving it costs nothing, while recomputing it re-reads the whole tensor.
+# The selective policy saves these ops' outputs and recomputes every other op: matmuls (float8's _scaled_mm
+# too), each backend's fused attention, and max (float8 scaling's amax: one number to save, a whole tensor
+# to re-read).
 SELECTIVE_SAVE: frozenset = _ops(
     "mm.default",
     "addmm.default",
@@ -64,16 +60,9 @@ SELECTIVE_SAVE: frozenset = _ops(
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save the outputs of `SELECTIVE_SAVE` ops, recompute the rest.
-
-    ``PREFER_RECOMPUTE`` rather than ``MUST_RECOMPUTE`` leaves torch.compile's partitioner free
-    to keep a recomputable tensor when a fused kernel produces it anyway.
-    """
+    """Save the outputs of `SELECTIVE_SAVE` ops, recompute the rest (``PREFER_``: torch.compile may keep a
+    recomputable tensor that a fused kernel produces anyway)."""
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(selective_policy)
 
 
 def _extra_save() -> list:
@@ -89,27 +78,17 @@ def _extra_save() -> list:
     return out
 
 
-# The "op" policy is torchtitan's per-op selective AC (torchtitan/distributed/activation_checkpoint.py,
-# `_apply_op_sac` with llama3's `_op_sac_save_list`): save attention's output and every other
-# matmul's, recompute the rest. Saving only half the matmuls halves their share of the saved
-# activations while recomputing a matmul costs one matmul's FLOPs. Its save list:
-OP_SAVE: frozenset = _ops(
-    "mm.default",
-    "linear.default",
-    "addmm.default",
-    "_scaled_mm.default",
-    "_scaled_dot_product_flash_attention.default",
-    "_scaled_dot_product_flash_attention_for_cpu.default",
-    "_scaled_dot_product_efficient_attention.default",
-    "_scaled_dot_product_cudnn_attention.default",
-    "_scaled_dot_product_attention_math.default",
-    "_scaled_dot_product_fused_attention_overrideable.default",
-    "max.default",
-) | frozenset(_extra_save())
+# The "op" policy is torchtitan's per-op selective AC (`_apply_op_sac` with llama3's `_op_sac_save_list`):
+# save attention's output and every other matmul's, recompute the rest. Its save list:
+# selective's without the batched matmuls, with linear and the math attention.
+OP_SAVE: frozenset = (
+    (SELECTIVE_SAVE - _ops("bmm.default", "baddbmm.default"))
+    | _ops("linear.default", "_scaled_dot_product_attention_math.default")
+    | frozenset(_extra_save())
+)
 
-# The matmuls it counts, forward and recompute apart, saving the 1st, 3rd, 5th, ... of a block.
-# torchtitan counts mm and linear (its models' Linears have no bias); a Linear with a bias is an
-# addmm and a float8 Linear a _scaled_mm, so both count here too: each is one Linear's matmul.
+# The matmuls it numbers (forward and recompute apart) to save the odd ones: torchtitan's mm and linear, and
+# addmm (a Linear with a bias) and _scaled_mm (a float8 Linear), each one Linear's matmul too.
 OP_MATMULS: frozenset = _ops("mm.default", "linear.default", "addmm.default", "_scaled_mm.default")
 
 
@@ -146,25 +125,18 @@ def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
     return ("full", 1) if mode == 1 else ("every", mode)
 
 
-def _checkpoint_full(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(function, *args, use_reentrant=False, **kwargs)
-
-
-def _checkpoint_selective(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(function, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
-
-
-def _checkpoint_op(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(function, *args, use_reentrant=False, context_fn=_op_contexts, **kwargs)
-
-
-# Module-level functions, not closures made per call: torch.compile guards on them, so every
-# model wrapped the same way reuses the same compiled graphs.
+# Made once, not per call: torch.compile guards on them, so every model wrapped the same way reuses the same
+# compiled graphs.
+_FULL = functools.partial(checkpoint, use_reentrant=False)
 _RUN = {
-    "full": _checkpoint_full,
-    "every": _checkpoint_full,
-    "selective": _checkpoint_selective,
-    "op": _checkpoint_op,
+    "full": _FULL,
+    "every": _FULL,
+    "selective": functools.partial(
+        checkpoint,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy),
+    ),
+    "op": functools.partial(checkpoint, use_reentrant=False, context_fn=_op_contexts),
 }
 
 
@@ -192,21 +164,13 @@ def apply_activation_checkpointing(
     *,
     blocks: BlockSpec = "auto",
 ) -> nn.Module:
-    """Checkpoint the activations of ``model``'s blocks in place; returns ``model``.
+    """Checkpoint the activations of ``model``'s blocks in place (before `compile_blocks` and `shard_model`,
+    after `enable_float8`); returns ``model``.
 
-    Call it before `compile_blocks` and `shard_model` (after `enable_float8`, if used).
-
-    Args:
-        model: the unsharded model.
-        mode: ``"full"`` (every block), an int ``N`` (blocks 0, N, 2N, ...) or ``"selective"``
-            (every block, op by op: keep matmul and attention outputs, recompute the rest; see
-            `SELECTIVE_SAVE`) or ``"op"`` (torchtitan's per-op policy: keep attention's output
-            and every other matmul's, recompute the rest; see `op_policy`).
-        blocks: which modules are blocks, as for `shard_model` (the same blocks should be the
-            FSDP units, so keep the default unless you pass the same value to both).
-
-    Checkpointing only acts in training mode with grad enabled; eval and ``torch.no_grad`` run
-    the plain forward. State-dict keys and parameter names are unchanged.
+    ``mode``: ``"full"`` (every block), an int ``N`` (blocks 0, N, 2N, ...), ``"selective"`` (keep matmul
+    and attention outputs, `SELECTIVE_SAVE`) or ``"op"`` (torchtitan's per-op policy, `op_policy`).
+    ``blocks`` as for `shard_model` (keep them the same). Only training with grad enabled checkpoints;
+    parameter names are unchanged.
     """
     kind, every = resolve_ac_mode(mode)
     check_unsharded(model, "apply_activation_checkpointing")

@@ -1,7 +1,4 @@
-"""Per-block ("regional") torch.compile.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/compile.py.
-"""
+"""Per-block ("regional") torch.compile (how and why: docs/internals.md, section fsdp2kit/wrappers/compile.py)."""
 
 from __future__ import annotations
 
@@ -43,15 +40,9 @@ def _wait(t: AsyncCollectiveTensor) -> torch.Tensor:
 
 
 def wait_async_inputs(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(module, *args, **kwargs)`` with every ``AsyncCollectiveTensor`` argument waited for first.
-
-    In torch 2.13 AOTAutograd unwraps such a graph input without ``requires_grad``
-    (pytorch/pytorch#179849, fixed by #191113), which silently drops the gradient of everything
-    before the block (the vocabulary-parallel embedding under TP). Waiting here, in eager,
-    through an identity autograd function keeps the autograd edge at no copy. Only top-level
-    arguments are waited for (nested in a DTensor: pytorch/pytorch#180614). The measured
-    effect: docs/internals.md, section wait_async_inputs.
-    """
+    """``fn(module, *args, **kwargs)`` with every top-level ``AsyncCollectiveTensor`` argument waited for
+    first, keeping its gradient: AOTAutograd drops it otherwise (pytorch/pytorch#179849; docs/internals.md,
+    section wait_async_inputs)."""
 
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map_only(AsyncCollectiveTensor, _wait, (args, kwargs))
@@ -64,27 +55,11 @@ def wait_async_inputs(fn: Callable[..., Any]) -> Callable[..., Any]:
 def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kwargs: Any) -> nn.Module:
     """Compile the forward of each of ``model``'s blocks in place with ``torch.compile``; returns ``model``.
 
-    Call it after `apply_activation_checkpointing` (so the checkpoint is compiled with the
-    block: dynamo turns it into a graph region and the op policy of "selective" still applies)
-    and before `shard_model`.
-
-    Args:
-        model: the unsharded model.
-        blocks: which modules are blocks, as for `shard_model`.
-        **compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``fullgraph``,
-            ``dynamic``, ``options``). On CPU the default backend, inductor, generates C++.
-
-    Compilation is lazy: it happens on the first forward (and again on a change of input shapes
-    or dtypes, or of ``train()``/``eval()`` for some models). Parameter names are unchanged; only
-    each block's ``forward`` is replaced.
-
-    Tensor parallelism: call it after `apply_tensor_parallel`; the TP layers are compiled with
-    the block, and an async TP output fed to a block is waited for before the graph runs (see
-    `wait_async_inputs`).
-
-    Hugging Face models: train with ``model.config.use_cache = False``. Otherwise every training
-    forward fills a KV cache nobody reads, and since each layer writes its own slot of it
-    (``layer_idx``), dynamo compiles every layer separately: compile time grows with depth again.
+    Call it after `apply_activation_checkpointing` (the checkpoint is compiled with the block) and
+    `apply_tensor_parallel`, and before `shard_model`. ``blocks`` as for `shard_model`; ``compile_kwargs``
+    go to ``torch.compile`` (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``). Compilation
+    happens on the first forward. Hugging Face models: train with ``model.config.use_cache = False``, or
+    every layer compiles separately (docs/internals.md).
     """
     check_unsharded(model, "compile_blocks")
     bad = sorted(set(compile_kwargs) - {"fullgraph", "dynamic", "backend", "mode", "options", "disable"})

@@ -1,7 +1,5 @@
-"""Float8 training through torchao, with float8 all-gather of weights under FSDP2.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/float8.py.
-"""
+"""Float8 training through torchao, with float8 all-gather of weights under FSDP2 (how and why: docs/internals.md,
+section fsdp2kit/wrappers/float8.py)."""
 
 from __future__ import annotations
 
@@ -28,12 +26,8 @@ def float8_eligible(linear: nn.Module) -> bool:
 
 
 class _RefreshScales:
-    """Forward pre-hook: recompute the float8 weight scales when any weight changed since the last time.
-
-    The check reads one integer per weight; the refresh is one all-reduce over all of them. Every
-    rank sees the same version changes (they run the same optimizer steps), so every rank takes
-    the same branch and the collective matches.
-    """
+    """Forward pre-hook: recompute the float8 weight scales (one all-reduce) when any weight's version changed;
+    every rank runs the same optimizer steps, so every rank takes the same branch."""
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
@@ -56,12 +50,8 @@ class _RefreshScales:
 
 
 def _check_tokens(module: nn.Module, args) -> None:
-    """Forward pre-hook of a float8 Linear: on CUDA, the tokens it sees must be a multiple of 16.
-
-    ``torch._scaled_mm`` wants every matmul dimension divisible by 16, and the weight gradient's
-    matmul runs over the tokens (``grad_output.T @ input``): any other count fails in the
-    backward with an error about matrix shapes. Said here, before the forward, in user terms.
-    """
+    """Forward pre-hook of a float8 Linear: on CUDA the tokens must be a multiple of 16 (the weight gradient's
+    ``_scaled_mm`` runs over them), said here in user terms rather than as a shape error in backward."""
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.is_cuda and x.dim() >= 2:
         tokens = x.numel() // x.shape[-1]
@@ -83,17 +73,10 @@ def enable_float8(
     """Swap the eligible Linear layers of ``model``'s blocks for torchao float8 ones, in place; returns ``model``.
 
     Call it first: before `apply_activation_checkpointing`, `compile_blocks` and `shard_model`.
-
-    Args:
-        model: the unsharded model.
-        fsdp_all_gather: cast weights to float8 before FSDP2's all-gather (a quarter of fp32's
-            bytes) and keep their scales up to date automatically (docs/internals.md).
-        blocks: which modules are blocks, as for `shard_model`; only Linear layers inside them
-            are converted.
-        filter_fn: ``fn(linear, qualified_name) -> bool`` to narrow the choice further.
-
-    Raises ``ValueError`` if no layer is eligible: float8 silently doing nothing is worse than
-    an error. Parameter names are unchanged (``Float8Linear`` is an ``nn.Linear``).
+    ``fsdp_all_gather``: all-gather weights in float8 (a quarter of fp32's bytes), their scales kept up to
+    date. ``blocks`` as for `shard_model`: only Linear layers inside them are converted, narrowed further by
+    ``filter_fn(linear, qualified_name)``. Raises ``ValueError`` if no layer is eligible (float8 silently
+    doing nothing is worse than an error).
     """
     with quiet_imports():  # torchao's import-time log lines on a CPU build (fsdp2kit._internal.quiet)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

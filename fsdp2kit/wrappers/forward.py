@@ -1,7 +1,5 @@
-"""How the speed and memory wrappers change a block in place, and the order they must come in.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/forward.py.
-"""
+"""How the speed and memory wrappers change a block in place, and the order they must come in (how and why:
+docs/internals.md, section fsdp2kit/wrappers/forward.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +21,8 @@ ORDER = (
 
 
 class BlockForward:
-    """A block's forward, replaced in place: ``fn(module, *args, **kwargs)``.
-
-    ``fn`` is unbound and the module is held here, so ``copy.deepcopy`` of the model gives the
-    copy a forward that runs on the copy (a bound method or a closure over the module would
-    keep running the original).
-    """
+    """A block's forward, replaced in place: ``fn(module, *args, **kwargs)``, unbound, so that ``copy.deepcopy``
+    gives the copy a forward that runs on the copy."""
 
     def __init__(self, module: nn.Module, fn: Callable[..., Any]):
         self.module = module
@@ -42,13 +36,8 @@ class BlockForward:
 
 
 def class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The module's class's forward, looked up at call time, not when a wrapper is applied.
-
-    `shard_model` comes after the wrappers, and fully_shard swaps each unit's class for a
-    subclass (``FSDPLlamaDecoderLayer``). Some forwards look at their own class: transformers'
-    ``GradientCheckpointingLayer`` only checkpoints when ``type(self).forward`` is the wrapper it
-    is running, so calling the pre-swap class's forward would silently skip checkpointing.
-    """
+    """The module's class's forward, looked up at call time: fully_shard later swaps the class for a subclass,
+    and some forwards (transformers' ``GradientCheckpointingLayer``) check ``type(self).forward``."""
     return type(module).forward(module, *args, **kwargs)
 
 
@@ -70,11 +59,8 @@ def set_forward(module: nn.Module, fn: Callable[..., Any]) -> None:
 
 
 def check_unsharded(model: nn.Module, what: str, *, before_tp: bool = False) -> None:
-    """Raise if ``shard_model`` (or fully_shard) already ran: ``what`` must come before it.
-
-    Parameters that `apply_tensor_parallel` made DTensors are not "sharded" here: the wrappers
-    that follow it in the order run on them. ``before_tp``: ``what`` must also precede it.
-    """
+    """Raise if ``shard_model`` (or fully_shard) already ran (`apply_tensor_parallel`'s DTensors are fine);
+    with ``before_tp``, also if `apply_tensor_parallel` did."""
     sharded = isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
     tensor_parallel = getattr(model, TENSOR_PARALLEL, None) is not None
     if sharded or (not tensor_parallel and any(isinstance(p, DTensor) for p in model.parameters())):

@@ -1,7 +1,5 @@
-"""Explicit forward and backward prefetch of the blocks' all-gathers.
-
-How it works and why: docs/internals.md, section fsdp2kit/wrappers/prefetch.py.
-"""
+"""Explicit forward and backward prefetch of the blocks' all-gathers (how and why: docs/internals.md, section
+fsdp2kit/wrappers/prefetch.py)."""
 
 from __future__ import annotations
 
@@ -23,17 +21,11 @@ def _depth(name: str, value: int) -> int:
 
 
 def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Module:
-    """Prefetch the all-gathers of the next ``forward`` blocks in forward and the previous
-    ``backward`` blocks in backward; returns ``model``. Call it after `shard_model`.
+    """Prefetch the all-gathers of the next ``forward`` blocks in forward and the previous ``backward`` blocks
+    in backward; returns ``model``. Call it after `shard_model`; calling it again replaces the setting.
 
-    ``forward=1`` issues block i+1's all-gather right after block i's, before block i computes
-    (by default it waits until block i+1 starts). ``backward=1`` is what FSDP2 already does
-    implicitly, made explicit; 2 or more keeps more all-gathers in flight for more memory.
-    ``0`` turns explicit prefetch off in that direction and returns to FSDP2's default (none
-    in forward, one block in backward: FSDP2 has no switch to turn that one off).
-
-    Calling it again replaces the previous setting. Only the blocks prefetch each other; the
-    embedding and root units keep FSDP2's default.
+    ``backward=1`` is FSDP2's implicit default made explicit; ``0`` returns to FSDP2's default in that
+    direction. Only the blocks prefetch each other; the embedding and root units keep FSDP2's default.
     """
     forward, backward = _depth("forward", forward), _depth("backward", backward)
     blocks = getattr(model, BLOCK_ORDER, None)
