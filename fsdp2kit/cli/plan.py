@@ -35,6 +35,7 @@ def parse_targets(text: str | None) -> str | tuple[str, ...]:
 
 # Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
 _STEP_FLAGS = ("ac", "optimizer", "optimizer_offload", "prefetch", "device", "gpu_memory", "json")
+_STEP_FLAGS += ("grad_accum", "accumulation")
 
 
 def add_plan(subparsers) -> None:
@@ -101,6 +102,17 @@ def add_plan(subparsers) -> None:
         action="store_true",
         help="optimizer state and its step in host memory, parameters and gradients on the device "
         "(the recipe's [optim] offload; --cpu-offload moves the parameters too)",
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=None, metavar="M", help="micro-batches a step (gradient accumulation)"
+    )
+    p.add_argument(
+        "--accumulation",
+        default=None,
+        metavar="POLICY",
+        help="with --grad-accum: how the micro-batches communicate (fsdp2kit.accumulate: regather, keep_gathered, "
+        "defer_all_reduce, no_sync, ...); the peak adds what it holds between them. Default: the policy with the "
+        "fewest bytes a step whose peak fits the memory budget (docs/accumulation.md)",
     )
     p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
     p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
@@ -196,7 +208,11 @@ def run_plan(args) -> int:
         lora=args.lora,
         qlora=args.qlora,
         lora_targets=targets,
+        grad_accum=1 if args.grad_accum is None else args.grad_accum,
+        accumulation=args.accumulation or "regather",
     )
+    if args.accumulation is not None and settings.grad_accum == 1:
+        raise ValueError("--accumulation chooses how micro-batches communicate: give --grad-accum M (M > 1) too")
     settings.check()  # bad options fail before the model is built
     # The model's own position limit (a named config's published one): a longer --seq is noted, not hidden.
     model = build_causal_lm(args.model, meta=True)

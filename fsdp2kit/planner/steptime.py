@@ -167,10 +167,10 @@ def predict_step(
     price_per_gpu_hour: float = DEFAULT_PRICE,
     cache: dict | None = None,
     memory_plan=None,
-    accumulation: str = "regather",
+    accumulation: str | None = None,
 ) -> StepTime:
     """Predict one optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`,
-    ``grad_accum`` micro-batches a step, communicating as ``accumulation`` says: `fsdp2kit.planner.comm`)
+    ``grad_accum`` micro-batches a step, communicating as ``accumulation``, else ``settings.accumulation``, says)
     on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x cp x tp, split evenly over them).
     The collective bytes are `fsdp2kit.planner.comm`'s, the ones `fsdp2kit.count_collectives` measures."""
     from fsdp2kit.planner.api import _as_trained, plan_settings
@@ -215,7 +215,7 @@ def predict_step(
         # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
         # (all-to-all style): 1 / cp of every matmul, whatever its kind.
         flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
-    comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation)
+    comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation or s.accumulation)
     return _predict(
         hardware,
         flops,
