@@ -216,7 +216,17 @@ def run_plan(args) -> int:
     settings.check()  # bad options fail before the model is built
     # The model's own position limit (a named config's published one): a longer --seq is noted, not hidden.
     model = build_causal_lm(args.model, meta=True)
-    plan = plan_settings(model, settings, cache={})
+    policies = None
+    if settings.grad_accum > 1:
+        from fsdp2kit.planner.search import pick_accumulation
+
+        picked, plan, policies = pick_accumulation(model, settings, gpu_memory)
+        if args.accumulation is None:
+            settings = picked
+        else:
+            plan = plan_settings(model, settings, cache={})
+    else:
+        plan = plan_settings(model, settings, cache={})
     plan.config["model"] = args.model
     plan.gpu_memory = gpu_memory
     step = None
@@ -236,14 +246,33 @@ def run_plan(args) -> int:
             plan.changes = ranked[:6]
     if args.json:
         out = plan.to_dict()
+        if policies is not None:
+            out["accumulation_policies"] = policies
         if step is not None:
             out.update(step.to_dict())
         print(json.dumps(out, indent=1))
     else:
         print(plan)
+        if policies is not None:
+            print(_policies_text(settings, policies, picked=args.accumulation is None))
         if step is not None:
             print(step)
     return 0
+
+
+def _policies_text(settings, rows: list[dict], *, picked: bool) -> str:
+    from fsdp2kit._internal.fmt import fmt_bytes
+
+    fits = any(r["fits"] for r in rows)
+    how = ("the fewest bytes a step whose peak fits" if fits else "none fits: the lowest peak") if picked else "given"
+    lines = [f"accumulation over {settings.grad_accum} micro-batches: {settings.accumulation} ({how})"]
+    for r in rows:
+        mark = "*" if r["policy"] == settings.accumulation else " "
+        lines.append(
+            f" {mark} {r['policy']:<31} peak {fmt_bytes(r['peak_bytes']):>10}  collectives "
+            f"{fmt_bytes(r['comm_bytes_per_step']):>10} a step per rank{'' if r['fits'] else '  (does not fit)'}"
+        )
+    return "\n".join(lines)
 
 
 def parse_gpu(name: str | None, sets: list[str] | None):
