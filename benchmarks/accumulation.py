@@ -177,7 +177,7 @@ def main() -> None:
     picks = budgets(rows, args.micro, args.layers, args.hidden)
     head2 = (
         "\n\n## The policy the planner picks for a memory budget\n\n"
-        "Each budget is one policy's peak as `fsdp2kit.plan_memory(..., device=\"cpu\", grad_accum="
+        'Each budget is one policy\'s peak as `fsdp2kit.plan_memory(..., device="cpu", grad_accum='
         f"{args.micro}, accumulation=P)` predicts it (batch 2 x 32 tokens; tests/dist/test_memory_measured.py "
         "checks such peaks against measured steps). The planner picks the policy with the fewest bytes whose "
         "peak fits; the minimum is the fewest bytes of any holding (the table above) whose policy's peak fits.\n\n"

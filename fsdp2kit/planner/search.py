@@ -242,7 +242,7 @@ def rank_by_step_time(
     """``changes`` (what `cheapest_changes` returned for ``s``) ranked by their predicted step time on
     ``hardware`` (`fsdp2kit.planner.steptime`, on ``nodes`` nodes, more for a change that adds GPUs) in place
     of the fixed guesses; changes to what is trained (LoRA) still come last, and CPU offload (whose
-    transfers the model leaves out) after the changes timed in full. Each gets ``step_seconds`` and
+    CPU optimizer step the model leaves out) after the changes timed in full. Each gets ``step_seconds`` and
     ``tokens_per_second_per_gpu``, and its ``cost`` says them (against ``baseline``, the unchanged settings'
     `StepTime`, when given). A change whose settings cannot be rebuilt from its label keeps its place, last."""
     import math
@@ -267,11 +267,11 @@ def rank_by_step_time(
         what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
         if baseline is not None:
             what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
-        # Offload's host transfers and CPU optimizer step are not in the model: its time is a lower
+        # Offload's CPU optimizer step is not in the model: its time is a lower
         # bound, so it is ranked after the changes whose time is whole.
         partial = any(getattr(settings, k) and not getattr(s, k) for k in ("cpu_offload", "optimizer_offload"))
         if partial:
-            what += " at best (offload's transfers not modelled)"
+            what += " at best (offload's CPU optimizer step not modelled)"
         if change["cost_fraction"] >= 1.0:
             what += ", changes what is trained"
         timed = {
