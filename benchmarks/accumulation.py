@@ -122,6 +122,42 @@ def table(rows: list[dict], micro: int) -> str:
     return "\n".join(lines)
 
 
+def budgets(rows: list[dict], micro: int, layers: int, hidden: int) -> list[dict]:
+    """For each mesh and each policy's predicted peak as the budget: the policy the planner picks
+    (`fsdp2kit.planner.search.pick_accumulation`), its counted bytes, and the fewest bytes any
+    policy's holding allows within that budget (the minimum of each policy whose peak fits)."""
+    from fsdp2kit.planner.api import Settings
+    from fsdp2kit.planner.search import pick_accumulation
+
+    out = []
+    for label, shape in (("1-D shard=4", dict(shard=4)), ("HSDP 2x2", dict(shard=2, replicate=2))):
+        counted = {r["policy"]: r for r in rows if r["mesh"] == label}
+        s = Settings(**shape, batch=2, seq=32, mixed_precision="bf16", grad_accum=micro, device="cpu")
+        model, cache = _model(layers, hidden), {}
+        _, _, peaks = pick_accumulation(model, s, None, cache)
+        for budget in sorted({p["peak_bytes"] for p in peaks}):
+            picked, _, _ = pick_accumulation(model, s, budget, cache)
+            fits = [p["policy"] for p in peaks if p["peak_bytes"] <= budget]
+            best = min(counted[p]["minimum_bytes"] for p in fits)
+            sent = counted[picked.accumulation]["counted_bytes"]
+            out.append(dict(mesh=label, budget=budget, picked=picked.accumulation, bytes=sent, minimum=best))
+    return out
+
+
+def budget_table(rows: list[dict]) -> str:
+    lines = [
+        "| mesh | memory budget (predicted peak, per rank) | policy picked | counted bytes / step "
+        "| minimum for the budget | picked / minimum |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mesh']} | {r['budget']:,} | {r['picked']} | {r['bytes']:,} | {r['minimum']:,} "
+            f"| {r['bytes'] / r['minimum']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro", type=int, default=4)
@@ -138,10 +174,19 @@ def main() -> None:
         "fp32 reductions). Bytes per rank on the data-parallel groups, each collective's whole buffer "
         "(fsdp2kit.count_collectives); the minimum is docs/accumulation.md's for the memory the policy holds.\n\n"
     )
+    picks = budgets(rows, args.micro, args.layers, args.hidden)
+    head2 = (
+        "\n\n## The policy the planner picks for a memory budget\n\n"
+        'Each budget is one policy\'s peak as `fsdp2kit.plan_memory(..., device="cpu", grad_accum='
+        f"{args.micro}, accumulation=P)` predicts it (batch 2 x 32 tokens; tests/dist/test_memory_measured.py "
+        "checks such peaks against measured steps). The planner picks the policy with the fewest bytes whose "
+        "peak fits; the minimum is the fewest bytes of any holding (the table above) whose policy's peak fits.\n\n"
+    )
     out = Path(args.out)
-    out.with_suffix(".md").write_text(head + table(rows, args.micro) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    out.with_suffix(".md").write_text(head + table(rows, args.micro) + head2 + budget_table(picks) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"policies": rows, "budgets": picks}, indent=1) + "\n")
     print(table(rows, args.micro))
+    print(budget_table(picks))
 
 
 if __name__ == "__main__":

@@ -106,11 +106,18 @@ def measure_step(
     make_batch: Callable[[], torch.Tensor],
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     blocks: list[nn.Module],
+    micro_batches: int = 1,
+    accumulation: str = "regather",
 ) -> MeasuredStep:
-    """Run one step (``loss_fn(model, make_batch())``, backward, ``optimizer.step()``, ``zero_grad``) and measure it.
+    """Run one step (``loss_fn(model, make_batch())``, backward, ``optimizer.step()``, ``zero_grad``) and measure it;
+    with ``micro_batches`` > 1, that many forwards and backwards under `fsdp2kit.accumulate`'s ``accumulation``.
 
     Run a warm-up step first so the optimizer state exists, as in any step after the first.
     """
+    import contextlib
+
+    from fsdp2kit.accumulation import accumulate
+
     result = MeasuredStep()
     clf = _Classifier(model, optimizer)
     live = LiveBytes()
@@ -157,14 +164,18 @@ def measure_step(
         live.track(list(model.parameters()) + list(model.buffers()))
         live.track([v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
         with live:
-            live.label = "forward"
-            batch = make_batch()
-            loss = loss_fn(model, batch)
-            live.update()
-            result.saved_activations = marks.get("after_blocks", 0)
-            result.logits_and_loss = clf.classify(live)["rest"] - result.saved_activations
-            live.label = "backward loss"
-            loss.backward()
+            for i in range(micro_batches):
+                scope = accumulate(model, accumulation, i, micro_batches) if micro_batches > 1 else None
+                with scope or contextlib.nullcontext():
+                    live.label = "forward"
+                    batch = make_batch()
+                    loss = loss_fn(model, batch)
+                    live.update()
+                    if i == 0:
+                        result.saved_activations = marks.get("after_blocks", 0)
+                        result.logits_and_loss = clf.classify(live)["rest"] - result.saved_activations
+                    live.label = "backward loss"
+                    loss.backward()
             live.label = "after backward"
             live.update()
             parts = clf.classify(live)

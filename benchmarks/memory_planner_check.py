@@ -200,7 +200,15 @@ def measure_world(configs: list[dict]) -> list[dict]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         del loss
-        m = measure_step(model, opt, make_batch, loss_fn, list(model._fsdp2kit_blocks))
+        m = measure_step(
+            model,
+            opt,
+            make_batch,
+            loss_fn,
+            list(model._fsdp2kit_blocks),
+            micro_batches=c.get("accum", 1),
+            accumulation=c.get("policy", "regather"),
+        )
         out.append(m.__dict__)
         del model, opt
     return out
@@ -224,6 +232,8 @@ def predict(c: dict):
         device="cpu",
         prefetch=c.get("prefetch", 0),
         optimizer=c.get("optimizer", "adamw"),
+        grad_accum=c.get("accum", 1),
+        accumulation=c.get("policy", "regather"),
     )
 
 

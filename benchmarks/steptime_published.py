@@ -41,7 +41,7 @@ class Row:
     ac: str | None
     published: float  # tokens/s per GPU
     calibration: bool = False
-    outside: str = ""  # what the run used that the model does not (compile, float8, TP's collectives)
+    outside: str = ""  # what the run used that the model does not (compile, float8, async TP)
     tp: int = 1
 
 
@@ -80,7 +80,7 @@ ROWS = [
         8192,
         "full",
         829,
-        outside="compile, float8, TP collectives",
+        outside="compile, float8, async TP",
         tp=8,
     ),
     Row(
@@ -94,7 +94,7 @@ ROWS = [
         8192,
         "full",
         109,
-        outside="TP collectives",
+        outside="TP overlap, if async",
         tp=8,
     ),
     Row(_TT_A100, "Llama 3 8B, selective op AC", "a100", "llama3-8b", 64, 8, 1, 8192, "selective", 2973, True),
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "Predictions are `fsdp2kit plan MODEL --shard N --nodes M --batch B --seq S --ac AC --mixed-precision bf16 "
         "--gpu GPU` (eager bf16 FSDP2, AdamW, reduce in fp32). **calibration**: the row the preset's efficiency "
         "factor is solved from (its error is 0 by construction); every other row is a check. *outside*: the run used "
-        "something the model does not have (torch.compile, float8 matmuls, TP's own collectives), so its error "
+        "something the model does not have (torch.compile, float8 matmuls, async TP), so its error "
         "measures that gap, not the model; they count as misses where they miss. Goal: within 20%.",
         "",
         "| source | run | GPUs | model | batch x seq | AC | published tok/s/GPU | predicted | error | MFU pred. | "

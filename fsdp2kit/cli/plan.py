@@ -35,6 +35,7 @@ def parse_targets(text: str | None) -> str | tuple[str, ...]:
 
 # Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
 _STEP_FLAGS = ("ac", "optimizer", "optimizer_offload", "prefetch", "device", "gpu_memory", "json")
+_STEP_FLAGS += ("grad_accum", "accumulation")
 
 
 def add_plan(subparsers) -> None:
@@ -101,6 +102,17 @@ def add_plan(subparsers) -> None:
         action="store_true",
         help="optimizer state and its step in host memory, parameters and gradients on the device "
         "(the recipe's [optim] offload; --cpu-offload moves the parameters too)",
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=None, metavar="M", help="micro-batches a step (gradient accumulation)"
+    )
+    p.add_argument(
+        "--accumulation",
+        default=None,
+        metavar="POLICY",
+        help="with --grad-accum: how the micro-batches communicate (fsdp2kit.accumulate: regather, keep_gathered, "
+        "defer_all_reduce, no_sync, ...); the peak adds what it holds between them. Default: the policy with the "
+        "fewest bytes a step whose peak fits the memory budget (docs/accumulation.md)",
     )
     p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
     p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
@@ -196,11 +208,25 @@ def run_plan(args) -> int:
         lora=args.lora,
         qlora=args.qlora,
         lora_targets=targets,
+        grad_accum=1 if args.grad_accum is None else args.grad_accum,
+        accumulation=args.accumulation or "regather",
     )
+    if args.accumulation is not None and settings.grad_accum == 1:
+        raise ValueError("--accumulation chooses how micro-batches communicate: give --grad-accum M (M > 1) too")
     settings.check()  # bad options fail before the model is built
     # The model's own position limit (a named config's published one): a longer --seq is noted, not hidden.
     model = build_causal_lm(args.model, meta=True)
-    plan = plan_settings(model, settings, cache={})
+    policies = None
+    if settings.grad_accum > 1:
+        from fsdp2kit.planner.search import pick_accumulation
+
+        picked, plan, policies = pick_accumulation(model, settings, gpu_memory)
+        if args.accumulation is None:
+            settings = picked
+        else:
+            plan = plan_settings(model, settings, cache={})
+    else:
+        plan = plan_settings(model, settings, cache={})
     plan.config["model"] = args.model
     plan.gpu_memory = gpu_memory
     step = None
@@ -220,14 +246,33 @@ def run_plan(args) -> int:
             plan.changes = ranked[:6]
     if args.json:
         out = plan.to_dict()
+        if policies is not None:
+            out["accumulation_policies"] = policies
         if step is not None:
             out.update(step.to_dict())
         print(json.dumps(out, indent=1))
     else:
         print(plan)
+        if policies is not None:
+            print(_policies_text(settings, policies, picked=args.accumulation is None))
         if step is not None:
             print(step)
     return 0
+
+
+def _policies_text(settings, rows: list[dict], *, picked: bool) -> str:
+    from fsdp2kit._internal.fmt import fmt_bytes
+
+    fits = any(r["fits"] for r in rows)
+    how = ("the fewest bytes a step whose peak fits" if fits else "none fits: the lowest peak") if picked else "given"
+    lines = [f"accumulation over {settings.grad_accum} micro-batches: {settings.accumulation} ({how})"]
+    for r in rows:
+        mark = "*" if r["policy"] == settings.accumulation else " "
+        lines.append(
+            f" {mark} {r['policy']:<31} peak {fmt_bytes(r['peak_bytes']):>10}  collectives "
+            f"{fmt_bytes(r['comm_bytes_per_step']):>10} a step per rank{'' if r['fits'] else '  (does not fit)'}"
+        )
+    return "\n".join(lines)
 
 
 def parse_gpu(name: str | None, sets: list[str] | None):

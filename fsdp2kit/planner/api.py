@@ -10,12 +10,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.models import max_positions
 from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
+from fsdp2kit.planner.held import micro_batch_units
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, rank_shards, units_for
 from fsdp2kit.planner.report import MemoryPlan
 from fsdp2kit.planner.timeline import replay
@@ -48,9 +50,10 @@ class Settings:
     lora: int | None = None
     qlora: bool = False
     lora_targets: str | tuple[str, ...] = "all-linear"  # or module names, as fsdp2kit.apply_lora takes them
-    grad_accum: int = 1  # micro-batches a step (memory does not depend on it under the recipe's default "regather")
+    grad_accum: int = 1  # micro-batches a step
     cp: int = 1  # context-parallel ranks a sequence is split over (all-to-all style); FSDP shards over shard x cp
     optimizer_offload: bool = False  # optimizer state (and its step) in host memory; parameters stay on the device
+    accumulation: str = "regather"  # how the micro-batches communicate (fsdp2kit.accumulate): what they hold
 
     def check(self) -> None:
         for name in ("shard", "replicate", "tp", "cp", "batch", "seq", "grad_accum"):
@@ -77,6 +80,7 @@ class Settings:
             # as make_optimizer(offload=True): a low-bit state is already small, plain SGD keeps none
             raise ValueError(f"optimizer_offload is for optimizer='adamw' (not {self.optimizer!r})")
         resolve_precision(self.mixed_precision)
+        check_accumulation(self.accumulation, hsdp=self.replicate > 1)
         check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
 
 
@@ -171,6 +175,8 @@ def plan_memory(
     lora_targets: str | Sequence[str] = "all-linear",
     gpu_memory: int | None = None,
     name: str = "",
+    grad_accum: int = 1,
+    accumulation: str = "regather",
 ) -> MemoryPlan:
     """Predict the per-rank peak memory of one steady-state training step, its parts, and when it happens.
 
@@ -221,6 +227,8 @@ def plan_memory(
             training. A model that is already a peft model is planned as it is (leave these unset):
             what the recipe does, so its memory plan and `shard_model`'s ShardPlan count one model.
         gpu_memory: bytes per device; the plan then says whether it fits and by how much.
+        grad_accum, accumulation: micro-batches a step and the `fsdp2kit.accumulate` policy they run
+            under; the peak adds what the policy holds between them (docs/accumulation.md, "Memory").
 
     A ``seq`` longer than the model's ``max_position_embeddings`` is planned, with a note saying so.
     """
@@ -245,6 +253,8 @@ def plan_memory(
         lora=lora,
         qlora=qlora,
         lora_targets=lora_targets,
+        grad_accum=grad_accum,
+        accumulation=accumulation,
     )
     plan = plan_settings(model, settings, cache={})
     plan.gpu_memory = gpu_memory
@@ -268,7 +278,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         cpu_offload=s.cpu_offload,
     )
     shard_size = plan.mesh_shape[-1]
-    unit_names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
+    unit_names = [list(u.modules) for u in plan.units]
     names_of = {id(m): n for n, m in model.named_modules()}
     block_names = [names_of[id(b)] for b in find_blocks(model)]
     key = (id(model), s.batch, s.seq, s.cp, s.activation_checkpointing, compute)
@@ -286,16 +296,39 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
     position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
     final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))
-    step = replay(
-        cache[key],
-        units,
-        unit_names,
-        block_names,
-        world=shard_size,
-        prefetch=s.prefetch,
-        clone_reduce_input=gloo,
-        final_order=final_order,
-    )
+
+    def run(us, rec=cache[key]):
+        return replay(
+            rec,
+            us,
+            unit_names,
+            block_names,
+            world=shard_size,
+            prefetch=s.prefetch,
+            clone_reduce_input=gloo,
+            final_order=final_order,
+        )
+
+    step = run(units)
+    if s.grad_accum > 1:  # the micro-batch that peaks, with what the policy holds through it
+        rdt, pdt = prec.policy.reduce_dtype, prec.policy.param_dtype
+        scale = rdt.itemsize / pdt.itemsize if rdt is not None and pdt is not None else 1.0
+        rec = cache[key]
+        summed = dataclasses.replace(rec, events=[(*e[:2], 0) if e[0] == "grad" else e for e in rec.events])
+        micro = []
+        for us, extra, in_place in micro_batch_units(units, s.accumulation, s.grad_accum, scale):
+            r, held = run(us, summed if in_place else rec), sum(extra.values())
+            parts = {k: v + extra.get(k, 0) for k, v in r.parts.items()}
+            micro.append((r.peak + held, r.phase, parts, r.forward_peak + held, r.backward_peak + held))
+        top = max(micro, key=lambda t: t[0])
+        step = dataclasses.replace(
+            step,
+            peak=top[0],
+            phase=top[1],
+            parts=top[2],
+            forward_peak=max(t[3] for t in micro),
+            backward_peak=max(t[4] for t in micro),
+        )
 
     params = plan.param_bytes_per_rank
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")

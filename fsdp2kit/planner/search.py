@@ -9,10 +9,12 @@ import dataclasses
 
 import torch.nn as nn
 
+from fsdp2kit.accumulation import _HSDP_ONLY, ACCUMULATION
 from fsdp2kit.planner.api import Settings, plan_settings
+from fsdp2kit.planner.comm import _counts, comm_of_settings
 from fsdp2kit.planner.report import MemoryPlan
 
-__all__ = ["all_changes", "candidates", "cheapest_changes", "recipe_flags"]
+__all__ = ["all_changes", "candidates", "cheapest_changes", "pick_accumulation", "recipe_flags"]
 
 # torchao's low-bit AdamW states, by the cost the search ranks them at (see docs/internals.md).
 _LOW_BIT = {"adamw8bit": 0.05, "adamw_fp8": 0.06, "adamw4bit": 0.08}
@@ -32,6 +34,7 @@ RECIPE_OPTIONS = {
     "cp": "parallel.cp",
     "lora": "lora.r",
     "qlora": "lora.qlora",
+    "accumulation": "train.accumulation",
 }
 
 
@@ -84,6 +87,13 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
     # State offload is for fp32 AdamW state (recipes/support/options.py): a low-bit state is already small.
     if not s.optimizer_offload and not s.cpu_offload and s.optimizer == "adamw":
         out.append(("--optimizer-offload", 0.25, r(s, optimizer_offload=True)))
+    if s.grad_accum > 1:
+        # Another accumulation policy: free where it sends no more of any collective, else a guess.
+        now = _counts(s.accumulation, s.grad_accum)
+        for policy in _policies(s):
+            if policy != s.accumulation:
+                fewer = all(a <= b for a, b in zip(_counts(policy, s.grad_accum), now))
+                out.append((f"--accumulation {policy}", 0.0 if fewer else 0.05, r(s, accumulation=policy)))
     batch, cost = s.batch, 0.0
     while batch > 1:
         batch, cost = batch // 2, cost + 0.10
@@ -116,6 +126,34 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
         out.append(("--lora 16 (train adapters, not the model)", 1.0, r(s, lora=16)))
         out.append(("--lora 16 --qlora", 1.1, r(s, lora=16, qlora=True)))
     return out
+
+
+def _policies(s: Settings) -> list[str]:
+    return [p for p in ACCUMULATION if s.replicate > 1 or p not in _HSDP_ONLY]
+
+
+def pick_accumulation(
+    model: nn.Module, s: Settings, gpu_memory: int | None, cache: dict | None = None
+) -> tuple[Settings, MemoryPlan, list[dict]]:
+    """The accumulation policy with the fewest collective bytes a step among those whose peak fits
+    ``gpu_memory`` (None: every one fits), the lowest peak when none does: its settings, its plan, and a
+    row per policy (``policy``, ``peak_bytes``, ``comm_bytes_per_step``, ``fits``)."""
+    cache = {} if cache is None else cache
+    tried = []
+    for policy in _policies(s):
+        t = dataclasses.replace(s, accumulation=policy)
+        tried.append((t, plan_settings(model, t, cache), comm_of_settings(model, t, cache=cache).bytes_per_step))
+    fits = [x for x in tried if gpu_memory is None or x[1].peak_bytes <= gpu_memory]
+    if fits:
+        settings, plan, _ = min(fits, key=lambda x: (x[2], x[1].peak_bytes))
+    else:
+        settings, plan, _ = min(tried, key=lambda x: (x[1].peak_bytes, x[2]))
+    fit = {x[0] for x in fits}
+    rows = [
+        {"policy": t.accumulation, "peak_bytes": p.peak_bytes, "comm_bytes_per_step": n, "fits": t in fit}
+        for t, p, n in tried
+    ]
+    return settings, plan, rows
 
 
 def _pairs(singles: list[tuple[str, float, Settings]], long: bool = False) -> list[tuple[str, float, Settings]]:
@@ -204,7 +242,7 @@ def rank_by_step_time(
     """``changes`` (what `cheapest_changes` returned for ``s``) ranked by their predicted step time on
     ``hardware`` (`fsdp2kit.planner.steptime`, on ``nodes`` nodes, more for a change that adds GPUs) in place
     of the fixed guesses; changes to what is trained (LoRA) still come last, and CPU offload (whose
-    transfers the model leaves out) after the changes timed in full. Each gets ``step_seconds`` and
+    CPU optimizer step the model leaves out) after the changes timed in full. Each gets ``step_seconds`` and
     ``tokens_per_second_per_gpu``, and its ``cost`` says them (against ``baseline``, the unchanged settings'
     `StepTime`, when given). A change whose settings cannot be rebuilt from its label keeps its place, last."""
     import math
@@ -229,11 +267,11 @@ def rank_by_step_time(
         what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
         if baseline is not None:
             what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
-        # Offload's host transfers and CPU optimizer step are not in the model: its time is a lower
+        # Offload's CPU optimizer step is not in the model: its time is a lower
         # bound, so it is ranked after the changes whose time is whole.
         partial = any(getattr(settings, k) and not getattr(s, k) for k in ("cpu_offload", "optimizer_offload"))
         if partial:
-            what += " at best (offload's transfers not modelled)"
+            what += " at best (offload's CPU optimizer step not modelled)"
         if change["cost_fraction"] >= 1.0:
             what += ", changes what is trained"
         timed = {

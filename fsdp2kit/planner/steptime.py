@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp2kit.planner.comm import CommPlan, comm_of_plan
+from fsdp2kit.planner.comm import Collective, CommPlan, comm_of_plan
 from fsdp2kit.planner.flops import UnitFlops, count_flops
 from fsdp2kit.planner.hardware import Hardware
 
@@ -167,10 +167,10 @@ def predict_step(
     price_per_gpu_hour: float = DEFAULT_PRICE,
     cache: dict | None = None,
     memory_plan=None,
-    accumulation: str = "regather",
+    accumulation: str | None = None,
 ) -> StepTime:
     """Predict one optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`,
-    ``grad_accum`` micro-batches a step, communicating as ``accumulation`` says: `fsdp2kit.planner.comm`)
+    ``grad_accum`` micro-batches a step, communicating as ``accumulation``, else ``settings.accumulation``, says)
     on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x cp x tp, split evenly over them).
     The collective bytes are `fsdp2kit.planner.comm`'s, the ones `fsdp2kit.count_collectives` measures."""
     from fsdp2kit.planner.api import _as_trained, plan_settings
@@ -199,7 +199,7 @@ def predict_step(
     plan = estimate_plan(
         trained, shard=s.shard * cp, replicate=s.replicate, strategy=s.strategy, mixed_precision=s.mixed_precision
     )
-    unit_names = [[""] if u.name.startswith("(root)") else u.name.split(" + ") for u in plan.units]
+    unit_names = [list(u.modules) for u in plan.units]
     key = ("flops", id(trained), s.batch, s.seq, s.activation_checkpointing, compute)
     if key not in cache:
         cache[key] = count_flops(
@@ -215,7 +215,10 @@ def predict_step(
         # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
         # (all-to-all style): 1 / cp of every matmul, whatever its kind.
         flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
-    comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation)
+    comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation or s.accumulation)
+    itemsize = (compute or next(model.parameters()).dtype).itemsize
+    acts = activation_collectives(model, unit_names, s, itemsize)
+    host = [(u.bytes_per_rank, u.trainable_bytes_per_rank) for u in plan.units] if s.cpu_offload else None
     return _predict(
         hardware,
         flops,
@@ -226,7 +229,46 @@ def predict_step(
         nodes=nodes,
         per_node=per_node,
         price=price_per_gpu_hour,
+        acts=acts,
+        host=host,
     )
+
+
+def activation_collectives(model: nn.Module, unit_names: list[list[str]], s, itemsize: int) -> list[list[tuple]]:
+    """Per unit, one micro-batch's collectives on activations, ``(phase, kind, group, bytes)``: tensor parallelism's
+    from the model's own plan (a rowwise or vocabulary-parallel module all-reduces its output in forward, a
+    colwise one its input's gradient in backward, a gathered head all-gathers its output) and context
+    parallelism's (all-to-all style: q, k, v and the output of each block's attention, in forward and backward)."""
+    from fsdp2kit.blocks import find_blocks
+    from fsdp2kit.parallel.tensor_parallel import _pattern, model_tp_plan
+
+    tokens = s.batch * s.seq // s.cp  # a rank's, with the whole batch (tp ranks share it)
+    owners = sorted(((n, i) for i, names in enumerate(unit_names) for n in names), key=lambda t: -len(t[0]))
+    out: list[list[tuple]] = [[] for _ in unit_names]
+
+    def unit_of(name: str) -> list[tuple]:
+        return out[next(i for n, i in owners if not n or name == n or name.startswith(n + "."))]
+
+    styles = [(_pattern(k), v) for k, v in model_tp_plan(model).items()] if s.tp > 1 else []
+    blocks = {id(b) for b in find_blocks(model)} if s.cp > 1 else set()
+    config = getattr(model, "config", None)
+    for name, mod in model.named_modules():
+        style = next((v for pat, v in styles if isinstance(v, str) and pat.fullmatch(name)), "")
+        if "rowwise" in style:
+            width = mod.embedding_dim if isinstance(mod, nn.Embedding) else mod.out_features
+            unit_of(name).append(("forward", "all_reduce", "tp", tokens * width * itemsize))
+        elif "colwise" in style:
+            unit_of(name).append(("backward", "all_reduce", "tp", tokens * mod.in_features * itemsize))
+            if "gather" in style:
+                unit_of(name).append(("forward", "all_gather", "tp", tokens * mod.out_features * itemsize))
+        if id(mod) in blocks:
+            heads = config.num_attention_heads
+            kv = getattr(config, "num_key_value_heads", None) or heads
+            dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            for width in (heads, 2 * kv, heads):  # q; k and v in one exchange; the output (parallel/context_parallel)
+                nbytes = tokens * width // s.tp * dim * itemsize
+                unit_of(name).extend([(phase, "all_to_all", "cp", nbytes) for phase in ("forward", "backward")])
+    return out
 
 
 def _predict(
@@ -240,20 +282,29 @@ def _predict(
     nodes: int,
     per_node: int,
     price: float,
+    acts: list[list[tuple]] | None = None,
+    host: list[tuple[int, int]] | None = None,
 ) -> StepTime:
     rate = hw.bf16_flops * hw.efficiency
     fwd = [f.forward / rate for f in flops]
     bwd = [f.backward / rate for f in flops]
+    compute_s = comm.micro_batches * (sum(fwd) + sum(bwd))
     # Mesh (replicate, shard, tp), tp innermost: a shard group is ``shard`` ranks ``tp`` apart, so it has
     # min(shard, per_node / tp) ranks on a node; a replica group's ranks are shard x tp apart.
     cp = s.cp
     block = s.shard * cp * s.tp
 
+    sizes = {**comm.group_sizes, "tp": s.tp, "cp": cp}
+
     def link(group: str) -> tuple[float, float, float]:
         """(seconds a byte on the wire, latency, wire bytes a buffer byte) of a collective over ``group``."""
-        n = comm.group_sizes.get(group, 1)
-        # "shard", "shard/K" (a reshard-to-K gather: K consecutive shard ranks) and NO_SHARD's "shard" are tp apart
-        in_node = max(1, min(n, per_node // block)) if group == "replicate" else min(n, max(1, per_node // s.tp))
+        n = sizes.get(group, 1)
+        # "shard", "shard/K" (a reshard-to-K gather: K consecutive shard ranks), NO_SHARD's "shard" and "cp" are
+        # tp apart; "tp" is innermost
+        if group == "replicate":
+            in_node = max(1, min(n, per_node // block))
+        else:
+            in_node = min(n, per_node) if group == "tp" else min(n, max(1, per_node // s.tp))
         byte_s, lat = link_seconds(hw, group=n, per_node_in_group=in_node, per_node=per_node)
         return byte_s, lat, (n - 1) / n if n > 1 else 0.0
 
@@ -262,6 +313,20 @@ def _predict(
         if c.kind == "all_reduce":  # ring: a reduce-scatter then an all-gather
             return c.nbytes * 2 * wire * byte_s + 2 * lat
         return c.nbytes * wire * byte_s + lat
+
+    # Activations' collectives block the compute that needs their result: they lengthen the unit's compute.
+    # Recompute (in backward) repeats the forward ones but a block's last all-reduce: checkpoint stops once
+    # what backward needs exists, and the block's output is not among it.
+    act_bytes = act_s = 0.0
+    for i, unit in enumerate(acts or []):
+        last = max((k for k, a in enumerate(unit) if a[0] == "forward"), default=-1)
+        for k, (phase, kind, group, nbytes) in enumerate(unit):
+            t = seconds(Collective(kind, group, nbytes, "", 1, phase))
+            n = 1 + (phase == "forward" and flops[i].recompute > 0 and not (k == last and kind == "all_reduce"))
+            (fwd if phase == "forward" else bwd)[i] += t
+            bwd[i] += (n - 1) * t
+            act_bytes += n * nbytes
+            act_s += n * t
 
     m = comm.micro_batches
     end_all = 0.0
@@ -274,24 +339,24 @@ def _predict(
                 gather = c.kind == "all_gather"
                 if not (c.count == m or (gather and micro == 0) or (not gather and micro == m - 1)):
                     continue
+                # With cpu_offload each all-gather first copies the unit's shards to the GPU, each reduction
+                # copies its gradient shards back, on the same queue.
+                h2d, d2h = host[i] if host else (0, 0)
                 if c.kind == "all_gather":
-                    (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c)
+                    (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c) + h2d / hw.host_bytes_per_s
                 else:
-                    after[i] += seconds(c)
+                    after[i] += seconds(c) + (d2h / hw.host_bytes_per_s if c.kind == "reduce_scatter" else 0.0)
         _, end = simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)
         end_all += end
-    compute_s = m * (sum(fwd) + sum(bwd))
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = 0.0 if s.cpu_offload else opt_bytes / hw.hbm_bytes_per_s
-    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives)
+    if s.optimizer_offload:  # gradients to the host, updated parameters back, before the next forward
+        optimizer_s = (memory_plan.param_bytes + memory_plan.grad_bytes) / hw.host_bytes_per_s
+    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
     notes = []
-    if s.cpu_offload:
-        notes.append("CPU offload: host transfers and the CPU optimizer step are not modelled")
-    if cp > 1:
-        notes.append("context parallelism's all-to-alls are not modelled: a lower bound")
-    if s.tp > 1:
-        notes.append("tensor parallelism's own collectives (activations) are not modelled: a lower bound")
+    if s.cpu_offload or s.optimizer_offload:
+        notes.append("offload: host transfers modelled, the CPU optimizer step not: a lower bound")
     return StepTime(
         hardware=hw,
         nodes=nodes,
@@ -302,7 +367,7 @@ def _predict(
         optimizer_s=optimizer_s,
         step_s=end_all + optimizer_s,
         model_flops=m * sum(f.model for f in flops),
-        comm_bytes=comm.bytes_per_step,
+        comm_bytes=comm.bytes_per_step + int(m * act_bytes),
         comm_s=comm_s,
         price_per_gpu_hour=price,
         notes=notes,

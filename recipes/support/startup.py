@@ -45,6 +45,8 @@ def memory_plan(model: nn.Module, cfg: Config, *, shard: int, replicate: int, de
             strategy=p.strategy,
             device=device,
             name=cfg.model.name,
+            grad_accum=cfg.train.grad_accum,
+            accumulation=cfg.train.accumulation,
             **lora,
         )
     except Exception as e:

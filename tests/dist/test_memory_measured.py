@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 from memory_planner_check import measure_world, predict
 
+from fsdp2kit.accumulation import ACCUMULATION
 from fsdp2kit.testing import run_world
 
 CASES = [
@@ -49,6 +50,24 @@ ADAPTED = [
 ]
 
 
+# Each fk.accumulate policy over 4 micro-batches (the step's peak with what the policy holds between
+# them: docs/accumulation.md, "Memory"); the HSDP-only ones on a 2 x 1 mesh. In fp32 no_sync's
+# gradients add in place (autograd's), in bf16 they are upcast into a held fp32 sum (FSDP2's). The
+# default tier measures one policy of each mechanism (kept parameters with held .grad, a deferred
+# all-reduce, in-place sums); the slow tier the rest (about 4.5 s a case).
+def _accum(policy: str, **kw) -> dict:
+    case = dict(world=2, replicate=2 if "defer" in policy else 1, ac=None, mp="bf16", batch=1, seq=32, size="s")
+    return {**case, "accum": 4, "policy": policy, **kw}
+
+
+ACCUM = [
+    _accum("keep_gathered"),
+    _accum("keep_gathered_defer_all_reduce"),
+    _accum("no_sync", ac="full", mp=None),
+]
+ACCUM_SLOW = [_accum(a) for a in ACCUMULATION if a not in ("keep_gathered", "keep_gathered_defer_all_reduce")]
+
+
 def _near(predicted: int, measured: int, what: str, rel: float = 0.02) -> None:
     assert abs(predicted - measured) <= rel * max(measured, 1) + 64, (
         f"{what}: predicted {predicted}, measured {measured}"
@@ -61,7 +80,7 @@ _measured: list[list[dict]] = []
 def _ranks() -> list[list[dict]]:
     """Both sets measured in one spawn: process start-up is the slow part."""
     if not _measured:
-        _measured.extend(run_world(measure_world, 2, CASES + ADAPTED, timeout=400))
+        _measured.extend(run_world(measure_world, 2, CASES + ADAPTED + ACCUM, timeout=400))
     return _measured
 
 
@@ -72,7 +91,7 @@ def test_every_category_matches_a_measured_step():
 
 @pytest.mark.timeout(450)
 def test_tp_lora_qlora_moe_match_a_measured_step():
-    _check(ADAPTED, [r[len(CASES) :] for r in _ranks()])
+    _check(ADAPTED, [r[len(CASES) : len(CASES) + len(ADAPTED)] for r in _ranks()])
 
 
 def _check(cases: list[dict], ranks: list[list[dict]]) -> None:
@@ -126,3 +145,23 @@ def _check(cases: list[dict], ranks: list[list[dict]]) -> None:
         else:
             _close(plan.parts["gathered"], measured["parts"]["gathered"], f"{label} gathered at the peak")
             _close(rest, measured_rest, f"{label} the rest at the peak")
+
+
+@pytest.mark.timeout(450)
+def test_accumulation_policies_peak_as_measured():
+    """The peak over a step of 4 micro-batches, each policy's held bytes in it."""
+    _check_accum(ACCUM, [r[len(CASES) + len(ADAPTED) :] for r in _ranks()])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_every_other_accumulation_policy_peaks_as_measured():
+    _check_accum(ACCUM_SLOW, run_world(measure_world, 2, ACCUM_SLOW, timeout=400))
+
+
+def _check_accum(cases: list[dict], ranks: list[list[dict]]) -> None:
+    for i, case in enumerate(cases):
+        measured = max((r[i] for r in ranks), key=lambda m: m["peak"])
+        plan = predict(case)
+        _near(plan.peak_bytes, measured["peak"], f"{case} peak")
+        assert plan.phase == measured["phase"], case

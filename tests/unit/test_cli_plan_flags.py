@@ -39,6 +39,8 @@ FLAGS = {
     "--device": (["cpu"], "--device: only a training step's", CHANGES),
     "--gpu-memory": (["1GiB"], "--gpu-memory: only a training step's", CHANGES),
     "--json": ([], "--json: only a training step's", CHANGES),
+    "--grad-accum": (["4"], "--grad-accum: only a training step's", CHANGES),
+    "--accumulation": (["keep_gathered"], "--accumulation: only a training step's", "give --grad-accum M"),
 }
 # Flags that only mean something beside another one: honoured there, refused where they cannot be.
 COMBINATIONS = [
@@ -48,6 +50,8 @@ COMBINATIONS = [
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
     ({}, "--cp", ["8"], "cp=8 ranks splits the attention heads: 4 heads and 4 KV heads must both divide by 8"),
     ({"--cpu-offload": [], "--batch": ["2"], "--seq": ["64"]}, "--optimizer-offload", [], "cpu_offload already keeps"),
+    ({"--grad-accum": ["4"], "--batch": ["2"], "--seq": ["64"]}, "--accumulation", ["keep_gathered"], CHANGES),
+    ({"--grad-accum": ["4"], "--batch": ["2"], "--seq": ["64"]}, "--accumulation", ["defer_all_reduce"], "HSDP mesh"),
 ]
 
 # Step time (--gpu): its flags need a step's plan, and the three beside --gpu need it.

@@ -110,3 +110,33 @@ def test_held_bytes_per_policy() -> None:
     assert held("defer_all_reduce") == _padded_bytes(model, 2, 4) // 2
     assert held("keep_gathered_no_sync") == held("keep_gathered") + held("no_sync")
     assert held("keep_gathered_defer_all_reduce") == held("keep_gathered") + held("defer_all_reduce")
+
+
+@pytest.mark.timeout(60)
+def test_the_planner_picks_the_fewest_bytes_that_fit(capsys) -> None:
+    import json
+
+    from fsdp2kit.cli import main
+    from fsdp2kit.models import build_causal_lm
+    from fsdp2kit.planner.api import Settings
+    from fsdp2kit.planner.search import pick_accumulation
+
+    model = build_causal_lm("demo", meta=True)
+    s = Settings(shard=2, replicate=2, batch=2, seq=64, mixed_precision="bf16", grad_accum=4, device="cpu")
+    _, _, rows = pick_accumulation(model, s, None)
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == set(ACCUMULATION)
+    # each held byte is in the peak: keeping the model gathered costs more memory than regathering it
+    assert by["keep_gathered_no_sync"]["peak_bytes"] > by["keep_gathered"]["peak_bytes"] > by["regather"]["peak_bytes"]
+    for budget in sorted({r["peak_bytes"] for r in rows}):
+        picked, plan, rows = pick_accumulation(model, s, budget)
+        fits = [r for r in rows if r["peak_bytes"] <= budget]
+        assert plan.peak_bytes <= budget and by[picked.accumulation]["peak_bytes"] == plan.peak_bytes
+        assert by[picked.accumulation]["comm_bytes_per_step"] == min(r["comm_bytes_per_step"] for r in fits)
+    picked, plan, _ = pick_accumulation(model, s, 1)  # none fits: the lowest peak, then the fewest bytes
+    assert picked.accumulation == "defer_all_reduce"
+    args = ["plan", "demo", "--shard", "2", "--replicate", "2", "--batch", "2", "--seq", "64"]
+    args += ["--mixed-precision", "bf16", "--grad-accum", "4", "--device", "cpu", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["accumulation"] == "keep_gathered_no_sync" and out["accumulation_policies"] == rows

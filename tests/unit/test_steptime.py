@@ -10,7 +10,7 @@ import torch
 
 from fsdp2kit.mfu import transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
-from fsdp2kit.planner.api import Settings
+from fsdp2kit.planner.api import Settings, plan_settings
 from fsdp2kit.planner.flops import count_flops
 from fsdp2kit.planner.hardware import GPUS, load_hardware
 from fsdp2kit.planner.steptime import predict_step, simulate
@@ -196,3 +196,41 @@ def test_search_ranks_by_predicted_step_time():
     trained_as_asked = [c["step_seconds"] for c in whole]
     assert trained_as_asked == sorted(trained_as_asked)
     assert all("tok/s/GPU" in c["cost"] for c in timed)
+
+
+def test_tp_cp_and_offload_are_in_the_step(demo):
+    from fsdp2kit.planner.steptime import activation_collectives
+
+    c, t = demo.config, 2 * 128  # tokens of _settings' micro-batch
+    names = [[f"model.layers.{i}"] for i in range(c.num_hidden_layers)] + [[""]]
+    tp = activation_collectives(demo, names, _settings(tp=2), 2)
+    # a Llama block: o_proj and down_proj all-reduce their outputs; q, k, v, gate, up their inputs' gradients
+    block = [("forward", "all_reduce", "tp", t * c.hidden_size * 2)] * 2
+    assert sorted(tp[0]) == sorted(block + [("backward", "all_reduce", "tp", t * c.hidden_size * 2)] * 5)
+    # the root: the vocabulary-parallel embedding's all-reduce, the head's gather and its input's gradient
+    assert sorted(tp[-1]) == sorted(
+        [
+            ("forward", "all_reduce", "tp", t * c.hidden_size * 2),
+            ("forward", "all_gather", "tp", t * c.vocab_size * 2),
+            ("backward", "all_reduce", "tp", t * c.hidden_size * 2),
+        ]
+    )
+    cp = activation_collectives(demo, names, _settings(cp=2), 2)
+    q = t // 2 * c.num_attention_heads * (c.hidden_size // c.num_attention_heads) * 2
+    kv = q * c.num_key_value_heads // c.num_attention_heads * 2
+    assert sorted(cp[0]) == sorted([(p, "all_to_all", "cp", n) for p in ("forward", "backward") for n in (q, kv, q)])
+    assert cp[-1] == []
+    h100, cache = load_hardware("h100"), {}
+    for kw in (dict(tp=2), dict(cp=2)):
+        base = predict_step(demo, _settings(**kw), h100, cache=cache)
+        slow = predict_step(demo, _settings(**kw), dataclasses.replace(h100, nvlink_bytes_per_s=1e9), cache=cache)
+        assert slow.exposed_comm_s > base.exposed_comm_s and slow.comm_bytes == base.comm_bytes
+        assert not base.notes
+    # offload: the transfers at the host link's bandwidth
+    for kw in (dict(cpu_offload=True), dict(optimizer_offload=True)):
+        base = predict_step(demo, _settings(**kw), h100, cache=cache)
+        slow = predict_step(demo, _settings(**kw), dataclasses.replace(h100, host_bytes_per_s=1e8), cache=cache)
+        assert slow.step_s > 10 * base.step_s
+    plan = plan_settings(demo, _settings(optimizer_offload=True), cache)
+    st = predict_step(demo, _settings(optimizer_offload=True), h100, cache=cache, memory_plan=plan)
+    assert st.optimizer_s == pytest.approx((plan.param_bytes + plan.grad_bytes) / h100.host_bytes_per_s)
