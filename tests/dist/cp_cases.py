@@ -19,6 +19,7 @@ from models import tiny_llama
 from tp_cases import tiny_qwen3
 
 import fsdp2kit as fk
+from fsdp2kit.parallel.cp_inputs import chunk_order
 
 VOCAB, SEQ, BATCH, IGNORE = 96, 16, 2, -100
 
@@ -33,16 +34,21 @@ class CPCase:
     packed: bool = True
     ac: str | None = None
     compile: str | None = None  # a torch.compile backend for compile_blocks
+    tp: int = 1
+    mixed_precision: str | None = None
+    lora: bool = False  # peft adapters on the model (and the reference)
     steps: int = 3
 
     @property
     def label(self) -> str:
         mesh = (f"replicate {self.replicate} x " if self.replicate > 1 else "") + f"shard {self.shard} x cp {self.cp}"
+        mesh += f" x tp {self.tp}" if self.tp > 1 else ""
         parts = [self.model, self.kernel, mesh, "packed" if self.packed else "one doc per row"]
-        if self.ac:
-            parts.append(f"ac {self.ac}")
-        if self.compile:
-            parts.append(f"compile {self.compile}")
+        for name in ("ac", "compile", "mixed_precision"):
+            if getattr(self, name):
+                parts.append(f"{name} {getattr(self, name)}")
+        if self.lora:
+            parts.append("lora")
         return ", ".join(parts)
 
 
@@ -89,21 +95,32 @@ def loss_sum(model, batch) -> torch.Tensor:
 
 
 def run_parity(case: CPCase) -> dict:
-    mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp)
+    mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp, tp=case.tp)
     ref = build(case.model, case.kernel)
+    if case.lora:
+        from lora_cases import lora_config
+        from peft import get_peft_model
+
+        torch.manual_seed(1)
+        ref = get_peft_model(ref, lora_config())
     model = copy.deepcopy(ref)
-    fk.apply_context_parallel(model, mesh)
+    if case.tp > 1:
+        fk.apply_tensor_parallel(model, mesh)
+    if case.cp > 1:  # cp 1: the same run without context parallelism, a baseline
+        fk.apply_context_parallel(model, mesh)
     if case.ac:
         fk.apply_activation_checkpointing(model, mode=case.ac)
     if case.compile:
         fk.compile_blocks(model, backend=case.compile)
-    fk.shard_model(model, mesh)
+    fk.shard_model(model, mesh, mixed_precision=case.mixed_precision)
     # The parity tests' AdamW (tp_cases): an eps above fp32 noise, so a near-zero gradient's rounding
     # is not normalised up to a full step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
-    groups = dist.get_world_size() // case.cp
-    group = dist.get_rank() // case.cp  # the cp ranks are innermost: one data-parallel group per cp group
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, eps=1e-5)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, eps=1e-5)
+    # the cp and tp ranks are innermost: one data-parallel group per cp x tp group. The TP ranks of a group
+    # compute the same loss, so the world's sums below count it tp times, and its count too: the ratios hold.
+    groups = dist.get_world_size() // (case.cp * case.tp)
+    group = dist.get_rank() // (case.cp * case.tp)
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses = [], []
     for _ in range(case.steps):
@@ -112,7 +129,7 @@ def run_parity(case: CPCase) -> dict:
         count = torch.tensor(float((mine["labels"] != IGNORE).sum()))
         dist.all_reduce(count)  # every rank's targets: the global count
         s = loss_sum(model, mine)
-        # FSDP averages gradients over the replicate x shard x cp ranks: scale the sum back up to a sum.
+        # FSDP averages gradients over the replicate x shard x cp ranks (world / tp): the sum back up to a sum.
         (s * dist.get_world_size() / count).backward()
         total = s.detach().clone()
         dist.all_reduce(total)
@@ -213,7 +230,30 @@ def run_checkpoint(work: str) -> dict:
     params = all(torch.equal(p.full_tensor(), saved[n]) for n, p in plain.named_parameters())
     named = list(plain.named_parameters())
     state = all(torch.equal(plain_opt.state[p]["exp_avg"].full_tensor(), saved_avg[n]) for n, p in named)
-    return {"step": step, "params": params, "state": state}
+    return {"step": step, "params": params, "state": state, "export": _export(model, mesh, f"{work}/export")}
+
+
+def _export(model, mesh, out: str) -> dict:
+    """export_hf from a trained cp model: transformers loads it, and its logits on the whole rows equal the cp
+    model's (each cp rank's chunks gathered and put back in order)."""
+    from transformers import AutoModelForCausalLM
+
+    fk.export_hf(model, out)
+    dist.barrier()
+    rows = packed_rows(BATCH, torch.Generator().manual_seed(6), True)
+    with torch.no_grad():
+        mine = fk.split_for_context_parallel(rows, mesh)
+        local = model(input_ids=mine["input_ids"], position_ids=mine["position_ids"], use_cache=False).logits
+        cp = mesh["cp"].size()
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=mesh["cp"].get_group())
+        chunks = torch.cat(parts, dim=1).unflatten(1, (2 * cp, -1))  # chunks in the ranks' layout order
+        layout = chunk_order(cp)
+        trained = chunks[:, sorted(range(2 * cp), key=layout.__getitem__)].flatten(1, 2)
+        back = AutoModelForCausalLM.from_pretrained(out)
+        logits = back(input_ids=rows["input_ids"], position_ids=rows["position_ids"], use_cache=False).logits
+    rel = ((logits - trained).abs().max() / trained.abs().max()).item()
+    return {"rel": rel, "attn": back.config._attn_implementation}
 
 
 def run_world4(cases: list[CPCase], work: str) -> dict:
