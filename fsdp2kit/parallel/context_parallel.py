@@ -73,20 +73,29 @@ def _inner_kernel(name: str, module: nn.Module) -> Callable:
 
 
 class _Positions:
-    """The whole sequence's positions and its document mask, built once per forward (the layers share the
-    same position_ids tensor, and activation checkpointing's recompute passes it again)."""
+    """The whole sequence's positions, gathered once per forward (the layers share one position_ids tensor, and
+    activation checkpointing's recompute passes it again), and the mask built from them. The mask (seq x seq a
+    row) is held weakly: a kernel that saves it for backward keeps the one copy alive until backward frees it;
+    where none does (eager, checkpointed layers) each attention builds it again."""
 
     def __init__(self):
         self.key: tuple | None = None
-        self.value = None
+        self.positions = self.mask = None
+        self.none = False  # one document a row under the kernel's causal flag: no mask
 
-    def get(self, position_ids: torch.Tensor, build: Callable):
+    def get(self, position_ids: torch.Tensor, gather: Callable, build: Callable):
         if torch.compiler.is_compiling():
-            return build()
+            return build(gather())
         key = (weakref.ref(position_ids), position_ids._version)
         if self.key is None or self.key[0]() is not position_ids or self.key[1] != key[1]:
-            self.key, self.value = key, build()
-        return self.value
+            self.key, self.positions, self.mask, self.none = key, gather(), None, False
+        mask = None if self.none or self.mask is None else self.mask()
+        if mask is None and not self.none:
+            mask = build(self.positions)
+            self.none, self.mask = mask is None, (None if mask is None else weakref.ref(mask))
+            if self.none:
+                self.positions = None  # not needed again: held until the next forward, it would outlive the step
+        return mask
 
 
 def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
@@ -95,7 +104,7 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
     layout = torch.tensor(order)
     cache = _Positions()
 
-    def gathered(position_ids: torch.Tensor, batch: int, causal: bool, dtype: torch.dtype):
+    def gather(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
         pos = position_ids.expand(batch, -1).contiguous()
         every = funcol.all_gather_single(pos, 0, group)  # (cp * batch, local seq), rank order
         every = funcol.wait_tensor(every) if isinstance(every, funcol.AsyncCollectiveTensor) else every
@@ -108,13 +117,19 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
                 "position_ids are given: pass the position_ids of fsdp2kit.split_for_context_parallel to the model"
             )
         every = every.view(cp, batch, -1).transpose(0, 1).reshape(batch, -1)  # layout order
-        mask = document_mask(_reorder(every, natural.to(every.device), dim=1), causal=causal)
-        if kernel == "eager" and mask is None:
+        return _reorder(every, natural.to(every.device), dim=1)
+
+    def build(every: torch.Tensor, causal: bool, dtype: torch.dtype):
+        mask = document_mask(every, causal=causal)
+        if mask is None and kernel == "eager":
             n = every.shape[1]
             mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril()[None, None]
-        if kernel == "eager":  # eager adds its mask to the scores
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        return mask
+        if mask is None:
+            return None
+        # Additive, in the kernel's dtype: SDPA turns a boolean mask into this at every call, a copy per layer
+        # that each layer saves for backward; this one the layers share
+        zero, low = (torch.tensor(v, dtype=dtype, device=mask.device) for v in (0, torch.finfo(dtype).min))
+        return torch.where(mask, zero, low)
 
     def attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):
         if attention_mask is not None:
@@ -127,7 +142,8 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         if position_ids is None:
             raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
         causal = getattr(module, "is_causal", True)
-        mask = cache.get(position_ids, lambda: gathered(position_ids, query.shape[0], causal, query.dtype))
+        batch, dtype = query.shape[0], query.dtype
+        mask = cache.get(position_ids, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
         nat, lay = natural.to(query.device), layout.to(query.device)
         q = _reorder(_seq_to_heads(query, cp, group), nat, dim=2)
         # k and v travel in one exchange (two all-to-alls in, one out), each KV head's k and v side by side
@@ -184,8 +200,9 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
       wherever the kernel runs, CPU/gloo included. Heads and KV heads (GQA) must divide by cp
       (with tensor parallelism: each TP rank's heads), else ``ValueError`` before any collective.
       Packed documents stay apart: the positions are gathered over cp once per forward and the
-      kernel gets a causal mask within each document (a per-sequence boolean mask of seq x seq;
-      one document per row needs none, the kernel's causal flag does it).
+      kernel gets a causal mask within each document (seq x seq a row, in the compute dtype, one
+      copy shared by the layers and freed with backward's saved tensors); one document per row
+      needs none, the kernel's causal flag does it.
     - ``"ring"``: refused, with the reason. torch's ``context_parallel`` does not run on CPU
       (its CPU flash op has no sharding strategy), and on CUDA it swaps SDPA through a dispatch
       mode around the whole step and masks causally only, so packed documents would attend to
