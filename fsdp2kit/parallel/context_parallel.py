@@ -98,11 +98,22 @@ class _Positions:
         return mask
 
 
-def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
+def _check_call(attention_mask, position_ids, kwargs: dict) -> None:
+    if attention_mask is not None:
+        raise ValueError(
+            "context parallelism got an attention mask: padding masks are not supported; keep documents apart "
+            "with position_ids (see fsdp2kit.split_for_context_parallel)"
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("context parallelism does not support sliding-window attention layers")
+    if position_ids is None:
+        raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
+
+
+def _gatherer(group: DeviceMesh, cp: int) -> Callable:
+    """A function of (this rank's position_ids, batch) -> the whole rows' positions in token order."""
     order = chunk_order(cp)
     natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
-    layout = torch.tensor(order)
-    cache = _Positions()
 
     def gather(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
         pos = position_ids.expand(batch, -1).contiguous()
@@ -119,6 +130,16 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         every = every.view(cp, batch, -1).transpose(0, 1).reshape(batch, -1)  # layout order
         return _reorder(every, natural.to(every.device), dim=1)
 
+    return gather
+
+
+def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
+    order = chunk_order(cp)
+    natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
+    layout = torch.tensor(order)
+    cache = _Positions()
+    gather = _gatherer(group, cp)
+
     def build(every: torch.Tensor, causal: bool, dtype: torch.dtype):
         mask = document_mask(every, causal=causal)
         if mask is None and kernel == "eager":
@@ -132,15 +153,7 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         return torch.where(mask, zero, low)
 
     def attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):
-        if attention_mask is not None:
-            raise ValueError(
-                "context parallelism got an attention mask: padding masks are not supported; keep documents apart "
-                "with position_ids (see fsdp2kit.split_for_context_parallel)"
-            )
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError("context parallelism does not support sliding-window attention layers")
-        if position_ids is None:
-            raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
+        _check_call(attention_mask, position_ids, kwargs)
         causal = getattr(module, "is_causal", True)
         batch, dtype = query.shape[0], query.dtype
         mask = cache.get(position_ids, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
@@ -156,6 +169,60 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         out, _ = _inner_kernel(kernel, module)(module, q, k, v, mask, is_causal=causal, **kwargs)
         out = _reorder(out, lay, dim=1)  # (batch, seq, heads / cp, dim) back in the layout order
         return _heads_to_seq(out, cp, group), None
+
+    return attention
+
+
+class _Ring(torch.autograd.Function):
+    """Causal attention over the ring of cp ranks: torch's own ring (its ``context_parallel``'s, with the
+    head-tail load balance this library's layout shares) on the memory-efficient CUDA kernel, called on
+    local tensors, so no DTensor dispatch is switched on for the process."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, group):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+        if not ring._cp_options.enable_load_balance:  # set by a torch context_parallel() call without balance
+            raise ValueError("style='ring': torch's context-parallel load balance is switched off in this process")
+        attend = ring._scaled_dot_product_ring_efficient_attention
+        out, lse, seed, offset = attend(group, q, k, v, None, True, 0.0, True, scale=scale)[:4]
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.scale, ctx.group = scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        backward = ring._scaled_dot_product_ring_efficient_attention_backward
+        which = (True, True, True, False)  # q, k, v; no bias
+        args = (q, k, v, None, out, lse, seed, offset, 0.0, which, True)
+        grads = backward(ctx.group, grad.contiguous(), *args, scale=ctx.scale)
+        return grads[0], grads[1], grads[2], None, None
+
+
+def _ring(group: DeviceMesh, cp: int) -> Callable:
+    cache = _Positions()
+    gather = _gatherer(group, cp)
+
+    def one_document(every: torch.Tensor) -> None:
+        if document_mask(every) is not None:
+            raise ValueError(
+                "style='ring' got packed rows (positions restart inside a row): torch's ring attention masks "
+                "causally over the whole row, so documents would attend to each other; use style='all_to_all'"
+            )
+
+    def attention(module, query, key, value, attention_mask, *, position_ids=None, scaling=None, **kwargs):
+        _check_call(attention_mask, position_ids, kwargs)
+        if not getattr(module, "is_causal", True):
+            raise ValueError("style='ring' runs causal attention only (torch's ring load balance assumes it)")
+        if kwargs.get("dropout"):
+            raise ValueError("style='ring' runs without attention dropout")
+        cache.get(position_ids, lambda: gather(position_ids, query.shape[0]), one_document)
+        groups = query.shape[1] // key.shape[1]  # GQA: the kernel wants as many k/v heads as q heads
+        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+        return _Ring.apply(query, k, v, scaling, group).transpose(1, 2).contiguous(), None
 
     return attention
 
@@ -203,10 +270,11 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
       kernel gets a causal mask within each document (seq x seq a row, in the compute dtype, one
       copy shared by the layers and freed with backward's saved tensors); one document per row
       needs none, the kernel's causal flag does it.
-    - ``"ring"``: refused, with the reason. torch's ``context_parallel`` does not run on CPU
-      (its CPU flash op has no sharding strategy), and on CUDA it swaps SDPA through a dispatch
-      mode around the whole step and masks causally only, so packed documents would attend to
-      each other: use ``"all_to_all"``.
+    - ``"ring"``: CUDA only (``ValueError`` on CPU: torch's ring has no CPU kernel). k and v go
+      round the cp ranks while each keeps its q, through torch's own ring attention (that of its
+      ``context_parallel``, with the same head-tail load balance) on the memory-efficient kernel;
+      any number of heads. It masks causally over the whole row only: packed rows are a
+      ``ValueError`` (at the first forward), use ``"all_to_all"`` for them.
 
     It works on transformers causal LMs (Llama, Qwen2, Qwen3, ...) without per-model code:
     the function is registered in transformers' ``AttentionInterface`` under a name of its own,
@@ -221,12 +289,10 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
             f"apply_context_parallel needs a mesh with a 'cp' dimension, got {mesh.mesh_dim_names}; make it with "
             "fsdp2kit.make_mesh(shard=..., cp=...)"
         )
-    if style == "ring":
-        where = "CPU" if group.device_type == "cpu" else "CUDA through fsdp2kit yet"
+    if style == "ring" and group.device_type != "cuda":
         raise ValueError(
-            f"apply_context_parallel: style='ring' does not run on {where}. torch's context_parallel has no CPU "
-            "sharding for its flash-attention op, and on CUDA it replaces SDPA for the whole step with a causal-only "
-            "mask (packed documents would leak into each other); use style='all_to_all'"
+            f"apply_context_parallel: style='ring' runs on CUDA only (torch's ring attention over its CUDA kernels), "
+            f"this mesh is on {group.device_type}; use style='all_to_all'"
         )
     check_unsharded(model, "apply_context_parallel")
     if getattr(model, CONTEXT_PARALLEL, None) is not None:
@@ -234,7 +300,8 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     cp = group.size()
     heads, kv = _heads(model)
     tp = (getattr(model, TENSOR_PARALLEL, None) or {}).get("tp", 1)
-    check_heads(cp, heads // tp, kv // tp, tp)
+    if style == "all_to_all":
+        check_heads(cp, heads // tp, kv // tp, tp)
     kernel = model.config._attn_implementation or "eager"
     if kernel not in KERNELS:
         raise ValueError(
@@ -244,7 +311,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     from transformers import AttentionInterface
 
     name = f"fsdp2kit_cp{next(_names)}_{kernel}"
-    AttentionInterface.register(name, _ulysses(group, cp, kernel))
+    AttentionInterface.register(name, _ulysses(group, cp, kernel) if style == "all_to_all" else _ring(group, cp))
     weakref.finalize(model, AttentionInterface._global_mapping.pop, name, None)
     model.config._attn_implementation = name
     setattr(model, CONTEXT_PARALLEL, {"cp": cp, "style": style, "kernel": kernel, "attn_implementation": name})

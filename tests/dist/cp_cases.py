@@ -187,6 +187,15 @@ def run_errors() -> dict:
     fk.apply_context_parallel(model, mesh22)
     ids = fk.split_for_context_parallel(torch.zeros(1, 16, dtype=torch.long), mesh22)
     out["no_positions"] = _error(lambda: model(input_ids=ids, use_cache=False))
+    # ring refuses packed rows (its mask is causal over the whole row) before its CUDA kernel: on every rank
+    from fsdp2kit.parallel.context_parallel import _ring
+
+    part = fk.split_for_context_parallel(packed_rows(1, torch.Generator().manual_seed(3), True), mesh22)
+    qkv = torch.zeros(1, 4, SEQ // 2, 10)
+    causal = torch.nn.Module()  # an attention module, as transformers' are: is_causal
+    causal.is_causal = True
+    ring = _ring(mesh22["cp"], 2)
+    out["ring_packed"] = _error(lambda: ring(causal, qkv, qkv, qkv, None, position_ids=part["position_ids"]))
     return out
 
 

@@ -84,7 +84,9 @@ def test_cp_bf16(world4, parity_table) -> None:
 def test_cp_errors(world4) -> None:
     errors = world4[0]["errors"]
     assert "4 heads and 2 KV heads must both divide by 4" in errors["heads"]
-    assert "style='ring' does not run on CPU" in errors["ring"]
+    assert "style='ring' runs on CUDA only" in errors["ring"] and "this mesh is on cpu" in errors["ring"]
+    for r in world4:  # every rank refuses (the positions were gathered): none is left waiting in the ring
+        assert "style='ring' got packed rows" in r["errors"]["ring_packed"]
     assert "needs a mesh with a 'cp' dimension" in errors["no_cp"]
     assert "2 x cp = 8 equal chunks" in errors["odd_seq"] and "seq_len 16" in errors["odd_seq"]
     assert "'flex_attention'" in errors["kernel"]
