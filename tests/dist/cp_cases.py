@@ -37,6 +37,7 @@ class CPCase:
     tp: int = 1
     mixed_precision: str | None = None
     lora: bool = False  # peft adapters on the model (and the reference)
+    style: str = "all_to_all"
     steps: int = 3
 
     @property
@@ -49,6 +50,8 @@ class CPCase:
                 parts.append(f"{name} {getattr(self, name)}")
         if self.lora:
             parts.append("lora")
+        if self.style != "all_to_all":
+            parts.append(self.style)
         return ", ".join(parts)
 
 
@@ -96,7 +99,8 @@ def loss_sum(model, batch) -> torch.Tensor:
 
 def run_parity(case: CPCase) -> dict:
     mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp, tp=case.tp)
-    ref = build(case.model, case.kernel)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ref = build(case.model, case.kernel).to(dev)
     if case.lora:
         from lora_cases import lora_config
         from peft import get_peft_model
@@ -107,7 +111,7 @@ def run_parity(case: CPCase) -> dict:
     if case.tp > 1:
         fk.apply_tensor_parallel(model, mesh)
     if case.cp > 1:  # cp 1: the same run without context parallelism, a baseline
-        fk.apply_context_parallel(model, mesh)
+        fk.apply_context_parallel(model, mesh, style=case.style)
     if case.ac:
         fk.apply_activation_checkpointing(model, mode=case.ac)
     if case.compile:
@@ -124,9 +128,9 @@ def run_parity(case: CPCase) -> dict:
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses = [], []
     for _ in range(case.steps):
-        rows = packed_rows(groups * BATCH, gen, case.packed)
+        rows = {k: v.to(dev) for k, v in packed_rows(groups * BATCH, gen, case.packed).items()}
         mine = fk.split_for_context_parallel({k: v[group * BATCH : (group + 1) * BATCH] for k, v in rows.items()}, mesh)
-        count = torch.tensor(float((mine["labels"] != IGNORE).sum()))
+        count = (mine["labels"] != IGNORE).sum().float()
         dist.all_reduce(count)  # every rank's targets: the global count
         s = loss_sum(model, mine)
         # FSDP averages gradients over the replicate x shard x cp ranks (world / tp): the sum back up to a sum.
