@@ -10,6 +10,7 @@ document's last token ignored, so any attention across documents (on any rank) s
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from models import tiny_llama
 from tp_cases import tiny_qwen3
 
 import fsdp2kit as fk
-from fsdp2kit.parallel.cp_inputs import chunk_order
+from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh
 
 VOCAB, SEQ, BATCH, IGNORE = 96, 16, 2, -100
 
@@ -275,4 +276,42 @@ def run_world4(cases: list[CPCase], work: str) -> dict:
         "errors": run_errors(),
         "registry": run_registry(),
         "checkpoint": run_checkpoint(work),
+        # GQA: k and v repeated to the query heads for the kernel
+        "ring": run_ring_emulated(CPCase(model="qwen3", kernel="sdpa", shard=2, packed=False, style="ring")),
     }
+
+
+def run_ring_emulated(case: CPCase) -> dict:
+    """style="ring" on CPU ranks: fsdp2kit's glue around torch's ring driver, with the CUDA kernel the ring calls
+    (memory-efficient attention, forward and backward) stood in for by the CPU flash ops (the same outputs and
+    gradients); the refusal of CPU meshes bypassed for this call only. The kernels themselves: tests/cuda."""
+    from unittest import mock
+
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    import fsdp2kit.parallel.context_parallel as cpmod
+
+    aten = torch.ops.aten
+
+    def forward(q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=False, *, scale=None):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, bool(is_causal), scale=scale)
+        return out, lse, torch.tensor(0), torch.tensor(0)
+
+    def backward(*, grad_out_, query, key, value, out, logsumexp, dropout_p, is_causal, scale, **bias_and_seeds):
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out_, query, key, value, out, logsumexp, dropout_p, bool(is_causal), scale=scale
+        )
+        return (*grads, None)
+
+    kernels = types.SimpleNamespace(
+        _scaled_dot_product_efficient_attention=forward,
+        _scaled_dot_product_efficient_attention_backward=types.SimpleNamespace(default=backward),
+    )
+
+    def on_cuda(mesh, what):  # a copy of the cp mesh that says cuda, for apply_context_parallel's check
+        sub = copy.copy(cp_mesh(mesh, what))
+        sub.__class__ = type("OnCuda", (type(sub),), {"device_type": "cuda"})
+        return sub
+
+    with mock.patch.object(ring, "aten", kernels), mock.patch.object(cpmod, "cp_mesh", on_cuda):
+        return run_parity(case)

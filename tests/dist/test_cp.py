@@ -81,6 +81,12 @@ def test_cp_bf16(world4, parity_table) -> None:
 
 
 @pytest.mark.timeout(400)
+def test_cp_ring_glue(world4, parity_table) -> None:
+    """style="ring" around torch's ring driver, its CUDA kernel stood in for by the CPU flash ops (cp_cases)."""
+    _check([r["ring"] for r in world4], 4, parity_table)
+
+
+@pytest.mark.timeout(400)
 def test_cp_errors(world4) -> None:
     errors = world4[0]["errors"]
     assert "4 heads and 2 KV heads must both divide by 4" in errors["heads"]
