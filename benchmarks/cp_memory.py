@@ -6,7 +6,8 @@ Each cp degree is its own world of cp ranks (cp 1: one process on the whole sequ
 the cp ranks (make_mesh(shard=1, cp=C): parameters, gradients and AdamW state shard over them
 too). Peak memory is the live tensor bytes of one training step (fsdp2kit.planner.live.LiveBytes,
 the recipe's CPU figure: parameters, gradients, optimizer state and every tensor alive at each op),
-measured on the second step, once the optimizer state exists. Tokens/s is the global sequence over
+measured on the second step, once the optimizer state exists, beside `fsdp2kit.plan_memory(...,
+cp=C, device="cpu")`'s prediction for the same step (the model built on the meta device). Tokens/s is the global sequence over
 the median wall time of the later, unwatched steps: on a shared 2-core CPU with C ranks on 2 cores
 it says little about GPUs, and is reported as measured.
 """
@@ -28,14 +29,15 @@ import fsdp2kit as fk
 from fsdp2kit.testing import run_world
 
 
-def build(vocab: int, hidden: int, layers: int):
+def build(vocab: int, hidden: int, layers: int, meta: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 17,
                       attn_implementation="sdpa")  # fmt: skip
-    return LlamaForCausalLM(cfg)
+    with torch.device("meta" if meta else "cpu"):
+        return LlamaForCausalLM(cfg)
 
 
 def rank_main(cp: int, seq: int, vocab: int, hidden: int, layers: int, steps: int) -> dict:
@@ -53,10 +55,12 @@ def rank_main(cp: int, seq: int, vocab: int, hidden: int, layers: int, steps: in
     batch = fk.split_for_context_parallel(whole, mesh)
     count = float(seq)
 
-    def step():
+    def loss_sum():  # the logits die with it, before backward, as in the recipe's step (and the planner's)
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum")
-        (loss * dist.get_world_size() / count).backward()
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum")
+
+    def step():
+        (loss_sum() * dist.get_world_size() / count).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -91,7 +95,10 @@ def main() -> None:
     for cp in [int(c) for c in a.cp.split(",")]:
         ranks = run_world(rank_main, cp, cp, a.seq, a.vocab, a.hidden, a.layers, a.steps, timeout=1800)
         step_s = max(r["step_s"] for r in ranks)
+        plan = fk.plan_memory(build(a.vocab, a.hidden, a.layers, meta=True), shard=1, cp=cp, batch=1, seq=a.seq,
+                              prefetch=0, device="cpu")  # fmt: skip
         rows.append({"cp": cp, "peak_live_bytes_per_rank": max(r["peak_live_bytes"] for r in ranks),
+                     "predicted_bytes_per_rank": plan.peak_bytes,
                      "param_bytes_per_rank": max(r["param_bytes"] for r in ranks), "step_s": step_s,
                      "tokens_per_s": a.seq / step_s})  # fmt: skip
         print(rows[-1], flush=True)
@@ -109,12 +116,14 @@ def main() -> None:
         "",
         f"Machine: {machine}.",
         "",
-        "| cp | peak live MiB per rank | vs cp 1 | sharded params MiB per rank | step s | tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| cp | peak live MiB per rank | predicted MiB | predicted vs measured | vs cp 1 | sharded params MiB per rank "
+        "| step s | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        peak, pred = r["peak_live_bytes_per_rank"], r["predicted_bytes_per_rank"]
         lines.append(
-            f"| {r['cp']} | {r['peak_live_bytes_per_rank'] / 2**20:.1f} | {r['peak_live_bytes_per_rank'] / base:.2f} | "
+            f"| {r['cp']} | {peak / 2**20:.1f} | {pred / 2**20:.1f} | {(pred - peak) / peak:+.2%} | {peak / base:.2f} | "
             f"{r['param_bytes_per_rank'] / 2**20:.2f} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} |"
         )
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")

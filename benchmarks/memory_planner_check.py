@@ -142,12 +142,17 @@ def lm_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
-def cp_loss(mesh):
-    """`lm_loss` on this cp rank's part of the sequence (labels shifted before the split, as the library needs)."""
+def cp_loss(mesh, packed: bool = False):
+    """`lm_loss` on this cp rank's part of the sequence (labels shifted before the split, as the library needs);
+    ``packed``: two documents a row (positions restart half-way), so attention gets a document mask."""
     import fsdp2kit as fk
 
     def loss(model, batch):
-        part = fk.split_for_context_parallel({"input_ids": batch[:, :-1], "labels": batch[:, 1:]}, mesh)
+        rows = {"input_ids": batch[:, :-1], "labels": batch[:, 1:]}
+        if packed:
+            half = rows["input_ids"].shape[1] // 2
+            rows["position_ids"] = torch.arange(rows["input_ids"].shape[1]).remainder(half).expand_as(batch[:, :-1])
+        part = fk.split_for_context_parallel(rows, mesh)
         logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), part["labels"].flatten())
 
@@ -190,7 +195,7 @@ def measure_world(configs: list[dict]) -> list[dict]:
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         vocab = model.config.vocab_size
         gen = torch.Generator().manual_seed(dist.get_rank() // tp // cp)  # one batch per TP (and cp) group
-        loss_fn = cp_loss(mesh) if cp > 1 else lm_loss
+        loss_fn = cp_loss(mesh, c.get("packed", False)) if cp > 1 else lm_loss
 
         def make_batch(vocab=vocab, shape=(c["batch"], c["seq"] + 1), gen=gen):
             return torch.randint(0, vocab, shape, generator=gen)
@@ -222,6 +227,7 @@ def predict(c: dict):
         shard=c["world"] // c["replicate"] // c.get("tp", 1) // c.get("cp", 1),
         tp=c.get("tp", 1),
         cp=c.get("cp", 1),
+        packed=c.get("packed", False),
         lora=c.get("lora"),
         qlora=c.get("qlora", False),
         replicate=c["replicate"],

@@ -73,29 +73,49 @@ def _inner_kernel(name: str, module: nn.Module) -> Callable:
 
 
 class _Positions:
-    """The whole sequence's positions and its document mask, built once per forward (the layers share the
-    same position_ids tensor, and activation checkpointing's recompute passes it again)."""
+    """The whole sequence's positions, gathered once per forward (the layers share one position_ids tensor, and
+    activation checkpointing's recompute passes it again), and the mask built from them. The mask (seq x seq a
+    row) is held weakly: a kernel that saves it for backward keeps the one copy alive until backward frees it;
+    where none does (eager, checkpointed layers) each attention builds it again."""
 
     def __init__(self):
         self.key: tuple | None = None
-        self.value = None
+        self.positions = self.mask = None
+        self.none = False  # one document a row under the kernel's causal flag: no mask
 
-    def get(self, position_ids: torch.Tensor, build: Callable):
+    def get(self, position_ids: torch.Tensor, gather: Callable, build: Callable):
         if torch.compiler.is_compiling():
-            return build()
+            return build(gather())
         key = (weakref.ref(position_ids), position_ids._version)
         if self.key is None or self.key[0]() is not position_ids or self.key[1] != key[1]:
-            self.key, self.value = key, build()
-        return self.value
+            self.key, self.positions, self.mask, self.none = key, gather(), None, False
+        mask = None if self.none or self.mask is None else self.mask()
+        if mask is None and not self.none:
+            mask = build(self.positions)
+            self.none, self.mask = mask is None, (None if mask is None else weakref.ref(mask))
+            if self.none:
+                self.positions = None  # not needed again: held until the next forward, it would outlive the step
+        return mask
 
 
-def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
+def _check_call(attention_mask, position_ids, kwargs: dict) -> None:
+    if attention_mask is not None:
+        raise ValueError(
+            "context parallelism got an attention mask: padding masks are not supported; keep documents apart "
+            "with position_ids (see fsdp2kit.split_for_context_parallel)"
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("context parallelism does not support sliding-window attention layers")
+    if position_ids is None:
+        raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
+
+
+def _gatherer(group: DeviceMesh, cp: int) -> Callable:
+    """A function of (this rank's position_ids, batch) -> the whole rows' positions in token order."""
     order = chunk_order(cp)
     natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
-    layout = torch.tensor(order)
-    cache = _Positions()
 
-    def gathered(position_ids: torch.Tensor, batch: int, causal: bool, dtype: torch.dtype):
+    def gather(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
         pos = position_ids.expand(batch, -1).contiguous()
         every = funcol.all_gather_single(pos, 0, group)  # (cp * batch, local seq), rank order
         every = funcol.wait_tensor(every) if isinstance(every, funcol.AsyncCollectiveTensor) else every
@@ -108,26 +128,35 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
                 "position_ids are given: pass the position_ids of fsdp2kit.split_for_context_parallel to the model"
             )
         every = every.view(cp, batch, -1).transpose(0, 1).reshape(batch, -1)  # layout order
-        mask = document_mask(_reorder(every, natural.to(every.device), dim=1), causal=causal)
-        if kernel == "eager" and mask is None:
+        return _reorder(every, natural.to(every.device), dim=1)
+
+    return gather
+
+
+def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
+    order = chunk_order(cp)
+    natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
+    layout = torch.tensor(order)
+    cache = _Positions()
+    gather = _gatherer(group, cp)
+
+    def build(every: torch.Tensor, causal: bool, dtype: torch.dtype):
+        mask = document_mask(every, causal=causal)
+        if mask is None and kernel == "eager":
             n = every.shape[1]
             mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril()[None, None]
-        if kernel == "eager":  # eager adds its mask to the scores
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        return mask
+        if mask is None:
+            return None
+        # Additive, in the kernel's dtype: SDPA turns a boolean mask into this at every call, a copy per layer
+        # that each layer saves for backward; this one the layers share
+        zero, low = (torch.tensor(v, dtype=dtype, device=mask.device) for v in (0, torch.finfo(dtype).min))
+        return torch.where(mask, zero, low)
 
     def attention(module, query, key, value, attention_mask, *, position_ids=None, **kwargs):
-        if attention_mask is not None:
-            raise ValueError(
-                "context parallelism got an attention mask: padding masks are not supported; keep documents apart "
-                "with position_ids (see fsdp2kit.split_for_context_parallel)"
-            )
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError("context parallelism does not support sliding-window attention layers")
-        if position_ids is None:
-            raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
+        _check_call(attention_mask, position_ids, kwargs)
         causal = getattr(module, "is_causal", True)
-        mask = cache.get(position_ids, lambda: gathered(position_ids, query.shape[0], causal, query.dtype))
+        batch, dtype = query.shape[0], query.dtype
+        mask = cache.get(position_ids, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
         nat, lay = natural.to(query.device), layout.to(query.device)
         q = _reorder(_seq_to_heads(query, cp, group), nat, dim=2)
         # k and v travel in one exchange (two all-to-alls in, one out), each KV head's k and v side by side
@@ -140,6 +169,60 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         out, _ = _inner_kernel(kernel, module)(module, q, k, v, mask, is_causal=causal, **kwargs)
         out = _reorder(out, lay, dim=1)  # (batch, seq, heads / cp, dim) back in the layout order
         return _heads_to_seq(out, cp, group), None
+
+    return attention
+
+
+class _Ring(torch.autograd.Function):
+    """Causal attention over the ring of cp ranks: torch's own ring (its ``context_parallel``'s, with the
+    head-tail load balance this library's layout shares) on the memory-efficient CUDA kernel, called on
+    local tensors, so no DTensor dispatch is switched on for the process."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, group):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+        if not ring._cp_options.enable_load_balance:  # set by a torch context_parallel() call without balance
+            raise ValueError("style='ring': torch's context-parallel load balance is switched off in this process")
+        attend = ring._scaled_dot_product_ring_efficient_attention
+        out, lse, seed, offset = attend(group, q, k, v, None, True, 0.0, True, scale=scale)[:4]
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.scale, ctx.group = scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        backward = ring._scaled_dot_product_ring_efficient_attention_backward
+        which = (True, True, True, False)  # q, k, v; no bias
+        args = (q, k, v, None, out, lse, seed, offset, 0.0, which, True)
+        grads = backward(ctx.group, grad.contiguous(), *args, scale=ctx.scale)
+        return grads[0], grads[1], grads[2], None, None
+
+
+def _ring(group: DeviceMesh, cp: int) -> Callable:
+    cache = _Positions()
+    gather = _gatherer(group, cp)
+
+    def one_document(every: torch.Tensor) -> None:
+        if document_mask(every) is not None:
+            raise ValueError(
+                "style='ring' got packed rows (positions restart inside a row): torch's ring attention masks "
+                "causally over the whole row, so documents would attend to each other; use style='all_to_all'"
+            )
+
+    def attention(module, query, key, value, attention_mask, *, position_ids=None, scaling=None, **kwargs):
+        _check_call(attention_mask, position_ids, kwargs)
+        if not getattr(module, "is_causal", True):
+            raise ValueError("style='ring' runs causal attention only (torch's ring load balance assumes it)")
+        if kwargs.get("dropout"):
+            raise ValueError("style='ring' runs without attention dropout")
+        cache.get(position_ids, lambda: gather(position_ids, query.shape[0]), one_document)
+        groups = query.shape[1] // key.shape[1]  # GQA: the kernel wants as many k/v heads as q heads
+        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+        return _Ring.apply(query, k, v, scaling, group).transpose(1, 2).contiguous(), None
 
     return attention
 
@@ -184,12 +267,14 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
       wherever the kernel runs, CPU/gloo included. Heads and KV heads (GQA) must divide by cp
       (with tensor parallelism: each TP rank's heads), else ``ValueError`` before any collective.
       Packed documents stay apart: the positions are gathered over cp once per forward and the
-      kernel gets a causal mask within each document (a per-sequence boolean mask of seq x seq;
-      one document per row needs none, the kernel's causal flag does it).
-    - ``"ring"``: refused, with the reason. torch's ``context_parallel`` does not run on CPU
-      (its CPU flash op has no sharding strategy), and on CUDA it swaps SDPA through a dispatch
-      mode around the whole step and masks causally only, so packed documents would attend to
-      each other: use ``"all_to_all"``.
+      kernel gets a causal mask within each document (seq x seq a row, in the compute dtype, one
+      copy shared by the layers and freed with backward's saved tensors); one document per row
+      needs none, the kernel's causal flag does it.
+    - ``"ring"``: CUDA only (``ValueError`` on CPU: torch's ring has no CPU kernel). k and v go
+      round the cp ranks while each keeps its q, through torch's own ring attention (that of its
+      ``context_parallel``, with the same head-tail load balance) on the memory-efficient kernel;
+      any number of heads. It masks causally over the whole row only: packed rows are a
+      ``ValueError`` (at the first forward), use ``"all_to_all"`` for them.
 
     It works on transformers causal LMs (Llama, Qwen2, Qwen3, ...) without per-model code:
     the function is registered in transformers' ``AttentionInterface`` under a name of its own,
@@ -204,12 +289,10 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
             f"apply_context_parallel needs a mesh with a 'cp' dimension, got {mesh.mesh_dim_names}; make it with "
             "fsdp2kit.make_mesh(shard=..., cp=...)"
         )
-    if style == "ring":
-        where = "CPU" if group.device_type == "cpu" else "CUDA through fsdp2kit yet"
+    if style == "ring" and group.device_type != "cuda":
         raise ValueError(
-            f"apply_context_parallel: style='ring' does not run on {where}. torch's context_parallel has no CPU "
-            "sharding for its flash-attention op, and on CUDA it replaces SDPA for the whole step with a causal-only "
-            "mask (packed documents would leak into each other); use style='all_to_all'"
+            f"apply_context_parallel: style='ring' runs on CUDA only (torch's ring attention over its CUDA kernels), "
+            f"this mesh is on {group.device_type}; use style='all_to_all'"
         )
     check_unsharded(model, "apply_context_parallel")
     if getattr(model, CONTEXT_PARALLEL, None) is not None:
@@ -217,7 +300,8 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     cp = group.size()
     heads, kv = _heads(model)
     tp = (getattr(model, TENSOR_PARALLEL, None) or {}).get("tp", 1)
-    check_heads(cp, heads // tp, kv // tp, tp)
+    if style == "all_to_all":
+        check_heads(cp, heads // tp, kv // tp, tp)
     kernel = model.config._attn_implementation or "eager"
     if kernel not in KERNELS:
         raise ValueError(
@@ -227,7 +311,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     from transformers import AttentionInterface
 
     name = f"fsdp2kit_cp{next(_names)}_{kernel}"
-    AttentionInterface.register(name, _ulysses(group, cp, kernel))
+    AttentionInterface.register(name, _ulysses(group, cp, kernel) if style == "all_to_all" else _ring(group, cp))
     weakref.finalize(model, AttentionInterface._global_mapping.pop, name, None)
     model.config._attn_implementation = name
     setattr(model, CONTEXT_PARALLEL, {"cp": cp, "style": style, "kernel": kernel, "attn_implementation": name})

@@ -361,6 +361,17 @@ def case_state_offload() -> dict:
     }
 
 
+def case_cp_ring() -> dict:
+    """apply_context_parallel(style="ring") (CUDA only): tests/dist/cp_cases.py's parity with one process on the
+    whole sequences, one document a row (ring masks causally only), cp 2 with FSDP over the rest."""
+    from cp_cases import CPCase, run_parity
+
+    world = dist.get_world_size()
+    if world % 2:
+        return {"skipped": f"cp 2 needs an even number of GPUs, got {world}"}
+    return run_parity(CPCase(model="llama", kernel="sdpa", shard=world // 2, packed=False, style="ring"))
+
+
 CASES = {
     "nccl": lambda root, hf_dir: case_nccl(),
     "bf16": lambda root, hf_dir: case_bf16_parity(),
@@ -371,6 +382,7 @@ CASES = {
     "compile": lambda root, hf_dir: case_compile(),
     "low_bit_optimizers": lambda root, hf_dir: case_low_bit_optimizers(),
     "state_offload": lambda root, hf_dir: case_state_offload(),
+    "cp_ring": lambda root, hf_dir: case_cp_ring(),
 }
 
 

@@ -144,3 +144,14 @@ def test_compile_blocks_triton(world):
     assert res["has_triton"]
     assert res["kernels"] > 0, "inductor generated no kernel: the blocks were not compiled"
     assert res["loss_rel"] < COMPILE_RTOL and res["worst_rel"] < COMPILE_RTOL, res
+
+
+@pytest.mark.timeout(540)
+def test_cp_ring(world):
+    """Ring context parallelism (torch's ring attention, fp32 on the memory-efficient kernel, TF32 off) equals
+    one process on the whole sequences after 3 AdamW steps, as the all-to-all style does on CPU."""
+    for res in _results(world, "cp_ring"):
+        if "skipped" in res:
+            pytest.skip(res["skipped"])
+        assert res["worst_rel"] < RTOL, res
+        assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(res["losses"], res["ref_losses"])), res

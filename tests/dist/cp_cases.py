@@ -10,6 +10,7 @@ document's last token ignored, so any attention across documents (on any rank) s
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from models import tiny_llama
 from tp_cases import tiny_qwen3
 
 import fsdp2kit as fk
+from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh
 
 VOCAB, SEQ, BATCH, IGNORE = 96, 16, 2, -100
 
@@ -33,16 +35,24 @@ class CPCase:
     packed: bool = True
     ac: str | None = None
     compile: str | None = None  # a torch.compile backend for compile_blocks
+    tp: int = 1
+    mixed_precision: str | None = None
+    lora: bool = False  # peft adapters on the model (and the reference)
+    style: str = "all_to_all"
     steps: int = 3
 
     @property
     def label(self) -> str:
         mesh = (f"replicate {self.replicate} x " if self.replicate > 1 else "") + f"shard {self.shard} x cp {self.cp}"
+        mesh += f" x tp {self.tp}" if self.tp > 1 else ""
         parts = [self.model, self.kernel, mesh, "packed" if self.packed else "one doc per row"]
-        if self.ac:
-            parts.append(f"ac {self.ac}")
-        if self.compile:
-            parts.append(f"compile {self.compile}")
+        for name in ("ac", "compile", "mixed_precision"):
+            if getattr(self, name):
+                parts.append(f"{name} {getattr(self, name)}")
+        if self.lora:
+            parts.append("lora")
+        if self.style != "all_to_all":
+            parts.append(self.style)
         return ", ".join(parts)
 
 
@@ -89,30 +99,42 @@ def loss_sum(model, batch) -> torch.Tensor:
 
 
 def run_parity(case: CPCase) -> dict:
-    mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp)
-    ref = build(case.model, case.kernel)
+    mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp, tp=case.tp)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ref = build(case.model, case.kernel).to(dev)
+    if case.lora:
+        from lora_cases import lora_config
+        from peft import get_peft_model
+
+        torch.manual_seed(1)
+        ref = get_peft_model(ref, lora_config())
     model = copy.deepcopy(ref)
-    fk.apply_context_parallel(model, mesh)
+    if case.tp > 1:
+        fk.apply_tensor_parallel(model, mesh)
+    if case.cp > 1:  # cp 1: the same run without context parallelism, a baseline
+        fk.apply_context_parallel(model, mesh, style=case.style)
     if case.ac:
         fk.apply_activation_checkpointing(model, mode=case.ac)
     if case.compile:
         fk.compile_blocks(model, backend=case.compile)
-    fk.shard_model(model, mesh)
+    fk.shard_model(model, mesh, mixed_precision=case.mixed_precision)
     # The parity tests' AdamW (tp_cases): an eps above fp32 noise, so a near-zero gradient's rounding
     # is not normalised up to a full step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
-    groups = dist.get_world_size() // case.cp
-    group = dist.get_rank() // case.cp  # the cp ranks are innermost: one data-parallel group per cp group
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, eps=1e-5)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, eps=1e-5)
+    # the cp and tp ranks are innermost: one data-parallel group per cp x tp group. The TP ranks of a group
+    # compute the same loss, so the world's sums below count it tp times, and its count too: the ratios hold.
+    groups = dist.get_world_size() // (case.cp * case.tp)
+    group = dist.get_rank() // (case.cp * case.tp)
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses = [], []
     for _ in range(case.steps):
-        rows = packed_rows(groups * BATCH, gen, case.packed)
+        rows = {k: v.to(dev) for k, v in packed_rows(groups * BATCH, gen, case.packed).items()}
         mine = fk.split_for_context_parallel({k: v[group * BATCH : (group + 1) * BATCH] for k, v in rows.items()}, mesh)
-        count = torch.tensor(float((mine["labels"] != IGNORE).sum()))
+        count = (mine["labels"] != IGNORE).sum().float()
         dist.all_reduce(count)  # every rank's targets: the global count
         s = loss_sum(model, mine)
-        # FSDP averages gradients over the replicate x shard x cp ranks: scale the sum back up to a sum.
+        # FSDP averages gradients over the replicate x shard x cp ranks (world / tp): the sum back up to a sum.
         (s * dist.get_world_size() / count).backward()
         total = s.detach().clone()
         dist.all_reduce(total)
@@ -170,6 +192,15 @@ def run_errors() -> dict:
     fk.apply_context_parallel(model, mesh22)
     ids = fk.split_for_context_parallel(torch.zeros(1, 16, dtype=torch.long), mesh22)
     out["no_positions"] = _error(lambda: model(input_ids=ids, use_cache=False))
+    # ring refuses packed rows (its mask is causal over the whole row) before its CUDA kernel: on every rank
+    from fsdp2kit.parallel.context_parallel import _ring
+
+    part = fk.split_for_context_parallel(packed_rows(1, torch.Generator().manual_seed(3), True), mesh22)
+    qkv = torch.zeros(1, 4, SEQ // 2, 10)
+    causal = torch.nn.Module()  # an attention module, as transformers' are: is_causal
+    causal.is_causal = True
+    ring = _ring(mesh22["cp"], 2)
+    out["ring_packed"] = _error(lambda: ring(causal, qkv, qkv, qkv, None, position_ids=part["position_ids"]))
     return out
 
 
@@ -213,7 +244,30 @@ def run_checkpoint(work: str) -> dict:
     params = all(torch.equal(p.full_tensor(), saved[n]) for n, p in plain.named_parameters())
     named = list(plain.named_parameters())
     state = all(torch.equal(plain_opt.state[p]["exp_avg"].full_tensor(), saved_avg[n]) for n, p in named)
-    return {"step": step, "params": params, "state": state}
+    return {"step": step, "params": params, "state": state, "export": _export(model, mesh, f"{work}/export")}
+
+
+def _export(model, mesh, out: str) -> dict:
+    """export_hf from a trained cp model: transformers loads it, and its logits on the whole rows equal the cp
+    model's (each cp rank's chunks gathered and put back in order)."""
+    from transformers import AutoModelForCausalLM
+
+    fk.export_hf(model, out)
+    dist.barrier()
+    rows = packed_rows(BATCH, torch.Generator().manual_seed(6), True)
+    with torch.no_grad():
+        mine = fk.split_for_context_parallel(rows, mesh)
+        local = model(input_ids=mine["input_ids"], position_ids=mine["position_ids"], use_cache=False).logits
+        cp = mesh["cp"].size()
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=mesh["cp"].get_group())
+        chunks = torch.cat(parts, dim=1).unflatten(1, (2 * cp, -1))  # chunks in the ranks' layout order
+        layout = chunk_order(cp)
+        trained = chunks[:, sorted(range(2 * cp), key=layout.__getitem__)].flatten(1, 2)
+        back = AutoModelForCausalLM.from_pretrained(out)
+        logits = back(input_ids=rows["input_ids"], position_ids=rows["position_ids"], use_cache=False).logits
+    rel = ((logits - trained).abs().max() / trained.abs().max()).item()
+    return {"rel": rel, "attn": back.config._attn_implementation}
 
 
 def run_world4(cases: list[CPCase], work: str) -> dict:
@@ -222,4 +276,42 @@ def run_world4(cases: list[CPCase], work: str) -> dict:
         "errors": run_errors(),
         "registry": run_registry(),
         "checkpoint": run_checkpoint(work),
+        # GQA: k and v repeated to the query heads for the kernel
+        "ring": run_ring_emulated(CPCase(model="qwen3", kernel="sdpa", shard=2, packed=False, style="ring")),
     }
+
+
+def run_ring_emulated(case: CPCase) -> dict:
+    """style="ring" on CPU ranks: fsdp2kit's glue around torch's ring driver, with the CUDA kernel the ring calls
+    (memory-efficient attention, forward and backward) stood in for by the CPU flash ops (the same outputs and
+    gradients); the refusal of CPU meshes bypassed for this call only. The kernels themselves: tests/cuda."""
+    from unittest import mock
+
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    import fsdp2kit.parallel.context_parallel as cpmod
+
+    aten = torch.ops.aten
+
+    def forward(q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=False, *, scale=None):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, bool(is_causal), scale=scale)
+        return out, lse, torch.tensor(0), torch.tensor(0)
+
+    def backward(*, grad_out_, query, key, value, out, logsumexp, dropout_p, is_causal, scale, **bias_and_seeds):
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out_, query, key, value, out, logsumexp, dropout_p, bool(is_causal), scale=scale
+        )
+        return (*grads, None)
+
+    kernels = types.SimpleNamespace(
+        _scaled_dot_product_efficient_attention=forward,
+        _scaled_dot_product_efficient_attention_backward=types.SimpleNamespace(default=backward),
+    )
+
+    def on_cuda(mesh, what):  # a copy of the cp mesh that says cuda, for apply_context_parallel's check
+        sub = copy.copy(cp_mesh(mesh, what))
+        sub.__class__ = type("OnCuda", (type(sub),), {"device_type": "cuda"})
+        return sub
+
+    with mock.patch.object(ring, "aten", kernels), mock.patch.object(cpmod, "cp_mesh", on_cuda):
+        return run_parity(case)
