@@ -190,18 +190,18 @@ def _merged_source(
 
 def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
     """PEFT's adapter directory, written by peft's ``save_pretrained`` from the full adapter tensors
-    (gathered one at a time): what peft writes for an unsharded model."""
+    (gathered one at a time, kept on the writing rank's CPU): what peft writes for an unsharded model."""
     with torch.no_grad():
         for adapter in list(model.peft_config):
-            fulls = {n: gather_full(tensors[n]) for n in adapter_keys(model, adapter, tensors)}  # collective
-            out.do(
-                lambda adapter=adapter, fulls=fulls: model.save_pretrained(
-                    str(out.dir),
-                    selected_adapters=[adapter],
-                    state_dict={n: _cast(t, dtype).contiguous() for n, t in fulls.items()},
-                    save_embedding_layers=False,
-                )
-            )
+            fulls = {}
+            for n in adapter_keys(model, adapter, tensors):
+                full = gather_full(tensors[n])  # collective: every rank gathers each tensor, in order
+                if out.writes:
+                    fulls[n] = _cast(full, dtype).contiguous()  # on the CPU
+                del full
+            save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
+            out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
+            fulls.clear()  # written: not held through the next adapter's gathers
 
     def last() -> None:
         if tok is not None:
