@@ -148,7 +148,7 @@ def export_hf(
             name = type(model).__name__
             raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
         model, tensors, aliases, full_of = _merged_source(model, tensors, aliases)  # the wrapped model
-    out = FirstRankWriter(model, Path(out_dir), overwrite)
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf")
     tok: list = []
     out.do(lambda: tok.append(_resolve_tokenizer(tokenizer, model)))
     if is_peft_model(model):
@@ -317,7 +317,7 @@ def dcp_to_hf(
             size = 0
         batches[-1].append(group)
         size += nbytes
-    out = FirstRankWriter(model, Path(out_dir), overwrite, alone=True)
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", alone=True)
 
     def write() -> None:
         writer = ShardedWriter(out.dir, max_bytes)
