@@ -233,6 +233,26 @@ def test_load_and_export_plain_model(tmp_path):
     assert load_file(out / "model.safetensors").keys() == source.state_dict().keys()
 
 
+class WithExtraState(Plain):
+    """A module whose state dict carries a non-tensor (get_extra_state), as transformer-engine layers do."""
+
+    def get_extra_state(self):
+        return {"version": 1}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_load_and_export_skip_extra_state(tmp_path):
+    torch.manual_seed(0)
+    source = Plain()
+    save_file(source.state_dict(), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = _meta(WithExtraState)
+    assert fk.load_pretrained(model, tmp_path).unexpected_keys == []
+    out = fk.export_hf(model, tmp_path / "out")
+    assert load_file(out / "model.safetensors").keys() == source.state_dict().keys()
+
+
 def test_export_refuses_to_overwrite(tmp_path):
     model = fk.materialize(_meta(Plain), device="cpu")
     (tmp_path / "out").mkdir()
