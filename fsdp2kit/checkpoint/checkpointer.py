@@ -245,8 +245,11 @@ class Checkpointer:
             with quiet_dcp(not comm.active):
                 dcp.save(
                     state,
-                    # DCP's defaults: one fsynced file, one writer thread per rank (docs/checkpoint-format.md)
-                    storage_writer=FileSystemWriter(replies[0][0], overwrite=False),
+                    # one fsynced file, one writer thread per rank, deliberately (docs/checkpoint-format.md):
+                    # spelled out so that a change of DCP's defaults does not change the format
+                    storage_writer=FileSystemWriter(
+                        replies[0][0], single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False
+                    ),
                     planner=_ReusingSavePlanner(self._plan_key),
                     process_group=comm.group,
                     no_dist=not comm.active,

@@ -38,9 +38,9 @@ NO_GAIN = "nothing to convert (off / empty)"
 
 def truthy(value: Any) -> bool:
     """A YAML/JSON switch as accelerate and DeepSpeed read it: bools, strings such as "yes" / "true", or
-    DeepSpeed's ``{"enabled": ...}`` blocks (on unless they say otherwise)."""
+    DeepSpeed's ``{"enabled": ...}`` blocks (a non-empty one is on unless it says otherwise)."""
     if isinstance(value, dict):
-        return truthy(value.get("enabled", True))
+        return bool(value) and truthy(value.get("enabled", True))
     if isinstance(value, str):
         return value.strip().lower() in ("true", "yes", "1", "on")
     return bool(value)

@@ -148,7 +148,7 @@ def export_hf(
             name = type(model).__name__
             raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
         model, tensors, aliases, full_of = _merged_source(model, tensors, aliases)  # the wrapped model
-    out = FirstRankWriter(model, Path(out_dir), overwrite)
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf")
     tok: list = []
     out.do(lambda: tok.append(_resolve_tokenizer(tokenizer, model)))
     if is_peft_model(model):
@@ -190,18 +190,18 @@ def _merged_source(
 
 def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
     """PEFT's adapter directory, written by peft's ``save_pretrained`` from the full adapter tensors
-    (gathered one at a time): what peft writes for an unsharded model."""
+    (gathered one at a time, kept on the writing rank's CPU): what peft writes for an unsharded model."""
     with torch.no_grad():
         for adapter in list(model.peft_config):
-            fulls = {n: gather_full(tensors[n]) for n in adapter_keys(model, adapter, tensors)}  # collective
-            out.do(
-                lambda adapter=adapter, fulls=fulls: model.save_pretrained(
-                    str(out.dir),
-                    selected_adapters=[adapter],
-                    state_dict={n: _cast(t, dtype).contiguous() for n, t in fulls.items()},
-                    save_embedding_layers=False,
-                )
-            )
+            fulls = {}
+            for n in adapter_keys(model, adapter, tensors):
+                full = gather_full(tensors[n])  # collective: every rank gathers each tensor, in order
+                if out.writes:
+                    fulls[n] = _cast(full, dtype).contiguous()  # on the CPU
+                del full
+            save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
+            out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
+            fulls.clear()  # written: not held through the next adapter's gathers
 
     def last() -> None:
         if tok is not None:
@@ -317,7 +317,7 @@ def dcp_to_hf(
             size = 0
         batches[-1].append(group)
         size += nbytes
-    out = FirstRankWriter(model, Path(out_dir), overwrite, alone=True)
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", alone=True)
 
     def write() -> None:
         writer = ShardedWriter(out.dir, max_bytes)

@@ -251,6 +251,8 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for name, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):  # a module's get_extra_state() entry
+            continue
         tensors[clean_fqn(name)] = t
         aliases[clean_fqn(name)] = first.setdefault(id(t), clean_fqn(name))
     return tensors, aliases

@@ -68,8 +68,8 @@ class FirstRankWriter:
     that `finish` renames into place. Its errors are kept, so that it still takes part in every
     gather (the others would hang), and raised on every rank by `finish`."""
 
-    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, *, alone: bool = False):
-        self.model, self.out, self.writes = model, Path(out_dir), alone or is_first_rank(model)
+    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, what: str, *, alone: bool = False):
+        self.model, self.out, self.writes, self.what = model, Path(out_dir), alone or is_first_rank(model), what
         self.error: BaseException | None = None
         self.dir: Path | None = None
         self.do(lambda: self._stage(overwrite))
@@ -107,5 +107,5 @@ class FirstRankWriter:
             self.do(self._commit)
             if self.error is not None:
                 shutil.rmtree(self.dir, ignore_errors=True)
-        raise_agreed(self.error, self.model, "export_hf")
+        raise_agreed(self.error, self.model, self.what)
         return self.out if self.writes else None

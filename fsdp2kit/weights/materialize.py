@@ -12,15 +12,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function
+from torch.utils._pytree import tree_map_only
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard, model_meshes
+from fsdp2kit._internal.scoped import divert
 from fsdp2kit.dist import mesh_device
 from fsdp2kit.weights.allocate import allocate, target_device
 from fsdp2kit.weights.buffers import copy_buffers, fill_buffers
 from fsdp2kit.weights.hf_layout import is_pretrained
 from fsdp2kit.weights.nf4 import is_nf4
+
+# torch.nn.init functions that do not hand a sharded tensor to the mode themselves (uniform_, normal_,
+# constant_, kaiming_uniform_ do): run whole on the stand-in, as one in-place call.
+_UNDISPATCHED = (
+    "trunc_normal_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_normal_",
+    "orthogonal_", "sparse_",
+)  # fmt: skip
+
+
+def _dispatch(original: Callable, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if isinstance(tensor, DTensor):
+        return handle_torch_function(original, (tensor,), tensor, *args, **kwargs)
+    return original(tensor, *args, **kwargs)
 
 
 def _in_place(name: str) -> bool:
@@ -30,12 +45,13 @@ def _in_place(name: str) -> bool:
 class _Replay(TorchFunctionMode):
     """Runs init calls with full-size plain tensors in place of a module's sharded parameters, the same
     on every rank; each keeps its rows. Inside, an in-place op on another module's whole sharded
-    parameter runs on its full stand-in; on a slice or copy (``.data``) it is an error."""
+    parameter gives it a full stand-in that the rest of the call reads and writes instead; on a slice
+    or copy (``.data``) it is an error."""
 
     def __init__(self, model: nn.Module, device: torch.device, write: set[str]):
         super().__init__()
         self.device = device
-        self.stand_ins: dict[int, torch.Tensor] = {}
+        self.stand_ins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (parameter, full)
         params = list(model.named_parameters(remove_duplicate=False))
         self.names = {id(p): name for name, p in reversed(params)}  # a tied weight's first name
         self.owners = Counter(id(p) for _, p in params)
@@ -79,37 +95,50 @@ class _Replay(TorchFunctionMode):
             result = {n: module._parameters[n] for n in saved}
             for n, p in saved.items():
                 module._parameters[n] = p
+        for p, full in self.stand_ins.values():  # other modules' parameters, as the call left them
+            self._commit(p, full, through_owner=False)
         for n, p in saved.items():
             self._commit(p, result[n].detach(), through_owner=True)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by keyword
         name = getattr(func, "__name__", "")
-        if not isinstance(target, DTensor) or not _in_place(name):
+        # The written tensor: an in-place op's first (torch.nn.init passes it by keyword), or out=.
+        target = kwargs.get("out") if "out" in kwargs else (args[0] if args else kwargs.get("tensor"))
+        new = False
+        if isinstance(target, DTensor) and (_in_place(name) or "out" in kwargs):
+            if id(target) not in self.names:
+                raise RuntimeError(
+                    f"{self.current}'s initialisation calls {name} on a sharded parameter through a slice or copy "
+                    "(e.g. .data); materialize replays initialisation on whole parameters only. Use torch.nn.init.* "
+                    "on the parameter itself, or pass materialize(model, init_fn=...)."
+                )
+            new = id(target) not in self.stand_ins
+            if new:
+                self.stand_ins[id(target)] = (target, self._blank(target))
+        elif (
+            id(target) in self.names
+            and id(target) not in self.stand_ins
+            and (name.startswith("new_") or name.endswith("_like"))
+        ):
+            # reads only its shape (orthogonal_'s new_empty, trunc_normal_'s empty_like): a plain tensor's result
+            return func(torch.empty(target.shape, dtype=target.dtype, device=self.device), *args[1:], **kwargs)
+        if not self.stand_ins:
             return func(*args, **kwargs)
-        if id(target) not in self.names:
-            raise RuntimeError(
-                f"{self.current}'s initialisation calls {name} on a sharded parameter through a slice or copy "
-                "(e.g. .data); materialize replays initialisation on whole parameters only. Use torch.nn.init.* "
-                "on the parameter itself, or pass materialize(model, init_fn=...)."
-            )
-        new = id(target) not in self.stand_ins
+        # Every use of a parameter this call writes reads its stand-in, so an init built of several ops
+        # (trunc_normal_'s redraws, eye_'s out=, reached not through torch.nn.init) runs whole on the full tensor.
+        args, kwargs = tree_map_only(DTensor, lambda t: self.stand_ins.get(id(t), (t, t))[1], (args, kwargs))
+        result = func(*args, **kwargs)
         if new:
-            self.stand_ins[id(target)] = self._blank(target)
-        full = self.stand_ins[id(target)]
-        if args:
-            func(full, *args[1:], **kwargs)
-        else:
-            func(**{**kwargs, "tensor": full})
-        if new and full.is_floating_point() and full.numel() and torch.isnan(full).all():
-            raise RuntimeError(  # it read the value (mul_, add_...): the stand-in has none to give
-                f"{self.current}'s initialisation calls {name} on a sharded parameter it has not written in the "
-                "same call; materialize replays writes of whole parameters (torch.nn.init.*). Use those there, "
-                "or pass materialize(model, init_fn=...)."
-            )
-        self._commit(target, full, through_owner=False)
-        return target
+            full = self.stand_ins[id(target)][1]
+            if full.is_floating_point() and full.numel() and torch.isnan(full).all():
+                raise RuntimeError(  # it read the value (mul_, add_...): the stand-in has none to give
+                    f"{self.current}'s initialisation calls {name} on a sharded parameter it has not written in the "
+                    "same call; materialize replays writes of whole parameters (torch.nn.init.*). Use those there, "
+                    "or pass materialize(model, init_fn=...)."
+                )
+        owner = next((p for p, full in self.stand_ins.values() if full is result), None)
+        return result if owner is None else owner
 
 
 def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[], object]]]:
@@ -190,7 +219,9 @@ def materialize(
                 if model.get_buffer(name).is_floating_point():
                     model.get_buffer(name).fill_(math.nan)
             replay = _Replay(model, device, params)
-            with replay:
+            with replay, contextlib.ExitStack() as diverted:
+                for name in _UNDISPATCHED:  # this thread, this call only (fsdp2kit._internal.scoped)
+                    diverted.enter_context(divert(torch.nn.init, name, _dispatch))
                 if init_fn is None:
                     calls = _init_calls(model)
                 else:

@@ -95,10 +95,13 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
+    shard = tuple(local_shard(target).shape)
+    if tuple(part.shape) != shard:  # copy_ would broadcast a wrong part silently
+        raise RuntimeError(f"internal: read a part of shape {tuple(part.shape)} for a shard of shape {shard}")
     if is_nf4(target):
         fill_nf4(target, part)  # quantized with the shard group's agreed scaler mean (collective)
         return
-    local_shard(target).copy_(part)  # shapes were checked by plan_load
+    local_shard(target).copy_(part)
 
 
 def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reader: SafetensorsReader) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from models import TinyGPT
 from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import fully_shard
 from weights import hf_config, hf_model, pretrained, tokens
 
 import fsdp2kit as fk
@@ -176,6 +177,48 @@ def test_materialize_refuses_init_that_reads_a_sharded_parameter(mesh):
         fk.materialize(model)
 
 
+_BOUND_TRUNC_NORMAL = torch.nn.init.trunc_normal_  # bound at import, as transformers' table holds it
+
+
+class InitsChild(nn.Module):
+    """The root initialises its child's weight (torchtitan's output head); the child has no init of its own."""
+
+    def __init__(self, init):
+        super().__init__()
+        self.init = init
+        self.child = nn.Module()
+        self.child.weight = nn.Parameter(torch.empty(16, 12))
+        self.bias = nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.bias)
+        self.init(self.child.weight)
+
+
+@pytest.mark.parametrize(
+    "init",
+    [
+        lambda w: nn.init.trunc_normal_(w, std=0.02, a=-0.04, b=0.04),  # redraws through empty_like(...).normal_()
+        lambda w: nn.init.trunc_normal_(w, std=1.0, a=-0.1, b=0.1),  # the tight-bounds branch: uniform_ and where
+        lambda w: _BOUND_TRUNC_NORMAL(w, std=1.0, a=-0.1, b=0.1),  # not through torch.nn.init's attribute
+        lambda w: nn.init.orthogonal_(w, gain=2.0),  # new_empty(...).normal_(), qr, view_as(q).copy_
+        nn.init.eye_,  # torch.eye(out=w)
+    ],
+    ids=["trunc_normal_", "trunc_normal_tight", "trunc_normal_bound", "orthogonal_", "eye_"],
+)
+def test_materialize_init_of_another_modules_sharded_weight(mesh, init):
+    torch.manual_seed(3)
+    reference = InitsChild(init)
+    reference.reset_parameters()
+    torch.manual_seed(3)
+    model = _meta(lambda: InitsChild(init))
+    fully_shard(model.child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fk.materialize(model)
+    assert torch.equal(model.child.weight.full_tensor(), reference.child.weight)
+    assert torch.nn.init.trunc_normal_ is _BOUND_TRUNC_NORMAL  # the routing is gone after the call
+
+
 def test_load_and_export_plain_model(tmp_path):
     torch.manual_seed(0)
     source = Plain()
@@ -187,6 +230,26 @@ def test_load_and_export_plain_model(tmp_path):
     assert torch.equal(model.rope.inv_freq, source.rope.inv_freq)  # not in the file: recomputed
     out = fk.export_hf(model, tmp_path / "out")
     assert sorted(os.listdir(out)) == ["model.safetensors"]  # no config for a plain torch model
+    assert load_file(out / "model.safetensors").keys() == source.state_dict().keys()
+
+
+class WithExtraState(Plain):
+    """A module whose state dict carries a non-tensor (get_extra_state), as transformer-engine layers do."""
+
+    def get_extra_state(self):
+        return {"version": 1}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_load_and_export_skip_extra_state(tmp_path):
+    torch.manual_seed(0)
+    source = Plain()
+    save_file(source.state_dict(), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = _meta(WithExtraState)
+    assert fk.load_pretrained(model, tmp_path).unexpected_keys == []
+    out = fk.export_hf(model, tmp_path / "out")
     assert load_file(out / "model.safetensors").keys() == source.state_dict().keys()
 
 

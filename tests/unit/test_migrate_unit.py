@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import fsdp2kit as fk
 from fsdp2kit.cli import main as cli
-from fsdp2kit.migrate.conversion import RECIPE_KEYS
+from fsdp2kit.migrate.conversion import RECIPE_KEYS, truthy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -389,3 +389,11 @@ def test_deepspeed_style_file_into_a_meta_built_hf_model(tmp_path: Path) -> None
     rotary = model.model.rotary_emb.inv_freq
     assert torch.equal(rotary, source.model.rotary_emb.inv_freq)  # recomputed, not left as garbage
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [({}, False), ({"enabled": "false"}, False), ({"enabled": "yes"}, True), ({"stage": 3}, True), ("off", False)],
+)
+def test_truthy_reads_switches_and_deepspeed_blocks(value, on):
+    assert truthy(value) is on

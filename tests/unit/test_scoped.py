@@ -1,7 +1,9 @@
 """Scoped patching (fsdp2kit._internal.scoped): seen by the library's own call on its own thread only.
 
 The guarantees: another thread sees torch's own functions meanwhile, diverts nest, and nothing
-outlives the block; materialize's replay (a TorchFunctionMode) leaves torch.nn.init as it was."""
+outlives the block. materialize's replay is a TorchFunctionMode that every torch.nn.init function
+reaches: those that do not dispatch themselves (trunc_normal_, eye_, orthogonal_...) are diverted
+for its call, on its thread only."""
 
 from __future__ import annotations
 
@@ -64,6 +66,30 @@ def test_divert_nests_and_is_per_thread():
         held = Owner.f  # kept past the block (as `from m import f` would)
     assert Owner.f is original and Other.f is original
     assert held(1) == 1
+
+
+class EyesChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(4, 4, bias=False)
+
+    def reset_parameters(self):
+        seen = []  # another thread meanwhile: torch's own eye_ on a plain tensor, not the replay
+        other = threading.Thread(target=lambda: seen.append(torch.nn.init.eye_(torch.zeros(4, 4))))
+        other.start()
+        other.join()
+        assert torch.equal(seen[0], torch.eye(4))
+        torch.nn.init.eye_(self.child.weight)
+
+
+def test_materialize_diverts_undispatched_init_functions_for_its_call_only(mesh):
+    before = dict(vars(torch.nn.init))
+    with torch.device("meta"):
+        model = EyesChild()
+    fk.shard_model(model, mesh, blocks=[nn.Linear])
+    fk.materialize(model, init_fn=lambda m: m.reset_parameters() if m is model else None)
+    assert torch.equal(model.child.weight.full_tensor(), torch.eye(4))
+    assert dict(vars(torch.nn.init)) == before
 
 
 def test_meta_build_then_init_equals_transformers_own_init(mesh):
