@@ -35,7 +35,7 @@ def parse_targets(text: str | None) -> str | tuple[str, ...]:
 
 # Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
 _STEP_FLAGS = ("ac", "optimizer", "optimizer_offload", "prefetch", "device", "gpu_memory", "json")
-_STEP_FLAGS += ("grad_accum", "accumulation")
+_STEP_FLAGS += ("grad_accum", "accumulation", "packed")
 
 
 def add_plan(subparsers) -> None:
@@ -64,6 +64,12 @@ def add_plan(subparsers) -> None:
         default=1,
         help="context-parallel ranks a sequence is split over (all-to-all style, the recipe's [parallel] cp): "
         "FSDP shards over shard x cp ranks; each rank holds seq/cp tokens (GPUs: replicate x shard x cp x tp)",
+    )
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="with --cp: rows hold several documents (the recipe's [data] packing, its default): the attention "
+        "gets a seq x seq document mask a row in the compute dtype",
     )
     p.add_argument(
         "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
@@ -197,6 +203,7 @@ def run_plan(args) -> int:
         replicate=args.replicate,
         tp=args.tp,
         cp=args.cp,
+        packed=args.packed,
         activation_checkpointing=parse_ac(args.ac),
         mixed_precision=args.mixed_precision,
         optimizer=args.optimizer or "adamw",
@@ -211,6 +218,8 @@ def run_plan(args) -> int:
         grad_accum=1 if args.grad_accum is None else args.grad_accum,
         accumulation=args.accumulation or "regather",
     )
+    if args.packed and settings.cp == 1:
+        raise ValueError("--packed adds the document mask of context parallelism: give --cp C (C > 1) too")
     if args.accumulation is not None and settings.grad_accum == 1:
         raise ValueError("--accumulation chooses how micro-batches communicate: give --grad-accum M (M > 1) too")
     settings.check()  # bad options fail before the model is built

@@ -144,7 +144,7 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         mask = document_mask(every, causal=causal)
         if mask is None and kernel == "eager":
             n = every.shape[1]
-            mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril()[None, None]
+            mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril_()[None, None]
         if mask is None:
             return None
         # Additive, in the kernel's dtype: SDPA turns a boolean mask into this at every call, a copy per layer

@@ -114,8 +114,5 @@ def document_mask(positions: torch.Tensor, causal: bool = True) -> torch.Tensor 
     if causal and not bool(starts[:, 1:].any()):
         return None
     doc = starts.cumsum(dim=1)
-    mask = doc[:, :, None] == doc[:, None, :]
-    if causal:
-        n = positions.shape[1]
-        mask &= torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
-    return mask[:, None]
+    mask = doc[:, :, None] == doc[:, None, :]  # the one (batch, seq, seq) tensor: at 64k each seq x seq is 4 GiB
+    return (mask.tril_() if causal else mask)[:, None]

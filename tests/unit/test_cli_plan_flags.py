@@ -24,6 +24,7 @@ FLAGS = {
     "--replicate": (["2"], CHANGES, CHANGES),
     "--tp": (["2"], CHANGES, CHANGES),
     "--cp": (["2"], CHANGES, CHANGES),
+    "--packed": ([], "--packed: only a training step's", "--packed adds the document mask"),
     "--strategy": (["SHARD_GRAD_OP"], CHANGES, CHANGES),
     "--mixed-precision": (["bf16"], CHANGES, CHANGES),
     "--cpu-offload": ([], CHANGES, CHANGES),
@@ -50,6 +51,7 @@ COMBINATIONS = [
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
     ({}, "--cp", ["8"], "cp=8 ranks splits the attention heads: 4 heads and 4 KV heads must both divide by 8"),
     ({"--cpu-offload": [], "--batch": ["2"], "--seq": ["64"]}, "--optimizer-offload", [], "cpu_offload already keeps"),
+    ({"--cp": ["2"], "--batch": ["2"], "--seq": ["64"]}, "--packed", [], CHANGES),
     ({"--grad-accum": ["4"], "--batch": ["2"], "--seq": ["64"]}, "--accumulation", ["keep_gathered"], CHANGES),
     ({"--grad-accum": ["4"], "--batch": ["2"], "--seq": ["64"]}, "--accumulation", ["defer_all_reduce"], "HSDP mesh"),
 ]

@@ -22,11 +22,19 @@ def test_llama3_8b_64k_config_fits_8x80gb_and_is_the_cheapest_change() -> None:
     from fsdp2kit.models import build_causal_lm
     from fsdp2kit.planner.api import Settings, plan_settings
     from fsdp2kit.planner.search import cheapest_changes
+    from support.config import parse_config
+    from support.options import Config
+    from support.startup import memory_plan
 
     text = CONFIG.read_text()
     cfg = tomllib.loads(text)
     par, data = cfg["parallel"], cfg["data"]
     assert par["shard"] * par["cp"] * par["replicate"] == 8 and data["seq_len"] == 65536
+    # What the recipe itself plans for this config (its defaults included: [data] packing is True unless set)
+    model = build_causal_lm("llama3-8b", meta=True)
+    recipe = parse_config(Config, ["--config", str(CONFIG)], prog="train.py")
+    report = memory_plan(model, recipe, shard=par["shard"], replicate=par["replicate"], device="cuda")
+    assert not recipe.data.packing, "packed rows under cp add a seq x seq mask a row: the stated plan assumes none"
     settings = Settings(
         shard=par["shard"],
         cp=par["cp"],
@@ -39,9 +47,9 @@ def test_llama3_8b_64k_config_fits_8x80gb_and_is_the_cheapest_change() -> None:
         device="cuda",
         grad_accum=cfg["train"]["grad_accum"],
     )
-    model = build_causal_lm("llama3-8b", meta=True)
     cache: dict = {}
-    report = plan_settings(model, settings, cache)
+    # the settings the search starts from are the recipe's
+    assert plan_settings(model, settings, cache).peak_bytes == report.peak_bytes
     stated = float(re.search(r"the planner's cheapest change that fits is --cp 8, at ([0-9.]+) GiB", text).group(1))
     assert report.peak_bytes / 2**30 == pytest.approx(stated, abs=0.05), "update the config's comment"
     assert report.peak_bytes < 80 * 2**30 * 0.85  # headroom for the planner's known under-estimate on GPUs
