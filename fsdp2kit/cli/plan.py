@@ -118,7 +118,8 @@ def add_plan(subparsers) -> None:
         metavar="POLICY",
         help="with --grad-accum: how the micro-batches communicate (fsdp2kit.accumulate: regather, keep_gathered, "
         "defer_all_reduce, no_sync, ...); the peak adds what it holds between them. Default: the policy with the "
-        "fewest bytes a step whose peak fits the memory budget (docs/accumulation.md)",
+        "fewest bytes a step whose peak fits the memory budget; without a budget, the lowest peak "
+        "(docs/accumulation.md)",
     )
     p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
     p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
@@ -229,11 +230,12 @@ def run_plan(args) -> int:
     if settings.grad_accum > 1:
         from fsdp2kit.planner.search import pick_accumulation
 
-        picked, plan, policies = pick_accumulation(model, settings, gpu_memory)
+        cache: dict = {}
+        picked, plan, policies = pick_accumulation(model, settings, gpu_memory, cache)
         if args.accumulation is None:
             settings = picked
         else:
-            plan = plan_settings(model, settings, cache={})
+            plan = plan_settings(model, settings, cache)  # the step recorded for the policies: no new trace
     else:
         plan = plan_settings(model, settings, cache={})
     plan.config["model"] = args.model
@@ -263,17 +265,23 @@ def run_plan(args) -> int:
     else:
         print(plan)
         if policies is not None:
-            print(_policies_text(settings, policies, picked=args.accumulation is None))
+            print(_policies_text(settings, policies, picked=args.accumulation is None, budget=gpu_memory))
         if step is not None:
             print(step)
     return 0
 
 
-def _policies_text(settings, rows: list[dict], *, picked: bool) -> str:
+def _policies_text(settings, rows: list[dict], *, picked: bool, budget: int | None) -> str:
     from fsdp2kit._internal.fmt import fmt_bytes
 
-    fits = any(r["fits"] for r in rows)
-    how = ("the fewest bytes a step whose peak fits" if fits else "none fits: the lowest peak") if picked else "given"
+    if not picked:
+        how = "given"
+    elif budget is None:
+        how = "no memory budget (--gpu-memory or --gpu): the lowest peak"
+    else:
+        how = (
+            "the fewest bytes a step whose peak fits" if any(r["fits"] for r in rows) else "none fits: the lowest peak"
+        )
     lines = [f"accumulation over {settings.grad_accum} micro-batches: {settings.accumulation} ({how})"]
     for r in rows:
         mark = "*" if r["policy"] == settings.accumulation else " "

@@ -136,15 +136,16 @@ def pick_accumulation(
     model: nn.Module, s: Settings, gpu_memory: int | None, cache: dict | None = None
 ) -> tuple[Settings, MemoryPlan, list[dict]]:
     """The accumulation policy with the fewest collective bytes a step among those whose peak fits
-    ``gpu_memory`` (None: every one fits), the lowest peak when none does: its settings, its plan, and a
-    row per policy (``policy``, ``peak_bytes``, ``comm_bytes_per_step``, ``fits``)."""
+    ``gpu_memory``; the lowest peak when none fits or there is no budget (None: without one, every policy
+    "fits" and the fewest bytes would be the one holding the most memory). Returns its settings, its
+    plan, and a row per policy (``policy``, ``peak_bytes``, ``comm_bytes_per_step``, ``fits``)."""
     cache = {} if cache is None else cache
     tried = []
     for policy in _policies(s):
         t = dataclasses.replace(s, accumulation=policy)
         tried.append((t, plan_settings(model, t, cache), comm_of_settings(model, t, cache=cache).bytes_per_step))
     fits = [x for x in tried if gpu_memory is None or x[1].peak_bytes <= gpu_memory]
-    if fits:
+    if fits and gpu_memory is not None:
         settings, plan, _ = min(fits, key=lambda x: (x[2], x[1].peak_bytes))
     else:
         settings, plan, _ = min(tried, key=lambda x: (x[1].peak_bytes, x[2]))

@@ -139,4 +139,9 @@ def test_the_planner_picks_the_fewest_bytes_that_fit(capsys) -> None:
     args += ["--mixed-precision", "bf16", "--grad-accum", "4", "--device", "cpu", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["config"]["accumulation"] == "keep_gathered_no_sync" and out["accumulation_policies"] == rows
+    # no memory budget: not the fewest bytes (every policy would "fit", so the one holding the most), the lowest peak
+    lowest = min(rows, key=lambda r: (r["peak_bytes"], r["comm_bytes_per_step"]))["policy"]
+    assert lowest != "keep_gathered_no_sync" and by[lowest]["peak_bytes"] < by["keep_gathered_no_sync"]["peak_bytes"]
+    assert out["config"]["accumulation"] == lowest and out["accumulation_policies"] == rows
+    assert main(args[:-1]) == 0
+    assert f"{lowest} (no memory budget (--gpu-memory or --gpu): the lowest peak)" in capsys.readouterr().out
