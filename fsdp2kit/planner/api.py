@@ -337,7 +337,9 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 
     params = plan.param_bytes_per_rank
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")
-    opt = optimizer_bytes(rank_shards(model, shard_size, prec), s.optimizer, implementation=impl)
+    shards = rank_shards(model, shard_size, prec)
+    opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
+    trainable = sum(n * dt.itemsize for n, dt, _ in shards)
     grads = step.grads_sharded
 
     pp = dict(step.parts)
@@ -367,9 +369,9 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             parts["params"] = parts["grads"] = parts["optimizer"] = 0
         opt_parts["temporaries"] = 0
     elif s.optimizer_offload:
-        # The state and its step on the host: the device keeps parameters and gradients, and sends
-        # the gradients to (and takes the updated parameters from) a host copy of both.
-        host = step_parts["optimizer"] + params + grads
+        # The state and its step on the host: the device keeps parameters and gradients, and sends the
+        # trainable parameters and their gradients to (and takes the updated parameters from) a host copy of both.
+        host = step_parts["optimizer"] + trainable + grads
         step_parts["optimizer"] = opt_parts["optimizer"] = opt_parts["temporaries"] = 0
     step_peak, opt_peak = sum(step_parts.values()), sum(opt_parts.values())
     if opt_peak > step_peak:
@@ -415,6 +417,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         param_bytes=params,
         grad_bytes=grads,
         optimizer_bytes=opt.state,
+        trainable_param_bytes=trainable,
         measured_like={"max_gathered": step.max_gathered, "max_comm_buffers": step.max_buffers, "grads": grads},
     )
 

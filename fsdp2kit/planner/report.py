@@ -51,6 +51,7 @@ class MemoryPlan:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
+    trainable_param_bytes: int = 0  # of param_bytes, the trainable parameters' (what optimizer offload moves)
     gpu_memory: int | None = None
     notes: list[str] = field(default_factory=list)
     changes: list[dict[str, Any]] = field(default_factory=list)  # cheapest changes that fit (see search.py)

@@ -351,8 +351,9 @@ def _predict(
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = 0.0 if s.cpu_offload else opt_bytes / hw.hbm_bytes_per_s
-    if s.optimizer_offload:  # gradients to the host, updated parameters back, before the next forward
-        optimizer_s = (memory_plan.param_bytes + memory_plan.grad_bytes) / hw.host_bytes_per_s
+    if s.optimizer_offload:  # each trainable parameter and its gradient to the host, the updated parameter back
+        moved = 2 * memory_plan.trainable_param_bytes + memory_plan.grad_bytes
+        optimizer_s = moved / hw.host_bytes_per_s
     comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
     notes = []
     if s.cpu_offload or s.optimizer_offload:

@@ -231,6 +231,12 @@ def test_tp_cp_and_offload_are_in_the_step(demo):
         base = predict_step(demo, _settings(**kw), h100, cache=cache)
         slow = predict_step(demo, _settings(**kw), dataclasses.replace(h100, host_bytes_per_s=1e8), cache=cache)
         assert slow.step_s > 10 * base.step_s
-    plan = plan_settings(demo, _settings(optimizer_offload=True), cache)
-    st = predict_step(demo, _settings(optimizer_offload=True), h100, cache=cache, memory_plan=plan)
-    assert st.optimizer_s == pytest.approx((plan.param_bytes + plan.grad_bytes) / h100.host_bytes_per_s)
+    # optimizer offload: each trainable parameter to the host and back, its gradient to the host; with LoRA only
+    # the adapters travel (and live on the host), not the frozen base
+    for kw in ({}, dict(lora=8)):
+        plan = plan_settings(demo, _settings(optimizer_offload=True, **kw), cache)
+        st = predict_step(demo, _settings(optimizer_offload=True, **kw), h100, cache=cache, memory_plan=plan)
+        trainable = plan.grad_bytes  # fp32 master: a trainable parameter's shard is its gradient's size
+        assert plan.trainable_param_bytes == trainable and (trainable < plan.param_bytes) == bool(kw)
+        assert plan.host_bytes == plan.optimizer_bytes + 2 * trainable
+        assert st.optimizer_s == pytest.approx(3 * trainable / h100.host_bytes_per_s)
