@@ -207,7 +207,7 @@ def _ring(group: DeviceMesh, cp: int) -> Callable:
     gather = _gatherer(group, cp)
 
     def one_document(every: torch.Tensor) -> None:
-        if document_mask(every) is not None:
+        if bool((every[:, 1:] != every[:, :-1] + 1).any()):
             raise ValueError(
                 "style='ring' got packed rows (positions restart inside a row): torch's ring attention masks "
                 "causally over the whole row, so documents would attend to each other; use style='all_to_all'"
@@ -219,6 +219,17 @@ def _ring(group: DeviceMesh, cp: int) -> Callable:
             raise ValueError("style='ring' runs causal attention only (torch's ring load balance assumes it)")
         if kwargs.get("dropout"):
             raise ValueError("style='ring' runs without attention dropout")
+        unused = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+        if unused:
+            raise ValueError(f"style='ring' has no {' or '.join(unused)} (torch's ring kernel takes neither); "
+                             "use style='all_to_all'")  # fmt: skip
+        if query.shape[2] % 64 and query.device.type != "cpu":  # (on CPU only a stood-in kernel runs: tests)
+            # each rank's two chunks must be multiples of 32 tokens: the memory-efficient CUDA kernel pads its
+            # log-sum-exp to 32, and torch's ring merges blocks by it. Same shapes on every rank: all raise.
+            raise ValueError(
+                f"style='ring' needs the sequence to divide by 64 x cp = {64 * cp} tokens, got "
+                f"{query.shape[2] * cp}; pad the rows (or use style='all_to_all')"
+            )
         cache.get(position_ids, lambda: gather(position_ids, query.shape[0]), one_document)
         groups = query.shape[1] // key.shape[1]  # GQA: the kernel wants as many k/v heads as q heads
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))

@@ -72,3 +72,19 @@ def test_recipe_refuses_a_seq_len_cp_cannot_split() -> None:
         ConfigError, match=r"seq_len 66 with parallel.cp 4 does not divide into 2 x cp = 8 .*seq_len 72"
     ):
         check_before_start(cfg)
+
+
+def test_ring_refuses_what_it_cannot_run_before_any_collective() -> None:
+    from fsdp2kit.parallel.context_parallel import _ring
+
+    ring = _ring(None, 2)  # no process group: each refusal comes before the positions' all-gather
+    module = torch.nn.Module()
+    module.is_causal = True
+    pos = torch.arange(64)[None]
+    q = torch.zeros(1, 4, 64, 8)
+    for kw in (dict(softcap=30.0), dict(s_aux=torch.zeros(4))):
+        with pytest.raises(ValueError, match=f"style='ring' has no {next(iter(kw))}"):
+            ring(module, q, q, q, None, position_ids=pos, **kw)
+    meta = torch.zeros(1, 4, 96, 8, device="meta")  # not CPU: the CUDA kernel's 32-token padding applies
+    with pytest.raises(ValueError, match=r"divide by 64 x cp = 128 tokens, got 192"):
+        ring(module, meta, meta, meta, None, position_ids=pos)
