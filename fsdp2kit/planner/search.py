@@ -32,6 +32,7 @@ RECIPE_OPTIONS = {
     "optimizer_offload": "optim.offload",
     "cpu_offload": "parallel.cpu_offload",
     "cp": "parallel.cp",
+    "packed": "data.packing",
     "lora": "lora.r",
     "qlora": "lora.qlora",
     "accumulation": "train.accumulation",

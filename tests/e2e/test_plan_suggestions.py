@@ -31,7 +31,7 @@ from fsdp2kit.planner.api import Settings, plan_settings
 from fsdp2kit.planner.search import all_changes, candidates, recipe_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = Settings(shard=2, replicate=2, batch=4, seq=64)
+BASE = Settings(shard=2, replicate=2, batch=4, seq=64, packed=True)  # demo.toml packs its rows
 RECIPE = [
     "--config", str(ROOT / "recipes" / "configs" / "demo.toml"), "--train.plan_only", "true",
     "--parallel.shard", "2", "--parallel.replicate", "2", "--data.batch_size", "4", "--data.seq_len", "64",
