@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {
     # config -> (the GPU's memory in bytes, what the plan must say)
-    "llama3_70b_1x8gpu.toml": (80 * 10**9, "precision pure_bf16, optimizer adamw8bit"),
+    "llama3_70b_1x8gpu.toml": (80 * 10**9, "precision pure_bf16, optimizer adamw4bit"),
     "llama3_8b_1gpu_24gb.toml": (24 * 10**9, "CPU offload"),
 }
 
