@@ -44,6 +44,7 @@ def test_one_rank_failing_is_reported_and_the_rest_are_stopped():
     assert time.monotonic() - start < 60  # not the 100 s deadline: the waiting rank was killed
 
 
+@pytest.mark.slow  # make test-all: keeps make test near 10 minutes
 @pytest.mark.timeout(120)
 def test_a_hang_fails_within_the_deadline():
     start = time.monotonic()

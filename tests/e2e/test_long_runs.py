@@ -173,6 +173,7 @@ def ctrl_c(
     return lines, proc.wait(timeout=300)
 
 
+@pytest.mark.slow  # make test-all: keeps make test near 10 minutes
 @pytest.mark.timeout(400)
 def test_a_second_ctrl_c_aborts_at_once_in_one_line(tmp_path):
     # Long steps (64 micro-steps, a few seconds here), so both presses fall inside step 3. The log line of

@@ -16,6 +16,7 @@ else:  # pragma: no cover
 CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "llama3_70b_qlora_8gpu.toml"
 
 
+@pytest.mark.slow  # make test-all: keeps make test near 10 minutes
 @pytest.mark.timeout(120)  # 4-10 s on the shared 2-core machine (the planner traces 80 blocks on meta)
 def test_llama3_70b_qlora_config_fits_8x80gb() -> None:
     import fsdp2kit as fk
