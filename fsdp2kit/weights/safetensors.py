@@ -49,15 +49,26 @@ def check_file(path: Path) -> list[str]:
             return list(f.keys())
     except SafetensorError as exc:
         size = path.stat().st_size
-        with open(path, "rb") as f:  # the size the header describes: 8 + header + its data region
-            n = int.from_bytes(f.read(8), "little")
-            try:
-                header = json.loads(f.read(min(n, 100_000_000)))
-                end = 8 + n + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
-            except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-                end = size  # not readable: nothing more to say
-        what = "" if end == size else f" (its header describes {end} bytes: {'truncated' if size < end else 'padded'})"
-        raise ValueError(f"{path} is not a valid safetensors file of {size} bytes{what}: {exc}") from None
+        message = f"{path} is not a valid safetensors file of {size} bytes"
+        end = _described_size(path)
+        if end is not None and end < size:
+            message += f" (its header describes {end} bytes: padded)"
+        elif end is not None and end > size:
+            message += f" (its header describes {end} bytes: truncated)"
+        raise ValueError(f"{message}: {exc}") from None
+
+
+def _described_size(path: Path) -> int | None:
+    """The file size a safetensors header describes (8 + header + its data region); None when the
+    header cannot be read."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(min(n, 100_000_000)))
+            data_end = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+            return 8 + n + data_end
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return None
 
 
 class SafetensorsReader:
