@@ -7,12 +7,15 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.agree import raise_agreed
 from fsdp2kit._internal.dtensor import is_first_rank
+
+T = TypeVar("T")
 
 
 class ShardedWriter:
@@ -69,7 +72,10 @@ class FirstRankWriter:
     gather (the others would hang), and raised on every rank by `finish`."""
 
     def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, what: str, *, alone: bool = False):
-        self.model, self.out, self.writes, self.what = model, Path(out_dir), alone or is_first_rank(model), what
+        self.model = model
+        self.out = Path(out_dir)
+        self.writes = alone or is_first_rank(model)
+        self.what = what
         self.error: BaseException | None = None
         self.dir: Path | None = None
         self.do(lambda: self._stage(overwrite))
@@ -92,13 +98,15 @@ class FirstRankWriter:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
-    def do(self, fn: Callable[[], object]) -> None:
-        """``fn()`` on the writing rank, unless an error came first (then kept for `finish`)."""
+    def do(self, fn: Callable[[], T]) -> T | None:
+        """``fn()`` on the writing rank, unless an error came first (then kept for `finish`): its result,
+        None on the other ranks, after an error, or when it raised."""
         if self.writes and self.error is None:
             try:
-                fn()
+                return fn()
             except BaseException as exc:
                 self.error = exc
+        return None
 
     def finish(self, last: Callable[[], None] = lambda: None) -> Path | None:
         """Write the ``last`` files and publish; the output directory on the writing rank, None elsewhere."""
