@@ -59,18 +59,20 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
     if tokenizer is False:
         return None
     if tokenizer is None:  # the local directory the model's config was read from, if it holds one
-        tokenizer = getattr(getattr(model, "config", None), "_name_or_path", None)
-        if not (isinstance(tokenizer, str) and tokenizer and Path(tokenizer).is_dir() and has_tokenizer(tokenizer)):
+        directory = getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not (isinstance(directory, str) and directory and Path(directory).is_dir() and has_tokenizer(directory)):
             return None
-    if isinstance(tokenizer, (str, os.PathLike)):
-        if not Path(tokenizer).is_dir() or not has_tokenizer(tokenizer):
-            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding a tokenizer")
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-    if not hasattr(tokenizer, "save_pretrained"):
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        directory = tokenizer
+        if not Path(directory).is_dir() or not has_tokenizer(directory):
+            raise FileNotFoundError(f"tokenizer={str(directory)!r} is not a directory holding a tokenizer")
+    elif hasattr(tokenizer, "save_pretrained"):
+        return tokenizer
+    else:
         raise TypeError(f"tokenizer: expected a tokenizer, a directory or None, got {type(tokenizer).__name__}")
-    return tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
@@ -149,10 +151,9 @@ def export_hf(
             raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
         model, tensors, aliases, full_of = _merged_source(model, tensors, aliases)  # the wrapped model
     out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf")
-    tok: list = []
-    out.do(lambda: tok.append(_resolve_tokenizer(tokenizer, model)))
+    tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks
     if is_peft_model(model):
-        return _export_adapters(model, out, tensors, dtype, tok[0] if tok else None)
+        return _export_adapters(model, out, tensors, dtype, tok)
     names = _export_names(model, tensors, aliases)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     writer = ShardedWriter(out.dir, max_bytes)  # touches the disk only in the writing rank's calls
@@ -168,7 +169,7 @@ def export_hf(
 
     def last() -> None:
         writer.finish()
-        _save_config(model, out.dir, dtype or held, tok[0])
+        _save_config(model, out.dir, dtype or held, tok)
 
     return out.finish(last)
 
@@ -282,14 +283,14 @@ def dcp_to_hf(
     model = _meta_model(config)
     tok = _resolve_tokenizer(tokenizer, model)
     metadata = read_metadata(step_dir)
-    prefix, lead = "model", "model."
-    stored = {
-        k[len(lead) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(lead) and hasattr(v, "size")
+    stored = {  # the model's tensors, under the Checkpointer's "model" key
+        k.removeprefix("model."): v
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
     }
     if not stored:
-        raise ValueError(
-            f"{step_dir} holds no tensors under {prefix!r} (keys start with {sorted(metadata.state_dict_metadata)[:3]})"
-        )
+        first_keys = sorted(metadata.state_dict_metadata)[:3]
+        raise ValueError(f"{step_dir} holds no tensors under 'model' (keys start with {first_keys})")
     tensors, aliases = model_tensors(model)
     names = _export_names(model, tensors, aliases)
     # name to write -> key to read (any of its tied names)
@@ -322,12 +323,13 @@ def dcp_to_hf(
     def write() -> None:
         writer = ShardedWriter(out.dir, max_bytes)
         for batch in batches:
-            state = {
-                prefix: {source[n]: torch.empty(stored[source[n]].size, dtype=dtypes[n]) for g in batch for n in g}
-            }
-            load_alone(state, step_dir)
+            loaded: dict[str, torch.Tensor] = {}  # key read -> tensor dcp.load fills
             for group in batch:
-                for name, t in layout.to_hf({n: _cast(state[prefix][source[n]], dtype) for n in group}).items():
+                for n in group:
+                    loaded[source[n]] = torch.empty(stored[source[n]].size, dtype=dtypes[n])
+            load_alone({"model": loaded}, step_dir)
+            for group in batch:
+                for name, t in layout.to_hf({n: _cast(loaded[source[n]], dtype) for n in group}).items():
                     writer.add(name, t)
         writer.finish()
         _save_config(model, out.dir, dtype or held, tok)
