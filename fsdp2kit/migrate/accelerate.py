@@ -405,19 +405,18 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
     if "fsdp_backward_prefetch" in cfg:
         value = cfg.pop("fsdp_backward_prefetch")
         name = str(value).strip().upper() if value is not None else "NO_PREFETCH"
-        name = {"1": "BACKWARD_PRE", "2": "BACKWARD_POST"}.get(name, name)  # BackwardPrefetch's numbers
+        # BackwardPrefetch's numbers, and None written as a name
+        name = {"1": "BACKWARD_PRE", "2": "BACKWARD_POST", "NONE": "NO_PREFETCH"}.get(name, name)
+        issued = "the next block's all-gather is issued before this block's backward"
         notes = {
-            "BACKWARD_PRE": "the next block's all-gather is issued before this block's backward",
-            "BACKWARD_POST": "the next block's all-gather is issued before this block's backward (FSDP2 has no "
-            "BACKWARD_POST; this is BACKWARD_PRE)",
+            "BACKWARD_PRE": issued,
+            "BACKWARD_POST": f"{issued} (FSDP2 has no BACKWARD_POST; this is BACKWARD_PRE)",
             "NO_PREFETCH": "no explicit prefetch; FSDP2 still overlaps one all-gather implicitly",
         }
-        note = notes.get("NO_PREFETCH" if name == "NONE" else name)
-        if note:
-            note = "; ".join(filter(None, [note, ALIAS_NOTES.get(written["fsdp_backward_prefetch"])]))
-            conv.set(
-                "parallel", "prefetch", int(name.startswith("BACKWARD")), src("fsdp_backward_prefetch"), value, note
-            )
+        if name in notes:
+            depth = 0 if name == "NO_PREFETCH" else 1  # [parallel] prefetch is a depth; 0: FSDP2's implicit one
+            note = "; ".join(filter(None, [notes[name], ALIAS_NOTES.get(written["fsdp_backward_prefetch"])]))
+            conv.set("parallel", "prefetch", depth, src("fsdp_backward_prefetch"), value, note)
         else:
             conv.refuse(src("fsdp_backward_prefetch"), value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
     if "fsdp_forward_prefetch" in cfg:
