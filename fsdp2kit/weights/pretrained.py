@@ -91,7 +91,8 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
     tensors, aliases = model_tensors(model)
     if not is_peft_model(model):
         return model, tensors, aliases
-    return peft_view(model, tensors, aliases)[:3]
+    base_model, base_tensors, base_aliases, _ = peft_view(model, tensors, aliases)  # no merges: for_merge is off
+    return base_model, base_tensors, base_aliases
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
