@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -10,6 +11,16 @@ import torch.nn as nn
 from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit.weights.hf_layout import clean_fqn
 from fsdp2kit.weights.nf4 import is_nf4
+
+
+class LoraMerge(NamedTuple):
+    """One active LoRA adapter to fold into a base weight: ``weight + scaling * B @ A`` (transposed
+    when the layer stores its weight as fan_in x fan_out)."""
+
+    lora_a: str  # the name of A in the PEFT model's tensors
+    lora_b: str
+    scaling: float
+    fan_in_fan_out: bool
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -72,10 +83,10 @@ def base_name(name: str) -> str:
 
 def peft_view(
     model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], *, for_merge: bool = False
-) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], dict[str, list[tuple]]]:
+) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], dict[str, list[LoraMerge]]]:
     """A PEFT model's frozen base under the names of the model it wraps (``...q_proj.base_layer.weight``
     is ``...q_proj.weight``): that model, its tensors and tied-name aliases, and with ``for_merge``
-    each LoRA-wrapped weight's (A name, B name, scaling, fan_in_fan_out) for the active adapters;
+    each LoRA-wrapped weight's `LoraMerge` for each active adapter;
     what a plain merge cannot express (DoRA, LoRA biases, other layers or tuners,
     ``modules_to_save``) is a ``ValueError`` naming it."""
     from peft.tuners.lora import Linear as LoraLinear
@@ -88,7 +99,7 @@ def peft_view(
         if name not in adapters and ".modules_to_save." not in name
     }
 
-    merges: dict[str, list[tuple]] = {}
+    merges: dict[str, list[LoraMerge]] = {}
     if for_merge:
         config_types = {str(c.peft_type) for c in model.peft_config.values()}
         if config_types != {"LORA"} and config_types != {"PeftType.LORA"}:
@@ -114,8 +125,13 @@ def peft_view(
             weight = base_name(f"{label}.base_layer.weight")
             for a in active:
                 if a in module.lora_A:
-                    factor = (f"{label}.lora_A.{a}.weight", f"{label}.lora_B.{a}.weight", module.scaling[a])
-                    merges.setdefault(weight, []).append((*factor, module.fan_in_fan_out))
+                    merge = LoraMerge(
+                        lora_a=f"{label}.lora_A.{a}.weight",
+                        lora_b=f"{label}.lora_B.{a}.weight",
+                        scaling=module.scaling[a],
+                        fan_in_fan_out=module.fan_in_fan_out,
+                    )
+                    merges.setdefault(weight, []).append(merge)
         if bad:
             raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
     return (

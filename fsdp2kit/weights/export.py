@@ -183,7 +183,10 @@ def _merged_source(
 
     def full_of(name: str) -> torch.Tensor:
         weight = gather_full(base[name])
-        factors = [(gather_full(tensors[a]), gather_full(tensors[b]), *rest) for a, b, *rest in merges.get(name, [])]
+        factors = []
+        for merge in merges.get(name, []):  # gathered on every rank, in order
+            a, b = gather_full(tensors[merge.lora_a]), gather_full(tensors[merge.lora_b])
+            factors.append((a, b, merge.scaling, merge.fan_in_fan_out))
         return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
 
     return inner, base, base_aliases, full_of
