@@ -15,8 +15,9 @@ _PIECE = 1 << 16  # weights quantized at once (a multiple of any block size up t
 
 def _shard_group(t: torch.Tensor):
     """The process group over which ``t``'s rows are split (None: every rank holds all of them)."""
-    placements = enumerate(t.placements) if isinstance(t, DTensor) else ()
-    dims = [d for d, p in placements if isinstance(p, Shard) and t.device_mesh.size(d) > 1]
+    if not isinstance(t, DTensor):
+        return None
+    dims = [d for d, p in enumerate(t.placements) if isinstance(p, Shard) and t.device_mesh.size(d) > 1]
     return t.device_mesh.get_group(dims[0]) if dims else None
 
 
