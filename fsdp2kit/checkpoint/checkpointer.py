@@ -13,7 +13,7 @@ import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,6 +34,13 @@ from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
 from fsdp2kit.checkpoint.state import resolve_trainable_only, restore_extra, restore_model, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.weights.adapters import peft_description
+
+
+class _PendingSave(NamedTuple):
+    """An asynchronous save in flight: its step, and the writer thread's `Checkpointer._write_step`."""
+
+    step: int
+    future: Future
 
 
 class Checkpointer:
@@ -94,7 +101,7 @@ class Checkpointer:
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._comm = Comm(own_group=self.async_save)
-        self._pending: tuple[int, Future] | None = None  # an asynchronous save in flight
+        self._pending: _PendingSave | None = None  # an asynchronous save in flight
         self._stager: DefaultStager | None = None
         self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
         self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
@@ -155,7 +162,8 @@ class Checkpointer:
             # the next save, load, wait or close, so the ranks never disagree on a save in flight.
             if self._writer_thread is None:
                 self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
-            self._pending = (step, self._writer_thread.submit(self._write_step, step, model, state, info, error))
+            future = self._writer_thread.submit(self._write_step, step, model, state, info, error)
+            self._pending = _PendingSave(step=step, future=future)
             return
         failure = None
         try:
@@ -179,14 +187,13 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        step, done = pending
         error = None
         try:
-            done.result()
+            pending.future.result()
         except BaseException as e:
             error = describe(e)
-        self._comm.agree(error, f"asynchronous save of step {step} to {self.root} failed")
-        return step
+        self._comm.agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
+        return pending.step
 
     def close(self) -> None:
         """`wait` for a save in flight and free the CPU staging memory of asynchronous saves."""
