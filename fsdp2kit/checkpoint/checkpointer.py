@@ -169,7 +169,7 @@ class Checkpointer:
         try:
             self._write_step(step, model, state, info, error)
         except CheckpointError:
-            raise  # the ranks' agreement to start failed: raised on every rank already
+            raise  # on every rank already: _write_step raises it only from comm.agree and its check of the replies
         except FAILURES as e:
             failure = describe(e)
         comm.agree(failure, f"save of step {step} to {self.root} failed")
@@ -247,8 +247,9 @@ class Checkpointer:
                     error = f"rank 0 could not prepare the directory: {describe(e)}"
             what = f"save of step {step} to {self.root} did not start"
             replies = comm.agree(error, what, value=(str(tmp) if tmp else None, step))
-            if len({r[1] for r in replies}) > 1:
-                raise CheckpointError(f"{what}: ranks disagree on the step to save: {sorted({r[1] for r in replies})}")
+            steps = {r[1] for r in replies}
+            if len(steps) > 1:
+                raise CheckpointError(f"{what}: ranks disagree on the step to save: {sorted(steps)}")
             with quiet_dcp(not comm.active):
                 dcp.save(
                     state,
