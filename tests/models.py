@@ -91,3 +91,15 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     out = model(tokens[:, :-1])
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def worst_relative(model: nn.Module, ref: nn.Module) -> tuple[float, str]:
+    """The largest ``max|sharded - ref| / max|ref|`` over ``model``'s DTensor parameters, and its name."""
+    ref_params = dict(ref.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, p in model.named_parameters():
+        r = ref_params[name].detach()
+        rel = ((p.full_tensor().detach() - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+        if rel > worst:
+            worst, worst_name = rel, name
+    return worst, worst_name

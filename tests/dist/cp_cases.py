@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models import tiny_llama
+from models import tiny_llama, worst_relative
 from tp_cases import tiny_qwen3
 
 import fsdp2kit as fk
@@ -145,14 +145,7 @@ def run_parity(case: CPCase) -> dict:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    ref_params = dict(ref.named_parameters())
-    worst, worst_name = 0.0, ""
-    for name, p in model.named_parameters():
-        full = p.full_tensor().detach()
-        r = ref_params[name].detach()
-        rel = ((full - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
-        if rel > worst:
-            worst, worst_name = rel, name
+    worst, worst_name = worst_relative(model, ref)
     return {
         "label": case.label,
         "worst_rel": worst,

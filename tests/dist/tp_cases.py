@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from comm_check import counted_calls, predicted_calls
-from models import lm_loss, tiny_llama
+from models import lm_loss, tiny_llama, worst_relative
 from torch.distributed.tensor.parallel import loss_parallel
 
 import fsdp2kit as fk
@@ -156,14 +156,7 @@ def run_parity(case: TPCase) -> dict:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    ref_params = dict(ref.named_parameters())
-    worst, worst_name = 0.0, ""
-    for name, p in model.named_parameters():
-        full = p.full_tensor().detach()
-        r = ref_params[name].detach()
-        rel = ((full - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
-        if rel > worst:
-            worst, worst_name = rel, name
+    worst, worst_name = worst_relative(model, ref)
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     tied = model.lm_head.weight is model.get_input_embeddings().weight
     graphs = None
