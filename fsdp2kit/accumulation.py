@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp2kit._internal.dtensor import fsdp_units
+
 __all__ = ["ACCUMULATION", "accumulate", "check_accumulation"]
 
 ACCUMULATION: dict[str, str] = {
@@ -47,13 +49,6 @@ def check_accumulation(policy: str, *, hsdp: bool | None = None) -> str:
             "(make_mesh(shard=..., replicate=...) with replicate > 1); on a 1-D mesh use 'no_sync' or 'keep_gathered'"
         )
     return policy
-
-
-def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError(f"accumulate: {type(model).__name__} has no FSDP units; call shard_model first")
-    return modules
 
 
 def _is_hsdp(modules: list[FSDPModule]) -> bool:
@@ -125,7 +120,7 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
         raise ValueError(f"n_micro={n_micro!r}: expected a positive int")
     if isinstance(micro, bool) or not isinstance(micro, int) or not 0 <= micro < n_micro:
         raise ValueError(f"micro={micro!r}: expected 0 <= micro < n_micro={n_micro}")
-    modules = _fsdp_modules(model)
+    modules = fsdp_units(model, "accumulate")
     if policy in _HSDP_ONLY and micro == 0:  # sharded then: a kept-gathered parameter is no DTensor
         check_accumulation(policy, hsdp=_is_hsdp(modules))
     last = micro == n_micro - 1

@@ -7,8 +7,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from fsdp2kit._internal.dtensor import fsdp_units
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
@@ -60,9 +61,7 @@ def clip_grad_norm_(
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients locally: backward passes inside skip the reduce-scatter/all-reduce (every micro-step
     but the last; gradients are held unsharded meanwhile). Scale each micro-step's loss by 1/N to average."""
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError(f"no_sync: {type(model).__name__} has no FSDP units; call shard_model first")
+    modules = fsdp_units(model, "no_sync")
     for m in modules:
         m.set_requires_gradient_sync(False, recurse=False)
     try:

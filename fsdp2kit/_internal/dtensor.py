@@ -35,6 +35,16 @@ def model_meshes(model: nn.Module) -> list:
     return sorted(found, key=lambda m: -m.size())
 
 
+def fsdp_units(model: nn.Module, caller: str) -> list:
+    """The model's ``fully_shard`` modules; ``ValueError`` naming ``caller`` when it has none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(f"{caller}: {type(model).__name__} has no FSDP units; call shard_model first")
+    return modules
+
+
 def reshard_all(model: nn.Module) -> None:
     """Make sure the sharded parameters are the registered ones (after a forward, they may not be)."""
     from torch.distributed.fsdp import FSDPModule

@@ -21,7 +21,12 @@ def test_refusals() -> None:
         pass
     with pytest.raises(ValueError, match="n_micro=0"), fk.accumulate(model, "no_sync", 0, 0):
         pass
-    with pytest.raises(ValueError, match="no FSDP units"), fk.accumulate(model, "no_sync", 0, 2):
+    with (
+        pytest.raises(ValueError, match="^accumulate: Linear has no FSDP units"),
+        fk.accumulate(model, "no_sync", 0, 2),
+    ):
+        pass
+    with pytest.raises(ValueError, match="^no_sync: Linear has no FSDP units"), fk.no_sync(model):
         pass
 
 
