@@ -83,10 +83,11 @@ gpu-check:
 
 # Wheels to carry to a GPU machine that has no network, for `make gpu-check` to install from .whl/,
 # for CPython $(GPU_PYVER) on x86-64 Linux: torchao (GPU images with torch, transformers and pytest
-# often lack it) and the transformers this project is tested with (fsdp2kit uses its weight-conversion
-# API, which moves between 5.x releases). Its own requirements are usually there; name others in GPU_WHEELS.
+# often lack it), the transformers and peft this project is tested with (transformers' weight-conversion API
+# moves between 5.x releases) and isal (the checkpoint checksums). Their own requirements are usually there;
+# name others in GPU_WHEELS.
 GPU_PYVER  ?= 3.12
-GPU_WHEELS ?= torchao==0.18.0 transformers==5.23.0
+GPU_WHEELS ?= torchao==0.18.0 transformers==5.24.0 peft==0.21.2 isal==1.9.1
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYVER) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \

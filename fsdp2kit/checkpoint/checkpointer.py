@@ -35,6 +35,10 @@ from fsdp2kit.checkpoint.state import resolve_trainable_only, restore_extra, res
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.weights.adapters import peft_description
 
+# torch < 2.13's DefaultStager closes its copier after every stage, so a second stage of any
+# non-tensor state fails (KeyError: <class 'type'>): there, one stager per save.
+_STAGER_REUSABLE = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
 
 class _PendingSave(NamedTuple):
     """An asynchronous save in flight: its step, and the writer thread's `Checkpointer._write_step`."""
@@ -225,7 +229,7 @@ class Checkpointer:
 
     def _stage(self, state: dict) -> dict:
         """The state copied into CPU buffers that DCP's stager keeps between saves."""
-        if self._stager is None:
+        if self._stager is None or not _STAGER_REUSABLE:
             # Pinned buffers and non-blocking copies on CUDA (torchtitan's choice); staged
             # before save returns, so the training step after it cannot change what is saved.
             cuda = torch.cuda.is_available()
