@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.planner.trace import _as_a_real_step, _tensors, step_model, unit_modules
@@ -21,20 +21,27 @@ from fsdp2kit.planner.trace import _as_a_real_step, _tensors, step_model, unit_m
 __all__ = ["UnitFlops", "count_flops"]
 
 aten = torch.ops.aten
-# torch's own formulas (matmuls, float8's _scaled_mm, fused attention's forward); the CPU flash kernel, which the
-# planner's meta step runs (trace.py), counts as the other fused kernels do.
-_FLOPS = {
-    **flop_registry,
-    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
+# Fused attention's forward (query, key, value, ...) and backward (grad_out, query, key, value, ...), the CPU
+# flash kernel (which the planner's meta step runs, trace.py) among them: the backward's 4 matmuls count twice
+# the forward's 2 (torch's formula adds a recompute of the scores).
+_ATTENTION_FWD = {
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
 }
-# Fused attention's backward, (grad_out, query, key, value, ...): its 4 matmuls, twice the forward's (torch's
-# formula adds a recompute of the scores).
 _ATTENTION_BWD = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
     aten._scaled_dot_product_flash_attention_backward,
     aten._scaled_dot_product_efficient_attention_backward,
     aten._scaled_dot_product_cudnn_attention_backward,
 }
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """torch's sdpa_flop_count, with GQA's fewer key/value heads (which torch < 2.13's refuses)."""
+    b, h, s_q, d = q.shape
+    return 2.0 * b * h * s_q * k.shape[-2] * (d + v.shape[-1])
 
 
 @dataclass
@@ -68,10 +75,12 @@ class _Count(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in _ATTENTION_BWD:
-            self.sink(2.0 * sdpa_flop_count(*(t.shape for t in args[1:4])))
-        elif packet in _FLOPS:
-            self.sink(float(_FLOPS[packet](*args, **kwargs, out_val=out)))
+        if packet in _ATTENTION_FWD:
+            self.sink(_attention(*args[:3]))
+        elif packet in _ATTENTION_BWD:
+            self.sink(2.0 * _attention(*args[1:4]))
+        elif packet in flop_registry:  # torch's formulas: matmuls, float8's _scaled_mm
+            self.sink(float(flop_registry[packet](*args, **kwargs, out_val=out)))
         elif packet is aten._grouped_mm:
             self.sink(_grouped_mm(args[0], args[1], out))
         elif func.name() == "transformers::grouped_mm_fallback":  # what the planner runs for non-bf16 experts
