@@ -121,6 +121,33 @@ def planner_prediction(name: str, batch: int, seq: int, ac: str | None, offload:
     return {"status": status, "peak_bytes": peak, "kwargs": kwargs, "report": details}
 
 
+def step_prediction(name: str, batch: int, seq: int, ac: str | None, offload: bool, device) -> dict:
+    """The planner's step time for this case on the preset of this GPU (issue 26's check against a
+    measurement; compile and float8 are not modelled), or why not."""
+    from fsdp2kit.planner.api import Settings
+    from fsdp2kit.planner.hardware import GPUS, load_hardware
+    from fsdp2kit.planner.steptime import predict_step
+
+    gpu = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
+    preset = next((k for k in GPUS if k in gpu), None)
+    if preset is None:
+        return {"status": f"no planner preset for {gpu or device.type!r}"}
+    model, _ = build(name)
+    settings = Settings(
+        shard=dist.get_world_size(),
+        batch=batch,
+        seq=seq,
+        activation_checkpointing=ac,
+        mixed_precision="bf16",
+        cpu_offload=offload,
+    )
+    try:
+        step = predict_step(model, settings, load_hardware(preset))
+    except Exception as e:  # the benchmark goes on
+        return {"status": f"prediction failed: {type(e).__name__}: {str(e)[:300]}"}
+    return {"status": "ok", "preset": preset, **step.to_dict()}
+
+
 def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, offload=False, optim="adamw") -> dict:
     """Build, shard and train one configuration; time the steps after warm-up."""
     device, world = info.device, dist.get_world_size()
@@ -130,6 +157,8 @@ def train_case(name: str, variant: str, batch: int, seq: int, args, info, *, off
     if opts.get("float8") and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         return {**out, "status": "skipped: float8 needs compute capability 8.9 or newer"}
     out["planner"] = planner_prediction(name, batch, seq, opts.get("ac"), offload, optim, device)
+    if not (opts.get("compile") or opts.get("float8")):
+        out["step_prediction"] = step_prediction(name, batch, seq, opts.get("ac"), offload, device)
     model, config = build(name)
     if opts.get("float8"):
         fk.enable_float8(model)
@@ -212,10 +241,11 @@ def plan(args) -> list[tuple[str, tuple, int]]:
     else:
         shapes, model = args.shapes, args.model
     first, *rest = shapes
-    items = [("train", (model, v, *first), "compile" if "compile" in v else "eager") for v in VARIANTS]
+    variants = [v for v in VARIANTS if v.lower().replace(" ", "_") in args.variants]
+    items = [("train", (model, v, *first), "compile" if "compile" in v else "eager") for v in variants]
     items += [("checkpoint", (model,), "checkpoint"), ("load_pretrained", (model,), "load_pretrained")]
     for shape in rest:
-        items += [("train", (model, v, *shape), "compile" if "compile" in v else "eager") for v in VARIANTS]
+        items += [("train", (model, v, *shape), "compile" if "compile" in v else "eager") for v in variants]
     if not args.no_offload:
         model, shape = ("tiny", (1, 32)) if args.dry_run else (args.offload_model, args.offload_shape)
         items.append(("offload", (model, "AC selective", *shape), "offload"))
@@ -279,6 +309,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--shapes", default="4x2048,1x8192,8x2048", help="batch x seq, comma-separated; the first is measured first"
     )
+    p.add_argument(
+        "--variants",
+        default=",".join(v.lower().replace(" ", "_") for v in VARIANTS),
+        help="training variants, comma-separated (default: all)",
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--offload-model", default="llama-8b", choices=sorted(MODELS))
@@ -294,6 +329,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     args.cases = set(args.cases.split(","))
+    args.variants = set(args.variants.split(","))
     args.offload_shape = tuple(int(x) for x in args.offload_shape.split("x"))
     if args.dry_run:
         args.steps, args.warmup = 2, 1

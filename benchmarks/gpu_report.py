@@ -172,15 +172,15 @@ def _peak(rec: dict, key: str) -> str:
 
 def _train_rows(recs: list[dict]) -> list[str]:
     rows = [
-        "| model | variant | batch x seq | tokens/s | MFU | step ms | max allocated GiB | max reserved GiB "
-        "| planner GiB | planner / allocated | first step s | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model | variant | batch x seq | tokens/s | MFU | step ms | planner step ms | max allocated GiB "
+        "| max reserved GiB | planner GiB | planner / allocated | first step s | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in recs:
         if r.get("status") != "ok":
             rows.append(
                 f"| {r.get('model', '')} | {r.get('variant', '')} | {r.get('batch', '')}x{r.get('seq', '')} "
-                f"| | | | | | | | | {r.get('status', '')} |"
+                f"| | | | | | | | | | {r.get('status', '')} |"
             )
             continue
         planner = r.get("planner", {})
@@ -188,10 +188,12 @@ def _train_rows(recs: list[dict]) -> list[str]:
         allocated = [m["max_allocated"] for m in r.get("memory") or [] if m and m.get("max_allocated")]
         ratio = f"{planner['peak_bytes'] / max(allocated):.2f}" if planner.get("peak_bytes") and allocated else "–"
         mfu = "–" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        pred = r.get("step_prediction") or {}
+        predicted = f"{1000 * pred['step_seconds']:.0f}" if pred.get("status") == "ok" else pred.get("status", "–")
         name = r["model"] + (" (CPU offload, " + r["optimizer"] + ")" if r.get("cpu_offload") else "")
         rows.append(
             f"| {name} | {r['variant']} | {r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | {mfu} "
-            f"| {1000 * r['step_s']:.0f} | {_peak(r, 'max_allocated')} | {_peak(r, 'max_reserved')} | {planned} "
+            f"| {1000 * r['step_s']:.0f} | {predicted} | {_peak(r, 'max_allocated')} | {_peak(r, 'max_reserved')} | {planned} "
             f"| {ratio} | {r['first_step_s']:.1f} | ok |"
         )
     return rows
@@ -234,7 +236,8 @@ def markdown(result: dict) -> str:
         "counted once, plus attention) x tokens/s / the device's dense bf16 peak "
         + (f"({peak / 1e12:.0f} TFLOP/s)" if peak else "(unknown for this device: no MFU)")
         + "; activation recomputation is not counted as useful work. Memory: the allocator's high-water marks "
-        f"during the steps, worst rank. Planner: {r['planner']}.",
+        f"during the steps, worst rank. Planner: {r['planner']}; its step time is `predict_step` on this "
+        "GPU's preset (fsdp2kit/planner/hardware.py; compile and float8 are not modelled).",
         "",
         *_train_rows(r["train"] + ([r["offload"]] if r.get("offload") and r["offload"].get("variant") else [])),
     ]
