@@ -20,6 +20,7 @@ from models import tiny_llama, worst_relative
 from tp_cases import tiny_qwen3
 
 import fsdp2kit as fk
+from fsdp2kit.dist import mesh_device
 from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh
 
 VOCAB, SEQ, BATCH, IGNORE = 96, 16, 2, -100
@@ -100,7 +101,7 @@ def loss_sum(model, batch) -> torch.Tensor:
 
 def run_parity(case: CPCase) -> dict:
     mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp, tp=case.tp)
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = mesh_device(mesh.device_type)  # cuda:0 for both ranks of tests/cuda/ring_one_gpu.py
     ref = build(case.model, case.kernel).to(dev)
     if case.lora:
         from lora_cases import lora_config
