@@ -247,8 +247,8 @@ def plan(args) -> list[tuple[str, tuple, int]]:
     for shape in rest:
         items += [("train", (model, v, *shape), "compile" if "compile" in v else "eager") for v in variants]
     if not args.no_offload:
-        model, shape = ("tiny", (1, 32)) if args.dry_run else (args.offload_model, args.offload_shape)
-        items.append(("offload", (model, "AC selective", *shape), "offload"))
+        big, shape = ("tiny", (1, 32)) if args.dry_run else (args.offload_model, args.offload_shape)
+        items.append(("offload", (big, "AC selective", *shape), "offload"))
         items.append(("optim_offload", (model, 1, first[1]), "optim_offload"))
     return [item for item in items if item[0] in args.cases]
 

@@ -117,7 +117,7 @@ def _gatherer(group: DeviceMesh, cp: int) -> Callable:
 
     def gather(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
         pos = position_ids.expand(batch, -1).contiguous()
-        every = funcol.all_gather_single(pos, 0, group)  # (cp * batch, local seq), rank order
+        every = funcol.all_gather_tensor(pos, 0, group)  # (cp * batch, local seq), rank order
         every = funcol.wait_tensor(every) if isinstance(every, funcol.AsyncCollectiveTensor) else every
         made_up = torch.arange(every.shape[1], device=every.device)
         if not torch.compiler.is_compiling() and bool((every == made_up).all()):

@@ -41,6 +41,7 @@ class CPCase:
     lora: bool = False  # peft adapters on the model (and the reference)
     style: str = "all_to_all"
     steps: int = 3
+    seq: int = SEQ  # ring's CUDA kernels need seq % (64 x cp) == 0
 
     @property
     def label(self) -> str:
@@ -77,17 +78,17 @@ def build(kind: str, kernel: str, seed: int = 0):
     return model
 
 
-def packed_rows(rows: int, gen: torch.Generator, packed: bool) -> dict[str, torch.Tensor]:
-    """Rows of SEQ tokens; labels already shifted (label i is the target of token i), as the recipe's rows."""
-    ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+def packed_rows(rows: int, gen: torch.Generator, packed: bool, seq: int = SEQ) -> dict[str, torch.Tensor]:
+    """Rows of ``seq`` tokens; labels already shifted (label i is the target of token i), as the recipe's rows."""
+    ids = torch.randint(0, VOCAB, (rows, seq + 1), generator=gen)
     labels = ids[:, 1:].clone()
-    positions = torch.empty(rows, SEQ, dtype=torch.long)
+    positions = torch.empty(rows, seq, dtype=torch.long)
     for r in range(rows):
-        cuts = sorted(torch.randperm(SEQ - 2, generator=gen)[:2].add(1).tolist()) if packed else []
+        cuts = sorted(torch.randperm(seq - 2, generator=gen)[:2].add(1).tolist()) if packed else []
         start = 0
-        for end in [*cuts, SEQ]:
+        for end in [*cuts, seq]:
             positions[r, start:end] = torch.arange(end - start)
-            labels[r, end - 1] = IGNORE if end < SEQ else labels[r, end - 1]  # no target across documents
+            labels[r, end - 1] = IGNORE if end < seq else labels[r, end - 1]  # no target across documents
             start = end
     labels[torch.rand(labels.shape, generator=gen) < 0.2] = IGNORE  # prompt-like tokens without a target
     return {"input_ids": ids[:, :-1], "labels": labels, "position_ids": positions}
@@ -101,7 +102,7 @@ def loss_sum(model, batch) -> torch.Tensor:
 
 def run_parity(case: CPCase) -> dict:
     mesh = fk.make_mesh(shard=case.shard, replicate=case.replicate, cp=case.cp, tp=case.tp)
-    dev = mesh_device(mesh.device_type)  # cuda:0 for both ranks of tests/cuda/ring_one_gpu.py
+    dev = mesh_device(mesh.device_type)
     ref = build(case.model, case.kernel).to(dev)
     if case.lora:
         from lora_cases import lora_config
@@ -130,7 +131,7 @@ def run_parity(case: CPCase) -> dict:
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses = [], []
     for _ in range(case.steps):
-        rows = {k: v.to(dev) for k, v in packed_rows(groups * BATCH, gen, case.packed).items()}
+        rows = {k: v.to(dev) for k, v in packed_rows(groups * BATCH, gen, case.packed, case.seq).items()}
         mine = fk.split_for_context_parallel({k: v[group * BATCH : (group + 1) * BATCH] for k, v in rows.items()}, mesh)
         count = (mine["labels"] != IGNORE).sum().float()
         dist.all_reduce(count)  # every rank's targets: the global count
