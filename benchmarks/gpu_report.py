@@ -173,28 +173,36 @@ def _peak(rec: dict, key: str) -> str:
 def _train_rows(recs: list[dict]) -> list[str]:
     rows = [
         "| model | variant | batch x seq | tokens/s | MFU | step ms | planner step ms | max allocated GiB "
-        "| max reserved GiB | planner GiB | planner / allocated | first step s | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| planner live GiB | / allocated | max reserved GiB | planner GiB (live + margin) | / reserved "
+        "| first step s | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in recs:
         if r.get("status") != "ok":
             rows.append(
                 f"| {r.get('model', '')} | {r.get('variant', '')} | {r.get('batch', '')}x{r.get('seq', '')} "
-                f"| | | | | | | | | | {r.get('status', '')} |"
+                f"| | | | | | | | | | | | {r.get('status', '')} |"
             )
             continue
         planner = r.get("planner", {})
-        planned = _gib(planner.get("peak_bytes")) if planner.get("status") == "ok" else planner.get("status", "–")
-        allocated = [m["max_allocated"] for m in r.get("memory") or [] if m and m.get("max_allocated")]
-        ratio = f"{planner['peak_bytes'] / max(allocated):.2f}" if planner.get("peak_bytes") and allocated else "–"
+        ok = planner.get("status") == "ok"
+        peak = planner.get("peak_bytes") if ok else None
+        margin = ((planner.get("report") or {}).get("parts") or {}).get("margin", 0)
+        live = None if peak is None else peak - margin  # the allocator's margin is for reserved memory
+        planned = _gib(peak) if ok else planner.get("status", "–")
+        mem = r.get("memory") or []
+        allocated = max((m["max_allocated"] for m in mem if m and m.get("max_allocated")), default=None)
+        reserved = max((m["max_reserved"] for m in mem if m and m.get("max_reserved")), default=None)
+        vs_allocated = f"{live / allocated - 1:+.2%}" if live and allocated else "–"
+        vs_reserved = f"{peak / reserved - 1:+.2%}" if peak and reserved else "–"
         mfu = "–" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
         pred = r.get("step_prediction") or {}
         predicted = f"{1000 * pred['step_seconds']:.0f}" if pred.get("status") == "ok" else pred.get("status", "–")
         name = r["model"] + (" (CPU offload, " + r["optimizer"] + ")" if r.get("cpu_offload") else "")
         rows.append(
             f"| {name} | {r['variant']} | {r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | {mfu} "
-            f"| {1000 * r['step_s']:.0f} | {predicted} | {_peak(r, 'max_allocated')} | {_peak(r, 'max_reserved')} | {planned} "
-            f"| {ratio} | {r['first_step_s']:.1f} | ok |"
+            f"| {1000 * r['step_s']:.0f} | {predicted} | {_gib(allocated)} | {_gib(live)} | {vs_allocated} "
+            f"| {_gib(reserved)} | {planned} | {vs_reserved} | {r['first_step_s']:.1f} | ok |"
         )
     return rows
 
