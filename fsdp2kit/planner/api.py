@@ -27,7 +27,7 @@ from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
 
-__all__ = ["Settings", "check_cp_heads", "check_lora", "plan_memory", "plan_settings", "plan_shards"]
+__all__ = ["Settings", "check_cp_heads", "check_lora", "plan_memory", "plan_settings", "plan_shards", "trained_plan"]
 
 
 @dataclass(frozen=True)
@@ -267,12 +267,11 @@ def plan_memory(
     return plan
 
 
-def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
-    """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
+def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module, ShardPlan]:
+    """``model`` as the run trains it (`_as_trained`) and its `ShardPlan`, for checked settings ``s``."""
     s.check()
     prec = resolve_precision(s.mixed_precision)
-    compute = prec.compute_dtype
-    model = _as_trained(model, s, compute, cache)
+    model = _as_trained(model, s, prec.compute_dtype, cache)
     check_cp_heads(model, s.cp, s.tp)
     plan = estimate_plan(
         model,
@@ -282,6 +281,14 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         mixed_precision=prec,
         cpu_offload=s.cpu_offload,
     )
+    return model, plan
+
+
+def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
+    """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
+    model, plan = trained_plan(model, s, cache)
+    prec = plan.precision
+    compute = prec.compute_dtype
     shard_size = plan.mesh_shape[-1]
     unit_names = [list(u.modules) for u in plan.units]
     names_of = {id(m): n for n, m in model.named_modules()}

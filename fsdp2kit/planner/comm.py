@@ -285,12 +285,7 @@ def comm_of_settings(model: nn.Module, s, *, accumulation: str | None = None, ca
     """`plan_comm` for a planner `fsdp2kit.planner.api.Settings` (``s.grad_accum`` micro-batches a step under
     ``accumulation``, else ``s.accumulation``),
     sharing ``cache`` with `fsdp2kit.planner.api.plan_settings` (the adapted model is built once)."""
-    from fsdp2kit.planner.api import _as_trained
-    from fsdp2kit.precision import resolve_precision
-    from fsdp2kit.shard import estimate_plan
+    from fsdp2kit.planner.api import trained_plan
 
-    s.check()
-    prec = resolve_precision(s.mixed_precision)
-    model = _as_trained(model, s, prec.compute_dtype, {} if cache is None else cache)
-    plan = estimate_plan(model, shard=s.shard * s.cp, replicate=s.replicate, strategy=s.strategy, mixed_precision=prec)
+    model, plan = trained_plan(model, s, {} if cache is None else cache)
     return comm_of_plan(model, plan, micro_batches=s.grad_accum, accumulation=accumulation or s.accumulation)
