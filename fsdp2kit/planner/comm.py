@@ -1,34 +1,6 @@
-"""The collectives FSDP2 issues per unit and per optimizer step, predicted from shapes alone.
-
-The figures are the ones `fsdp2kit.count_collectives` measures on a running model, byte for
-byte, so a step-time model can price them before any GPU is rented.
-
-Bytes, everywhere in fsdp2kit: the size of the collective's whole buffer, the "size" of
-nccl-tests: an all-gather's output, a reduce-scatter's input, an all-reduce's (or a
-broadcast's) tensor, an all-to-all's input. That is the same number on every rank of the group.
-What one rank puts on the wire follows from it: ``(n - 1) / n`` of it for a ring all-gather or
-reduce-scatter over ``n`` ranks, ``2 (n - 1) / n`` of it for a ring all-reduce.
-
-What FSDP2 issues (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), per unit:
-
-- all-gather over the shard group: every parameter's shard, dim 0 padded to a multiple of the
-  shard size, in the compute dtype (``param_dtype``); frozen parameters at their storage dtype,
-  an NF4 weight as its packed codes and scalers. Parameters of several dtypes travel as bytes
-  (``uint8``). Once per forward, and again in backward when the unit reshards after forward
-  (over the smaller group for an int ``reshard_after_forward``: the same bytes), except a plain
-  ``nn.Embedding`` unit, which `shard_model` does not gather in backward. None with one rank a
-  shard group (``NO_SHARD``).
-- reduce-scatter over the shard group: the trainable parameters' gradients, padded alike, in
-  ``reduce_dtype`` (the gradients' dtype when it is None). None for a unit with nothing
-  trainable, or one rank a shard group.
-- all-reduce over the replicate group (HSDP, and ``NO_SHARD``): the reduce-scatter's output,
-  ``1 / shard`` of its input, in ``reduce_dtype``.
-
-Not predicted: tensor parallelism's own collectives (activations' all-reduces and
-all-gathers over the ``tp`` group, which depend on the batch; the FSDP collectives over the
-data-parallel groups are predicted, for each TP rank's slices), `fsdp2kit.clip_grad_norm_`'s
-one scalar all-reduce per mesh, and whatever the user's loop reduces (a logged loss).
-"""
+"""The collectives FSDP2 issues per unit and per optimizer step, predicted from shapes alone: byte for byte what
+`fsdp2kit.count_collectives` measures (what each carries, in which dtype, and how bytes are counted:
+docs/accumulation.md, "Predicting them")."""
 
 from __future__ import annotations
 
@@ -56,7 +28,7 @@ class Collective:
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
     group: str  # the mesh dimension it runs over: "shard", "replicate"; "shard/K" for a reshard-to-K gather
-    nbytes: int  # one call's bytes (the module docstring says which buffer)
+    nbytes: int  # one call's bytes: its whole buffer (docs/accumulation.md)
     dtype: str  # torch's dtype name ("bfloat16"); "uint8" when parameters of several dtypes travel together
     count: int  # calls per optimizer step
     phase: str  # "forward" | "backward"
@@ -101,17 +73,16 @@ class CommPlan:
         return sum(u.bytes_per_step for u in self.units)
 
     def by_group(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for u in self.units:
-            for c in u.collectives:
-                out[c.group][c.kind] += c.total
-        return {g: dict(k) for g, k in out.items()}
+        return self._summed("total")
 
     def counts(self) -> dict[str, dict[str, int]]:
+        return self._summed("count")
+
+    def _summed(self, field: str) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for u in self.units:
             for c in u.collectives:
-                out[c.group][c.kind] += c.count
+                out[c.group][c.kind] += getattr(c, field)
         return {g: dict(k) for g, k in out.items()}
 
 
@@ -136,44 +107,23 @@ def _gather_dtype(params: list[nn.Parameter], plan: ShardPlan) -> str:
 
 
 def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
-    """Per step: (forward gathers, backward re-gathers, reduce-scatters, all-reduces), each a multiple of one."""
-    if accumulation == "regather" or (m == 1 and accumulation in ACCUMULATION):
-        return m, m, m, m  # one micro-batch: fk.accumulate changes nothing
-    if accumulation == "keep_gathered":  # gathered in the first forward, resharded after the last backward
-        return 1, 0, m, m
-    if accumulation == "defer_all_reduce":
-        return m, m, m, 1
-    if accumulation == "no_sync":
-        return m, m, 1, 1
-    if accumulation == "keep_gathered_defer_all_reduce":
-        return 1, 0, m, 1
-    if accumulation == "keep_gathered_no_sync":
-        return 1, 0, 1, 1
-    raise ValueError(f"accumulation={accumulation!r}: expected one of {list(ACCUMULATION)}")
+    """Per step: (forward gathers, backward re-gathers, reduce-scatters, all-reduces), as docs/accumulation.md's
+    table says; one micro-batch: ``fk.accumulate`` changes nothing."""
+    if accumulation not in ACCUMULATION:
+        raise ValueError(f"accumulation={accumulation!r}: expected one of {list(ACCUMULATION)}")
+    keep = m > 1 and accumulation.startswith("keep_gathered")  # gathered in the first forward only
+    no_sync = m > 1 and accumulation.endswith("no_sync")
+    defer = m > 1 and accumulation.endswith("defer_all_reduce")
+    return (1 if keep else m), (0 if keep else m), (1 if no_sync else m), (1 if no_sync or defer else m)
 
 
 def comm_of_plan(
     model: nn.Module, plan: ShardPlan, *, micro_batches: int = 1, accumulation: str = "regather"
 ) -> CommPlan:
-    """The FSDP collectives of one optimizer step of ``model`` sharded as ``plan`` says.
-
-    ``model`` is the model as it trains (a peft model with its adapters; under TP, one TP rank's
-    slices, as `fsdp2kit.planner.adapt.tp_local_model` builds it) and ``plan`` its `ShardPlan`
-    (`fsdp2kit.estimate_plan` of that model, or what `shard_model` returned for it). Needs no
-    process group; nothing is allocated.
-
-    Args:
-        micro_batches: forward + backward passes per optimizer step (gradient accumulation).
-        accumulation: how those micro-batches communicate (`fsdp2kit.accumulate`):
-            ``"regather"`` (FSDP2's default: every micro-batch gathers, re-gathers in backward,
-            reduce-scatters and, under HSDP, all-reduces), ``"keep_gathered"`` (gather once,
-            keep the unsharded parameters until the last backward; reduce every micro-batch),
-            ``"defer_all_reduce"`` (HSDP: reduce-scatter every micro-batch, all-reduce across
-            replicas once, on the last), ``"no_sync"`` (gather as ``"regather"``, reduce once,
-            on the last micro-batch, holding unsharded gradients until then),
-            ``"keep_gathered_defer_all_reduce"`` (HSDP: gather once, all-reduce once),
-            ``"keep_gathered_no_sync"`` (gather once, reduce once: the fewest bytes, the most memory).
-    """
+    """The FSDP collectives of one optimizer step of ``model`` (as it trains: a peft model with its adapters, under
+    TP one TP rank's slices, `fsdp2kit.planner.adapt`) sharded as ``plan`` (its `ShardPlan`) says, for
+    ``micro_batches`` forward + backward passes under an `fsdp2kit.accumulate` policy (docs/accumulation.md).
+    Needs no process group; nothing is allocated."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: expected a positive int")
     fwd, bwd, n_rs, n_ar = _counts(accumulation, micro_batches)
@@ -200,12 +150,9 @@ def comm_of_plan(
     units = []
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):
         colls: list[Collective] = []
-        if keep:
-            held += sum(_gathered_bytes(p, shard, _compute_dtype(p, plan)) for p in params)
+        gathered = sum(_gathered_bytes(p, shard, _compute_dtype(p, plan)) for p in params)
+        held += gathered if keep else 0
         if shard > 1 and params:
-            gathered = 0
-            for p in params:
-                gathered += _gathered_bytes(p, shard, _compute_dtype(p, plan))
             dtype = _gather_dtype(params, plan)
             colls.append(Collective("all_gather", "shard", gathered, dtype, fwd, "forward"))
             reshard = up.reshard_after_forward
@@ -246,19 +193,9 @@ def plan_comm(
     micro_batches: int = 1,
     accumulation: str = "regather",
 ) -> CommPlan:
-    """Predict every FSDP collective of one optimizer step: `comm_of_plan` of the model as the run trains it.
-
-    The arguments mean what they mean for `fsdp2kit.plan_memory` / `fsdp2kit.shard_model`
-    (``lora``/``qlora``/``lora_targets`` put the recipe's adapters on a copy; ``tp`` plans one
-    TP rank's slices); ``micro_batches`` and ``accumulation`` as in `comm_of_plan`. ``model`` is
-    not changed (build it on the meta device: nothing is allocated).
-
-    Example: bytes per step by group and kind, for 4 micro-batches on 2 nodes of 8::
-
-        plan_comm(model, shard=8, replicate=2, mixed_precision="bf16", micro_batches=4,
-                  accumulation="defer_all_reduce").by_group()
-        # {"shard": {"all_gather": ..., "reduce_scatter": ...}, "replicate": {"all_reduce": ...}}
-    """
+    """Predict every FSDP collective of one optimizer step: `comm_of_plan` of the model as the run trains it (the
+    arguments as for `fsdp2kit.plan_memory` / `fsdp2kit.shard_model`; ``model`` is not changed, and may be on the
+    meta device). Example and what each collective carries: docs/accumulation.md, "Predicting them"."""
     from fsdp2kit.planner.adapt import lora_model, tp_local_model
     from fsdp2kit.planner.api import check_lora
     from fsdp2kit.precision import resolve_precision
@@ -283,8 +220,7 @@ def plan_comm(
 
 def comm_of_settings(model: nn.Module, s, *, accumulation: str | None = None, cache: dict | None = None) -> CommPlan:
     """`plan_comm` for a planner `fsdp2kit.planner.api.Settings` (``s.grad_accum`` micro-batches a step under
-    ``accumulation``, else ``s.accumulation``),
-    sharing ``cache`` with `fsdp2kit.planner.api.plan_settings` (the adapted model is built once)."""
+    ``accumulation``, else ``s.accumulation``), sharing ``cache`` with `fsdp2kit.planner.api.plan_settings`."""
     from fsdp2kit.planner.api import trained_plan
 
     model, plan = trained_plan(model, s, {} if cache is None else cache)
