@@ -19,7 +19,7 @@ from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.held import micro_batch_units
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, rank_shards, units_for
-from fsdp2kit.planner.report import MemoryPlan
+from fsdp2kit.planner.report import PART_NAMES, MemoryPlan
 from fsdp2kit.planner.timeline import replay
 from fsdp2kit.planner.trace import record_step
 from fsdp2kit.precision import resolve_precision
@@ -186,50 +186,30 @@ def plan_memory(
     nothing is changed). ``batch`` is the micro-batch per data-parallel rank, ``seq`` the tokens
     per sample (the whole sequence: with ``cp`` each rank holds ``seq / cp`` of them). The step is
     the recipe's: forward, logits upcast to fp32 for cross entropy, backward, optimizer step, with
-    the optimizer state present from the previous step.
-
-    How: one forward + backward runs on the meta device (shapes only) at the per-rank batch,
-    counting live storage bytes at every op, and the module hooks FSDP2 uses are recorded beside
-    them (`fsdp2kit.planner.trace`); FSDP2's all-gathers, reshards, gradient reduce-scatters and
-    their buffers are then replayed over that record for this mesh
-    (`fsdp2kit.planner.timeline`); parameters, gradients and optimizer state come from the
-    shard plan (`fsdp2kit.estimate_plan`). ``device="cuda"`` adds an allocator margin and uses
-    the ``foreach`` AdamW step (CUDA's default); ``device="cpu"`` gives live tensor bytes with
-    CPU's per-tensor step, the figure the CPU check measures (benchmarks/memory_planner_check.py).
+    the optimizer state present from the previous step. How: docs/memory_planner.md.
+    ``device="cuda"`` adds an allocator margin and uses the ``foreach`` AdamW step (CUDA's default);
+    ``device="cpu"`` gives live tensor bytes with CPU's per-tensor step (what the CPU check measures).
 
     Args:
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
-        tp: tensor-parallel degree: the model's own plan, as `fsdp2kit.apply_tensor_parallel`'s
-            ``"auto"``; the step is traced on one TP rank's slices (`fsdp2kit.planner.adapt`).
-        cp: context-parallel degree, as `fsdp2kit.make_mesh`'s ``cp`` with
-            `fsdp2kit.apply_context_parallel`'s ``"all_to_all"`` (Ulysses) style: parameters,
-            gradients and optimizer state are sharded over ``shard * cp`` ranks; the step is traced
-            at ``seq / cp`` tokens a rank, its attention over all ``seq`` tokens for ``heads / cp``
-            heads, with the all-to-all buffers of q, k, v and the output (docs/memory_planner.md).
-            ``cp`` must divide ``seq`` and the (KV) heads, as the library requires.
-        packed: rows hold several documents (positions restarting at 0): under ``cp`` the attention
-            gets a document mask, one ``seq x seq`` copy a row in the compute dtype, alive through the step.
-        activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block), as
+        tp: tensor-parallel degree: the model's own plan, traced on one TP rank's slices.
+        cp: context-parallel degree, all-to-all style (`fsdp2kit.apply_context_parallel`): parameters,
+            gradients and optimizer state sharded over ``shard * cp`` ranks; ``cp`` divides ``seq`` and the heads.
+        packed: rows hold several documents: under ``cp`` the attention gets a document mask.
+        activation_checkpointing: None, ``"full"``, ``"selective"``, ``"op"`` or N, as
             `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
             checkpoints the model its own way (another trainer's policy), called on the planner's copy.
-        mixed_precision: None (parameters as built), ``"fp32"``, ``"bf16"``, ``"fp16"`` (fp32 master
-            weights whatever the model's dtype) or ``"pure_bf16"`` (bf16 weights, gradients and
-            state), as `fsdp2kit.shard_model` takes it; ``plan.config`` names the master and
+        mixed_precision: as `fsdp2kit.shard_model` takes it; ``plan.config`` names the master and
             optimizer-state dtypes that follow.
-        optimizer: a `make_optimizer` name (``"adamw"``, ``"adamw8bit"``, ``"adamw4bit"``,
-            ``"adamw_fp8"``, ``"adamw_bf16sr"``) or ``"sgd"`` (no momentum).
+        optimizer: a `make_optimizer` name or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
-        optimizer_offload: only the optimizer state lives in host memory and its step runs there
-            (``make_optimizer(..., offload=True)``): the device peak leaves out the state and the
-            step's temporaries; ``host_bytes`` counts the state plus a host copy of the sharded
+        optimizer_offload: only the optimizer state and its step live on the host
+            (``make_optimizer(..., offload=True)``); ``host_bytes`` adds a host copy of the sharded
             parameters and gradients, which the host step reads and writes.
         prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
-        lora, qlora, lora_targets: train rank-``lora`` peft adapters (fp32) on ``lora_targets``
-            (``"all-linear"``: every Linear but the head; or module names, as `fsdp2kit.apply_lora`
-            takes them), the base frozen in bf16 under bf16 compute and in fp32 otherwise (its block
-            Linears in NF4 with ``qlora``), as the recipe's ``[lora]`` table does; traced like full
-            training. A model that is already a peft model is planned as it is (leave these unset):
-            what the recipe does, so its memory plan and `shard_model`'s ShardPlan count one model.
+        lora, qlora, lora_targets: train rank-``lora`` peft adapters as the recipe's ``[lora]`` table does
+            (docs/memory_planner.md, "Tensor parallelism, LoRA, QLoRA"). A model that is already a peft
+            model is planned as it is (leave these unset).
         gpu_memory: bytes per device; the plan then says whether it fits and by how much.
         grad_accum, accumulation: micro-batches a step and the `fsdp2kit.accumulate` policy they run
             under; the peak adds what the policy holds between them (docs/accumulation.md, "Memory").
@@ -238,29 +218,8 @@ def plan_memory(
     """
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     lora_targets = "all-linear" if targets == ("all-linear",) else targets
-    settings = Settings(
-        shard=shard,
-        batch=batch,
-        seq=seq,
-        replicate=replicate,
-        tp=tp,
-        cp=cp,
-        packed=packed,
-        activation_checkpointing=activation_checkpointing,
-        mixed_precision=mixed_precision,
-        optimizer=optimizer,
-        cpu_offload=cpu_offload,
-        optimizer_offload=optimizer_offload,
-        prefetch=prefetch,
-        strategy=strategy,
-        device=device,
-        optimizer_impl=optimizer_impl,
-        lora=lora,
-        qlora=qlora,
-        lora_targets=lora_targets,
-        grad_accum=grad_accum,
-        accumulation=accumulation,
-    )
+    args = locals()  # every Settings field is an argument of the same name
+    settings = Settings(**{f.name: args[f.name] for f in dataclasses.fields(Settings)})
     plan = plan_settings(model, settings, cache={})
     plan.gpu_memory = gpu_memory
     plan.config["model"] = name or type(model).__name__
@@ -356,16 +315,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     dtype = compute or next(model.parameters()).dtype
     mask = s.batch * s.seq**2 * dtype.itemsize if s.packed and s.cp > 1 else 0
     pp["activations"] += mask
-    step_parts = {
-        "params": params,
-        "gathered": pp["gathered"],
-        "comm_buffers": pp["comm_buffers"],
-        "unsharded_grads": pp["unsharded_grads"],
-        "grads": pp["grads"],
-        "optimizer": opt.state,
-        "activations": pp["activations"],
-        "temporaries": pp["temporaries"],
-    }
+    step_parts = {k: pp.get(k, 0) for k in PART_NAMES if k != "margin"} | {"params": params, "optimizer": opt.state}
     opt_parts = dict.fromkeys(step_parts, 0)
     opt_parts.update(params=params, grads=grads, optimizer=opt.state, temporaries=opt.temporaries)
     host = 0
