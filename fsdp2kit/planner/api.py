@@ -263,7 +263,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             activation_checkpointing=s.activation_checkpointing,
             cp=s.cp,
         )
-    units = [u for _, u in units_for(model, plan)]
+    units = units_for(model, plan)
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
     position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
     final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))

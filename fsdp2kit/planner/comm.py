@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fsdp2kit.accumulation import ACCUMULATION as _POLICIES
 from fsdp2kit.plan import ShardPlan
-from fsdp2kit.planner.parts import _gathered_bytes, _is_lookup, _padded, unit_params
+from fsdp2kit.planner.parts import _gathered_bytes, _is_lookup, _padded, compute_dtype, unit_params
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["ACCUMULATION", "Collective", "CommPlan", "UnitComm", "comm_of_plan", "comm_of_settings", "plan_comm"]
@@ -90,11 +90,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _compute_dtype(p: torch.Tensor, plan: ShardPlan) -> torch.dtype:
-    """What ``p`` is all-gathered and computed in: the policy's ``param_dtype`` if floating, else its master dtype."""
-    return (plan.precision.policy.param_dtype if p.is_floating_point() else None) or plan.precision.master(p)
-
-
 def _gather_dtype(params: list[nn.Parameter], plan: ShardPlan) -> str:
     """FSDP2's all-gather dtype: the inputs' one dtype, or bytes when they differ (_get_all_gather_input_metadatas)."""
     dtypes = set()
@@ -102,7 +97,7 @@ def _gather_dtype(params: list[nn.Parameter], plan: ShardPlan) -> str:
         if is_nf4(p):
             dtypes.update(getattr(p, a).dtype for a in NF4_ROW_TENSORS)
         else:
-            dtypes.add(_compute_dtype(p, plan))
+            dtypes.add(compute_dtype(p, plan.precision))
     return _dtype_name(dtypes.pop()) if len(dtypes) == 1 else "uint8"
 
 
@@ -150,7 +145,7 @@ def comm_of_plan(
     units = []
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):
         colls: list[Collective] = []
-        gathered = sum(_gathered_bytes(p, shard, _compute_dtype(p, plan)) for p in params)
+        gathered = sum(_gathered_bytes(p, shard, compute_dtype(p, plan.precision)) for p in params)
         held += gathered if keep else 0
         if shard > 1 and params:
             dtype = _gather_dtype(params, plan)
@@ -164,7 +159,7 @@ def comm_of_plan(
         trainable = [p for p in params if p.requires_grad]
         if trainable:
             # FSDP2 reduces in reduce_dtype, else in the gradients' dtype: the compute dtype (one per unit)
-            rdt = plan.precision.policy.reduce_dtype or _compute_dtype(trainable[0], plan)
+            rdt = plan.precision.policy.reduce_dtype or compute_dtype(trainable[0], plan.precision)
             rs_in = sum(_padded(p.shape, shard) for p in trainable) * rdt.itemsize
             if shard > 1:
                 colls.append(Collective("reduce_scatter", "shard", rs_in, _dtype_name(rdt), n_rs, "backward"))

@@ -74,7 +74,12 @@ def _is_lookup(model: nn.Module, names: list[str]) -> bool:
         return False
 
 
-def units_for(model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None = None) -> list[tuple[list[str], Unit]]:
+def compute_dtype(p: torch.Tensor, precision) -> torch.dtype:
+    """What FSDP2 gathers and computes ``p`` in: the policy's ``param_dtype`` if floating, else its master dtype."""
+    return (precision.policy.param_dtype if p.is_floating_point() else None) or precision.master(p)
+
+
+def units_for(model: nn.Module, plan: ShardPlan) -> list[Unit]:
     """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group),
     in the plan's precision: gathered and unsharded gradients in the compute dtype, the reduce-scatter
     in the reduce dtype, sharded gradients in the master dtype."""
@@ -84,29 +89,25 @@ def units_for(model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None =
     for (names, params), up in zip(unit_params(model, plan), plan.units):
         gathered = grads = rs_in = rs_out = sharded = 0
         for p in params:
-            master = precision.master(p)
-            cdt = (precision.policy.param_dtype if p.is_floating_point() else None) or master
+            cdt = compute_dtype(p, precision)
             padded = _padded(p.shape, shard)
             gathered += _gathered_bytes(p, shard, cdt)
-            if p.requires_grad if trainable is None else id(p) in trainable:
+            if p.requires_grad:
                 rdt = precision.policy.reduce_dtype or cdt
                 grads += p.numel() * cdt.itemsize
                 rs_in += padded * rdt.itemsize
                 rs_out += padded // shard * rdt.itemsize
-                sharded += padded // shard * master.itemsize
+                sharded += padded // shard * precision.master(p).itemsize
         out.append(
-            (
-                names,
-                Unit(
-                    name=up.name,
-                    gathered=gathered,
-                    unsharded_grads=grads,
-                    reduce_input=rs_in,
-                    reduce_output=rs_out,
-                    sharded_grads=sharded,
-                    reshard_after_forward=up.reshard_after_forward is not False,
-                    gather_in_backward=not _is_lookup(model, names),
-                ),
+            Unit(
+                name=up.name,
+                gathered=gathered,
+                unsharded_grads=grads,
+                reduce_input=rs_in,
+                reduce_output=rs_out,
+                sharded_grads=sharded,
+                reshard_after_forward=up.reshard_after_forward is not False,
+                gather_in_backward=not _is_lookup(model, names),
             )
         )
     return out
@@ -165,15 +166,8 @@ def optimizer_bytes(
 
 
 def margin_bytes(peak: int, device: str) -> int:
-    """What a device's allocator holds beyond live tensors at the peak.
-
-    CPU: nothing (the planner's figure is live tensor bytes, what the CPU check measures).
-    CUDA: the caching allocator rounds every block up (to 512 B, large ones to 2 MiB segments) and
-    cannot always reuse freed blocks of the wrong size, so ``max_memory_reserved`` (what OOMs and
-    what trainers report) exceeds ``max_memory_allocated``. We add 5% of the peak plus 0.5 GiB
-    (NCCL's and cuBLAS's workspaces, which are not tensors); see docs/memory_planner.md for the
-    published runs this was checked against.
-    """
+    """What a device's allocator holds beyond live tensors at the peak: nothing on CPU (live tensor bytes, what the
+    CPU check measures); on CUDA 5% of the peak plus 0.5 GiB (why: docs/memory_planner.md, "The allocator margin")."""
     if device == "cpu":
         return 0
     return int(0.05 * peak) + (1 << 29)
