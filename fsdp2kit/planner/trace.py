@@ -180,34 +180,21 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1):
-    """What must differ between a shapes-only step and a real one, diverted for this thread only (`divert`;
-    not a TorchFunctionMode: none is active while backward recomputes checkpointed blocks).
-
-    - transformers cannot tell packed positions on meta tensors and builds a (batch, 1, seq, seq) mask when
-      it suspects tracing; a real step with plain causal batches has none.
-    - SDPA on meta takes the math path, which saves the (seq x seq) weights; a real step runs a fused kernel,
-      so the CPU flash kernel runs (its meta kernel has the same outputs).
-    - MoE experts: torch's meta grouped_mm takes bf16 only; other dtypes use transformers' fallback op,
-      whose meta kernel and saved tensors are the same.
-    """
+    """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How"), diverted for
+    this thread only (`divert`; not a TorchFunctionMode: none is active while backward recomputes checkpointed
+    blocks): transformers' tracing guesses (a seq x seq mask, packed positions) say no, as for plain causal
+    batches; SDPA runs the CPU flash kernel, not the math path (which saves the weights); MoE experts take
+    transformers' fallback op where torch's meta grouped_mm (bf16 only) cannot run: the same saved tensors."""
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
-        for name, fn in (("is_tracing", _not_tracing), ("find_packed_sequence_indices", _not_packed)):
+        for name, answer in (("is_tracing", False), ("find_packed_sequence_indices", None)):
             if hasattr(masking, name):
-                stack.enter_context(divert(masking, name, fn))
+                stack.enter_context(divert(masking, name, lambda original, *a, answer=answer, **k: answer))
         moe = sys.modules.get("transformers.integrations.moe")
         if hasattr(moe, "_can_use_grouped_mm"):
             stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
         stack.enter_context(divert(F, "scaled_dot_product_attention", functools.partial(_fused_sdpa, cp=cp)))
         yield
-
-
-def _not_tracing(original, tensor=None) -> bool:
-    return False
-
-
-def _not_packed(original, position_ids) -> None:
-    return None
 
 
 def _tensors(obj) -> list[torch.Tensor]:
