@@ -1,9 +1,5 @@
-"""Matmul FLOPs of one training step, per FSDP unit: forward, backward, and activation checkpointing's recompute.
-
-The memory trace's meta step (`fsdp2kit.planner.trace`) runs under a dispatch mode that counts every matmul
-(torch's formulas, MoE experts' grouped_mm; a causal mask is not halved, as published MFU figures count). A
-checkpointed block's recompute is counted where torch runs it, so selective policies count only what they redo.
-"""
+"""Matmul FLOPs of one training step, per FSDP unit: forward, backward, and activation checkpointing's recompute
+(what is counted and how: docs/step_time.md, "The model")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""GPU presets for the step-time model: peak FLOP/s, memory, and the bandwidth of each link a collective crosses.
-
-Every figure is a vendor datasheet's (named beside it; memory is the total CUDA sees, as nvidia-smi reports
-it, where we know it, a little under the datasheet's) except ``efficiency``, the one fitted number:
-the fraction of the dense bf16 peak that a training step's matmuls reach, taken from ONE published
-measurement named beside it (docs/step_time.md). A preset is overridden field by field from a TOML
-file (``--gpu my.toml``) or command-line flags.
-"""
+"""GPU presets for the step-time model: vendor datasheets' peaks, memory and link bandwidths, and ``efficiency``,
+the one fitted number, from one published measurement each (sources: docs/step_time.md, "Presets and their
+sources"). A preset is overridden field by field from a TOML file (``--gpu my.toml``) or command-line flags."""
 
 from __future__ import annotations
 

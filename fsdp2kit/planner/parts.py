@@ -1,8 +1,5 @@
-"""The analytic parts of a rank's memory: FSDP units' bytes, optimizer state and temporaries, allocator margin.
-
-Everything here is arithmetic on parameter shapes and dtypes, mirroring what the libraries
-allocate (each rule names the code it follows); `trace.py` measures the rest.
-"""
+"""The analytic parts of a rank's memory: FSDP units' bytes, optimizer state and temporaries, allocator margin:
+arithmetic on parameter shapes and dtypes, each rule naming the code it follows (`trace.py` measures the rest)."""
 
 from __future__ import annotations
 
@@ -23,10 +20,8 @@ __all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "r
 # make_optimizer's names (fsdp2kit/optim.py, whose state_bytes follows torchao's allocation), and sgd.
 OPTIMIZERS = (*MAKE_OPTIMIZER_NAMES, "sgd")
 
-# Bytes torchao's compiled step (one parameter at a time) allocates per element of a quantized shard,
-# beyond its two new fp32 scales a block: 8-bit two fp32 copies, 4-bit six and its unpacked codes,
-# FP8 none; an unquantized state, and adamw_bf16sr, none (inductor fuses their step into one loop).
-# Measured with inductor's CPU kernels, torchao 0.18: benchmarks/results/optim_step.md.
+# Bytes torchao's compiled step allocates per element of a quantized shard, beyond its two new fp32 scales a
+# block (measured: docs/optimizers.md, "Step temporaries").
 _STEP_PER_ELEMENT = {"adamw8bit": 8, "adamw4bit": 26, "adamw_fp8": 0}
 
 
@@ -126,8 +121,7 @@ def rank_shards(model: nn.Module, shard: int, precision) -> list[tuple[int, torc
     for p in model.parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            rows = math.ceil(p.shape[0] / shard) if p.dim() else 1
-            out.append((rows * math.prod(p.shape[1:]), precision.master(p), tuple(p.shape)))
+            out.append((_padded(p.shape, shard) // shard, precision.master(p), tuple(p.shape)))
     return out
 
 
@@ -141,10 +135,8 @@ def optimizer_bytes(
       the whole parameter group at once (one state-sized list); the ``for-loop`` path (CPU's
       default) makes two single-parameter temporaries (sqrt, then the division), while the
       previous parameter's ``denom`` is still held; ``fused`` none.
-    - ``adamw8bit``, ``adamw4bit``, ``adamw_fp8`` (torchao): codes, a scale a block and a code
-      table for each of the two states (`state_bytes`, quantized as `make_optimizer` decides, from
-      the global shape); ``adamw_bf16sr`` (torchao _AdamW): a pair like the (bf16) parameter.
-      Temporaries: the largest parameter's step (``_STEP_PER_ELEMENT``).
+    - torchao's: `state_bytes` of each shard, as `make_optimizer` quantizes it; temporaries: the
+      largest parameter's step (``_STEP_PER_ELEMENT``).
     - ``sgd``: torch's default (no momentum): no state, in-place update.
     """
     if optimizer not in OPTIMIZERS:
@@ -156,9 +148,7 @@ def optimizer_bytes(
     if optimizer == "adamw":
         sizes = [n * dt.itemsize for n, dt, _ in shards]
         loop = max(2 * b + a for a, b in zip([0, *sizes], sizes))
-        temp = {"foreach": sum(sizes), "for-loop": loop, "fused": 0}[implementation]
-        state = 2 * sum(sizes)
-        return OptimizerBytes(state, temp)
+        return OptimizerBytes(2 * sum(sizes), {"foreach": sum(sizes), "for-loop": loop, "fused": 0}[implementation])
     state = sum(state_bytes(n, dt, optimizer, shape) for n, dt, shape in shards)
     blocks = [(n, state_block(optimizer, shape)) for n, _, shape in shards]
     temp = max((_STEP_PER_ELEMENT[optimizer] * n + 8 * (n // b) for n, b in blocks if b), default=0)
