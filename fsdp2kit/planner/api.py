@@ -338,11 +338,12 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     margin = margin_bytes(live, s.device)
     parts = {**parts, "margin": margin}
     state = step_parts["params"] + step_parts["optimizer"]
-    config: dict[str, Any] = {k: v for k, v in dataclasses.asdict(s).items()}
-    config["strategy"] = plan.strategy
-    config["peft"] = is_peft_model(model)  # a model with its own adapters (the recipe's [lora] table)
-    config["master_dtype"] = plan.master_dtype
-    config["state_dtype"] = _state_dtype(s.optimizer, plan.master_dtype)
+    config: dict[str, Any] = dataclasses.asdict(s) | {
+        "strategy": plan.strategy,
+        "peft": is_peft_model(model),  # a model with its own adapters (the recipe's [lora] table)
+        "master_dtype": plan.master_dtype,
+        "state_dtype": _state_dtype(s.optimizer, plan.master_dtype),
+    }
     notes = []
     limit = max_positions(model)
     if limit is not None and s.seq > limit:

@@ -197,8 +197,11 @@ def _as_a_real_step(cp: int = 1):
         yield
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]  # transformers registers ModelOutput
+def on_output_grad(output, fn) -> None:
+    """``fn`` runs on the gradient w.r.t. each tensor of ``output`` (transformers registers ModelOutput as a pytree)."""
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(fn)
 
 
 def step_model(
@@ -326,9 +329,7 @@ def record_step(
                 emit("pre_backward", index)
                 return grad
 
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(pre_backward)
+            on_output_grad(output, pre_backward)
             return None
 
         return pre, post
