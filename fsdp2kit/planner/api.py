@@ -128,13 +128,9 @@ def plan_shards(
     qlora: bool = False,
     lora_targets: str | tuple[str, ...] = "all-linear",
 ) -> ShardPlan:
-    """The `ShardPlan` of ``model`` as the run trains it, without a process group: `fsdp2kit.estimate_plan`
-    of the model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model).
-
-    What ``fsdp2kit plan`` prints without ``--batch/--seq`` and the recipe's ``--train.plan_only`` prints
-    beside the memory plan. With ``cp > 1`` FSDP shards over the ``shard x cp`` ranks together (the
-    context-parallel ranks share the parameter shards), so the plan is that of a ``shard * cp`` shard group.
-    """
+    """The `ShardPlan` of ``model`` as the run trains it, without a process group: `fsdp2kit.estimate_plan` of the
+    model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model), over a
+    ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r}: expected a positive int")
     check_lora(lora, qlora, lora_targets, tp)
