@@ -52,12 +52,8 @@ class UnitComm:
 
 @dataclass
 class CommPlan:
-    """Every FSDP collective of one optimizer step of ``micro_batches`` micro-batches under ``accumulation``.
-
-    ``units`` follow `ShardPlan.units` (children first). ``by_group()`` sums them as
-    ``{group: {kind: bytes}}`` and ``counts()`` as ``{group: {kind: calls}}``: the shape of
-    `fsdp2kit.count_collectives`'s ``by_group()`` / ``counts()``.
-    """
+    """Every FSDP collective of one optimizer step of ``micro_batches`` micro-batches under ``accumulation``;
+    ``units`` follow `ShardPlan.units`, ``by_group()`` / ``counts()`` sum them as `fsdp2kit.count_collectives`'s do."""
 
     units: list[UnitComm]
     accumulation: str
