@@ -212,11 +212,8 @@ def _expand(rec: Recording, block_names: list[str]) -> list[tuple]:
     ev = rec.events
     b0, b1, b2 = rec.blocks[-3:]  # the block before the representative, the representative, the last
 
-    def first(event: tuple) -> int:
-        return ev.index(event)
-
-    f1, f2 = first(("phase", f"forward {b1}")), first(("phase", f"forward {b2}"))
-    k1, k0 = first(("phase", f"backward {b1}")), first(("phase", f"backward {b0}"))
+    f1, f2 = ev.index(("phase", f"forward {b1}")), ev.index(("phase", f"forward {b2}"))
+    k1, k0 = ev.index(("phase", f"backward {b1}")), ev.index(("phase", f"backward {b0}"))
     middle = block_names[len(rec.blocks) - 2 : -1]
 
     def renamed(segment: list[tuple], name: str) -> list[tuple]:
@@ -265,7 +262,6 @@ def replay(
     after_blocks = 0
 
     def check(moments: list[Moment], rise: int = 0) -> None:
-        nonlocal backward
         for ex in moments:
             total = level + rise + ex.total
             if backward:
