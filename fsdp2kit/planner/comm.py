@@ -59,9 +59,8 @@ class CommPlan:
     accumulation: str
     micro_batches: int
     group_sizes: dict[str, int] = field(default_factory=dict)  # ranks in each group named by the collectives
-    # Bytes per rank the policy holds from one micro-batch to the next that "regather" does not: unsharded
-    # parameters (keep_gathered), unsharded gradients in the reduce dtype (no_sync: FSDP2 accumulates them
-    # there), each unit's sharded partial sum in the reduce dtype (defer_all_reduce). 0 for one micro-batch.
+    # Bytes per rank the policy holds from one micro-batch to the next that "regather" does not (what:
+    # docs/accumulation.md's table); 0 for one micro-batch.
     held_bytes: int = 0
 
     @property

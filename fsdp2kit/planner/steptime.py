@@ -218,9 +218,8 @@ def predict_step(
             return c.nbytes * 2 * wire * byte_s + 2 * lat
         return c.nbytes * wire * byte_s + lat
 
-    # Activations' collectives block the compute that needs their result: they lengthen the unit's compute.
-    # Recompute (in backward) repeats the forward ones but a block's last all-reduce: checkpoint stops once
-    # what backward needs exists, and the block's output is not among it.
+    # Activations' collectives lengthen their unit's compute; recompute repeats the forward ones but a block's
+    # last all-reduce (why: docs/step_time.md, item 8).
     act_bytes = act_s = 0.0
     for i, unit in enumerate(acts):
         last = max((k for k, a in enumerate(unit) if a[0] == "forward"), default=-1)
