@@ -378,14 +378,10 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 
 def _state_dtype(optimizer: str, master: str) -> str:
     """The optimizer state's dtype, as `optimizer_bytes` counts it."""
-    small = f"; tensors under 4096 elements: {master})"
-    return {
-        "adamw": master,
-        "adamw8bit": "int8 (fp32 scales" + small,
-        "adamw4bit": "4-bit (fp32 scales" + small,
-        "adamw_fp8": "float8_e4m3fn (fp32 scales" + small,
-        "adamw_bf16sr": master,
-    }.get(optimizer, "none")
+    low_bit = {"adamw8bit": "int8", "adamw4bit": "4-bit", "adamw_fp8": "float8_e4m3fn"}.get(optimizer)
+    if low_bit is not None:
+        return f"{low_bit} (fp32 scales; tensors under 4096 elements: {master})"
+    return master if optimizer in ("adamw", "adamw_bf16sr") else "none"
 
 
 def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None, cache: dict) -> nn.Module:
