@@ -118,14 +118,10 @@ def comm_of_plan(
         raise ValueError(f"micro_batches={micro_batches!r}: expected a positive int")
     fwd, bwd, n_rs, n_ar = _counts(accumulation, micro_batches)
     names = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
-    replicate_only = plan.strategy == "NO_SHARD"
-    shard = 1 if replicate_only else names.get("shard", 1)
-    replicate = names.get("replicate", 1)
-    if replicate_only:
-        # NO_SHARD: every data-parallel rank is a replica; FSDP2 all-reduces over the user's (1-D) mesh
-        replicate, ar_group = math.prod(s for n, s in names.items() if n != "tp"), "shard"
+    if plan.strategy == "NO_SHARD":  # every data-parallel rank is a replica; FSDP2 all-reduces over the 1-D mesh
+        shard, replicate, ar_group = 1, math.prod(s for n, s in names.items() if n != "tp"), "shard"
     else:
-        ar_group = "replicate"
+        shard, replicate, ar_group = names.get("shard", 1), names.get("replicate", 1), "replicate"
     if accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce") and replicate == 1:
         raise ValueError(f"accumulation={accumulation!r} defers the all-reduce across replicas: it needs HSDP")
     group_sizes = {"shard": shard} if shard > 1 else {}

@@ -266,12 +266,13 @@ def record_step(
 
     rec = Recording(blocks=kept_names, repeat=repeat)
     events = rec.events
-    live = LiveBytes(incremental=True)
     run = {"level": 0, "high": 0, "open": False}
 
     def on_op(now: int) -> None:
         run["high"] = max(run["high"], now)
         run["open"] = True
+
+    live = LiveBytes(on_op=on_op, incremental=True)
 
     def flush() -> None:
         if run["open"]:
@@ -283,7 +284,6 @@ def record_step(
         flush()
         events.append(event)
 
-    live.on_op = on_op
     state = {"backward": False}
     calls: dict[int, int] = {}
     unit_size = Counter(i for i, _, _ in unit_modules(unit_names, modules))
