@@ -5,8 +5,6 @@ The planner records and replays it like any other model, so a LoRA, QLoRA or TP 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 
@@ -39,11 +37,6 @@ def lora_model(
         return apply_lora(work, r=r, targets=list(targets) if isinstance(targets, tuple) else targets)
 
 
-def _gather_output(tp: int, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
-    return torch.cat([output] * tp, dim=-1)
-
-
 def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
     """A meta copy of ``model`` as one rank of ``apply_tensor_parallel(model, mesh, "auto")`` holds it: split
     parameters in their local shapes, the vocabulary-split head gathering its logits."""
@@ -55,5 +48,6 @@ def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
     head = get() if callable(get) else None
     original = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if isinstance(head, nn.Linear) and original is not None and id(original.weight) in shapes:
-        head.register_forward_hook(functools.partial(_gather_output, tp))
+        # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
+        head.register_forward_hook(lambda module, args, output: torch.cat([output] * tp, dim=-1))
     return work

@@ -19,7 +19,7 @@ from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
 from fsdp2kit.planner.held import micro_batch_units
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, rank_shards, units_for
-from fsdp2kit.planner.report import MemoryPlan
+from fsdp2kit.planner.report import PART_NAMES, MemoryPlan
 from fsdp2kit.planner.timeline import replay
 from fsdp2kit.planner.trace import record_step
 from fsdp2kit.precision import resolve_precision
@@ -27,7 +27,7 @@ from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
 
-__all__ = ["Settings", "check_cp_heads", "check_lora", "plan_memory", "plan_settings", "plan_shards"]
+__all__ = ["Settings", "check_cp_heads", "check_lora", "plan_memory", "plan_settings", "plan_shards", "trained_plan"]
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,9 @@ def plan_shards(
     qlora: bool = False,
     lora_targets: str | tuple[str, ...] = "all-linear",
 ) -> ShardPlan:
-    """The `ShardPlan` of ``model`` as the run trains it, without a process group: `fsdp2kit.estimate_plan`
-    of the model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model).
-
-    What ``fsdp2kit plan`` prints without ``--batch/--seq`` and the recipe's ``--train.plan_only`` prints
-    beside the memory plan. With ``cp > 1`` FSDP shards over the ``shard x cp`` ranks together (the
-    context-parallel ranks share the parameter shards), so the plan is that of a ``shard * cp`` shard group.
-    """
+    """The `ShardPlan` of ``model`` as the run trains it, without a process group: `fsdp2kit.estimate_plan` of the
+    model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model), over a
+    ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r}: expected a positive int")
     check_lora(lora, qlora, lora_targets, tp)
@@ -186,50 +182,30 @@ def plan_memory(
     nothing is changed). ``batch`` is the micro-batch per data-parallel rank, ``seq`` the tokens
     per sample (the whole sequence: with ``cp`` each rank holds ``seq / cp`` of them). The step is
     the recipe's: forward, logits upcast to fp32 for cross entropy, backward, optimizer step, with
-    the optimizer state present from the previous step.
-
-    How: one forward + backward runs on the meta device (shapes only) at the per-rank batch,
-    counting live storage bytes at every op, and the module hooks FSDP2 uses are recorded beside
-    them (`fsdp2kit.planner.trace`); FSDP2's all-gathers, reshards, gradient reduce-scatters and
-    their buffers are then replayed over that record for this mesh
-    (`fsdp2kit.planner.timeline`); parameters, gradients and optimizer state come from the
-    shard plan (`fsdp2kit.estimate_plan`). ``device="cuda"`` adds an allocator margin and uses
-    the ``foreach`` AdamW step (CUDA's default); ``device="cpu"`` gives live tensor bytes with
-    CPU's per-tensor step, the figure the CPU check measures (benchmarks/memory_planner_check.py).
+    the optimizer state present from the previous step. How: docs/memory_planner.md.
+    ``device="cuda"`` adds an allocator margin and uses the ``foreach`` AdamW step (CUDA's default);
+    ``device="cpu"`` gives live tensor bytes with CPU's per-tensor step (what the CPU check measures).
 
     Args:
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
-        tp: tensor-parallel degree: the model's own plan, as `fsdp2kit.apply_tensor_parallel`'s
-            ``"auto"``; the step is traced on one TP rank's slices (`fsdp2kit.planner.adapt`).
-        cp: context-parallel degree, as `fsdp2kit.make_mesh`'s ``cp`` with
-            `fsdp2kit.apply_context_parallel`'s ``"all_to_all"`` (Ulysses) style: parameters,
-            gradients and optimizer state are sharded over ``shard * cp`` ranks; the step is traced
-            at ``seq / cp`` tokens a rank, its attention over all ``seq`` tokens for ``heads / cp``
-            heads, with the all-to-all buffers of q, k, v and the output (docs/memory_planner.md).
-            ``cp`` must divide ``seq`` and the (KV) heads, as the library requires.
-        packed: rows hold several documents (positions restarting at 0): under ``cp`` the attention
-            gets a document mask, one ``seq x seq`` copy a row in the compute dtype, alive through the step.
-        activation_checkpointing: None, ``"full"``, ``"selective"`` or N (every N-th block), as
+        tp: tensor-parallel degree: the model's own plan, traced on one TP rank's slices.
+        cp: context-parallel degree, all-to-all style (`fsdp2kit.apply_context_parallel`): parameters,
+            gradients and optimizer state sharded over ``shard * cp`` ranks; ``cp`` divides ``seq`` and the heads.
+        packed: rows hold several documents: under ``cp`` the attention gets a document mask.
+        activation_checkpointing: None, ``"full"``, ``"selective"``, ``"op"`` or N, as
             `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
             checkpoints the model its own way (another trainer's policy), called on the planner's copy.
-        mixed_precision: None (parameters as built), ``"fp32"``, ``"bf16"``, ``"fp16"`` (fp32 master
-            weights whatever the model's dtype) or ``"pure_bf16"`` (bf16 weights, gradients and
-            state), as `fsdp2kit.shard_model` takes it; ``plan.config`` names the master and
+        mixed_precision: as `fsdp2kit.shard_model` takes it; ``plan.config`` names the master and
             optimizer-state dtypes that follow.
-        optimizer: a `make_optimizer` name (``"adamw"``, ``"adamw8bit"``, ``"adamw4bit"``,
-            ``"adamw_fp8"``, ``"adamw_bf16sr"``) or ``"sgd"`` (no momentum).
+        optimizer: a `make_optimizer` name or ``"sgd"`` (no momentum).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
-        optimizer_offload: only the optimizer state lives in host memory and its step runs there
-            (``make_optimizer(..., offload=True)``): the device peak leaves out the state and the
-            step's temporaries; ``host_bytes`` counts the state plus a host copy of the sharded
+        optimizer_offload: only the optimizer state and its step live on the host
+            (``make_optimizer(..., offload=True)``); ``host_bytes`` adds a host copy of the sharded
             parameters and gradients, which the host step reads and writes.
         prefetch: explicit prefetch depth (`fsdp2kit.set_prefetch`); 0 is FSDP2's implicit one.
-        lora, qlora, lora_targets: train rank-``lora`` peft adapters (fp32) on ``lora_targets``
-            (``"all-linear"``: every Linear but the head; or module names, as `fsdp2kit.apply_lora`
-            takes them), the base frozen in bf16 under bf16 compute and in fp32 otherwise (its block
-            Linears in NF4 with ``qlora``), as the recipe's ``[lora]`` table does; traced like full
-            training. A model that is already a peft model is planned as it is (leave these unset):
-            what the recipe does, so its memory plan and `shard_model`'s ShardPlan count one model.
+        lora, qlora, lora_targets: train rank-``lora`` peft adapters as the recipe's ``[lora]`` table does
+            (docs/memory_planner.md, "Tensor parallelism, LoRA, QLoRA"). A model that is already a peft
+            model is planned as it is (leave these unset).
         gpu_memory: bytes per device; the plan then says whether it fits and by how much.
         grad_accum, accumulation: micro-batches a step and the `fsdp2kit.accumulate` policy they run
             under; the peak adds what the policy holds between them (docs/accumulation.md, "Memory").
@@ -238,41 +214,19 @@ def plan_memory(
     """
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     lora_targets = "all-linear" if targets == ("all-linear",) else targets
-    settings = Settings(
-        shard=shard,
-        batch=batch,
-        seq=seq,
-        replicate=replicate,
-        tp=tp,
-        cp=cp,
-        packed=packed,
-        activation_checkpointing=activation_checkpointing,
-        mixed_precision=mixed_precision,
-        optimizer=optimizer,
-        cpu_offload=cpu_offload,
-        optimizer_offload=optimizer_offload,
-        prefetch=prefetch,
-        strategy=strategy,
-        device=device,
-        optimizer_impl=optimizer_impl,
-        lora=lora,
-        qlora=qlora,
-        lora_targets=lora_targets,
-        grad_accum=grad_accum,
-        accumulation=accumulation,
-    )
+    args = locals()  # every Settings field is an argument of the same name
+    settings = Settings(**{f.name: args[f.name] for f in dataclasses.fields(Settings)})
     plan = plan_settings(model, settings, cache={})
     plan.gpu_memory = gpu_memory
     plan.config["model"] = name or type(model).__name__
     return plan
 
 
-def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
-    """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
+def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module, ShardPlan]:
+    """``model`` as the run trains it (`_as_trained`) and its `ShardPlan`, for checked settings ``s``."""
     s.check()
     prec = resolve_precision(s.mixed_precision)
-    compute = prec.compute_dtype
-    model = _as_trained(model, s, compute, cache)
+    model = _as_trained(model, s, prec.compute_dtype, cache)
     check_cp_heads(model, s.cp, s.tp)
     plan = estimate_plan(
         model,
@@ -282,6 +236,14 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         mixed_precision=prec,
         cpu_offload=s.cpu_offload,
     )
+    return model, plan
+
+
+def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
+    """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
+    model, plan = trained_plan(model, s, cache)
+    prec = plan.precision
+    compute = prec.compute_dtype
     shard_size = plan.mesh_shape[-1]
     unit_names = [list(u.modules) for u in plan.units]
     names_of = {id(m): n for n, m in model.named_modules()}
@@ -297,7 +259,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             activation_checkpointing=s.activation_checkpointing,
             cp=s.cp,
         )
-    units = [u for _, u in units_for(model, plan)]
+    units = units_for(model, plan)
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
     position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
     final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))
@@ -349,16 +311,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     dtype = compute or next(model.parameters()).dtype
     mask = s.batch * s.seq**2 * dtype.itemsize if s.packed and s.cp > 1 else 0
     pp["activations"] += mask
-    step_parts = {
-        "params": params,
-        "gathered": pp["gathered"],
-        "comm_buffers": pp["comm_buffers"],
-        "unsharded_grads": pp["unsharded_grads"],
-        "grads": pp["grads"],
-        "optimizer": opt.state,
-        "activations": pp["activations"],
-        "temporaries": pp["temporaries"],
-    }
+    step_parts = {k: pp.get(k, 0) for k in PART_NAMES if k != "margin"} | {"params": params, "optimizer": opt.state}
     opt_parts = dict.fromkeys(step_parts, 0)
     opt_parts.update(params=params, grads=grads, optimizer=opt.state, temporaries=opt.temporaries)
     host = 0
@@ -381,11 +334,12 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     margin = margin_bytes(live, s.device)
     parts = {**parts, "margin": margin}
     state = step_parts["params"] + step_parts["optimizer"]
-    config: dict[str, Any] = {k: v for k, v in dataclasses.asdict(s).items()}
-    config["strategy"] = plan.strategy
-    config["peft"] = is_peft_model(model)  # a model with its own adapters (the recipe's [lora] table)
-    config["master_dtype"] = plan.master_dtype
-    config["state_dtype"] = _state_dtype(s.optimizer, plan.master_dtype)
+    config: dict[str, Any] = dataclasses.asdict(s) | {
+        "strategy": plan.strategy,
+        "peft": is_peft_model(model),  # a model with its own adapters (the recipe's [lora] table)
+        "master_dtype": plan.master_dtype,
+        "state_dtype": _state_dtype(s.optimizer, plan.master_dtype),
+    }
     notes = []
     limit = max_positions(model)
     if limit is not None and s.seq > limit:
@@ -424,14 +378,10 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 
 def _state_dtype(optimizer: str, master: str) -> str:
     """The optimizer state's dtype, as `optimizer_bytes` counts it."""
-    small = f"; tensors under 4096 elements: {master})"
-    return {
-        "adamw": master,
-        "adamw8bit": "int8 (fp32 scales" + small,
-        "adamw4bit": "4-bit (fp32 scales" + small,
-        "adamw_fp8": "float8_e4m3fn (fp32 scales" + small,
-        "adamw_bf16sr": master,
-    }.get(optimizer, "none")
+    low_bit = {"adamw8bit": "int8", "adamw4bit": "4-bit", "adamw_fp8": "float8_e4m3fn"}.get(optimizer)
+    if low_bit is not None:
+        return f"{low_bit} (fp32 scales; tensors under 4096 elements: {master})"
+    return master if optimizer in ("adamw", "adamw_bf16sr") else "none"
 
 
 def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None, cache: dict) -> nn.Module:

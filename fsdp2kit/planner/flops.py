@@ -1,9 +1,5 @@
-"""Matmul FLOPs of one training step, per FSDP unit: forward, backward, and activation checkpointing's recompute.
-
-The memory trace's meta step (`fsdp2kit.planner.trace`) runs under a dispatch mode that counts every matmul
-(torch's formulas, MoE experts' grouped_mm; a causal mask is not halved, as published MFU figures count). A
-checkpointed block's recompute is counted where torch runs it, so selective policies count only what they redo.
-"""
+"""Matmul FLOPs of one training step, per FSDP unit: forward, backward, and activation checkpointing's recompute
+(what is counted and how: docs/step_time.md, "The model")."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2kit.blocks import find_blocks
-from fsdp2kit.planner.trace import _as_a_real_step, _tensors, step_model, unit_modules
+from fsdp2kit.planner.trace import _as_a_real_step, on_output_grad, step_model, unit_modules
 
 __all__ = ["UnitFlops", "count_flops"]
 
@@ -58,14 +54,6 @@ class UnitFlops:
         return self.forward + self.backward - self.recompute
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
-    """MoE experts' grouped matmul: each group's rows multiply their own weight, so the inner dimension is
-    shared out among the groups when both operands are 2-D (a weight gradient) and whole otherwise."""
-    if a.dim() == 2 and b.dim() == 2:
-        return 2.0 * out[0].numel() * a.shape[-1]
-    return 2.0 * out.numel() * a.shape[-1]
-
-
 class _Count(TorchDispatchMode):
     def __init__(self, sink) -> None:
         super().__init__()
@@ -81,8 +69,9 @@ class _Count(TorchDispatchMode):
             self.sink(2.0 * _attention(*args[1:4]))
         elif packet in flop_registry:  # torch's formulas: matmuls, float8's _scaled_mm
             self.sink(float(flop_registry[packet](*args, **kwargs, out_val=out)))
-        elif packet is aten._grouped_mm:
-            self.sink(_grouped_mm(args[0], args[1], out))
+        elif packet is aten._grouped_mm:  # MoE experts: with two 2-D operands (a weight gradient) the groups
+            a, b = args[:2]  # share out the inner dimension; otherwise each group's rows use it whole
+            self.sink(2.0 * (out[0] if a.dim() == 2 and b.dim() == 2 else out).numel() * a.shape[-1])
         elif func.name() == "transformers::grouped_mm_fallback":  # what the planner runs for non-bf16 experts
             self.sink(2.0 * out.numel() * args[0].shape[-1])
         elif func.name() == "transformers::grouped_mm_fallback_backward":  # (input, weight, offs, grad_output)
@@ -136,9 +125,7 @@ def count_flops(
                 state["current"] = index
                 return grad
 
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(on_grad)
+            on_output_grad(output, on_grad)
             return None
 
         return pre, post

@@ -1,11 +1,6 @@
-"""GPU presets for the step-time model: peak FLOP/s, memory, and the bandwidth of each link a collective crosses.
-
-Every figure is a vendor datasheet's (named beside it; memory is the total CUDA sees, as nvidia-smi reports
-it, where we know it, a little under the datasheet's) except ``efficiency``, the one fitted number:
-the fraction of the dense bf16 peak that a training step's matmuls reach, taken from ONE published
-measurement named beside it (docs/step_time.md). A preset is overridden field by field from a TOML
-file (``--gpu my.toml``) or command-line flags.
-"""
+"""GPU presets for the step-time model: vendor datasheets' peaks, memory and link bandwidths, and ``efficiency``,
+the one fitted number, from one published measurement each (sources: docs/step_time.md, "Presets and their
+sources"). A preset is overridden field by field from a TOML file (``--gpu my.toml``) or command-line flags."""
 
 from __future__ import annotations
 
@@ -51,12 +46,8 @@ class Hardware:
             raise ValueError(f"gpu {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1]")
 
 
-# The fitted factor (see docs/step_time.md and benchmarks/steptime_published.py, which recomputes it):
-# H100: torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1, "FSDP" row: Llama 3.1 8B on 8 H100,
-# local batch 2, seq 8192, selective AC, no compile: 5,762 tokens/s per GPU.
-# A100: torchtitan docs/performance.md, Llama 3 8B on 64 A100 80GB, batch 1, selective op AC: 2,973 tokens/s/GPU.
-# Both with torchtitan's op-level selective AC reproduced (it recomputes every other matmul: that work is counted).
-# H200 and B200 have no published bf16 FSDP measurement we could find: they borrow H100's factor (said in docs).
+# The fitted factors, each from one published torchtitan run (which, and how: docs/step_time.md, "Calibration";
+# benchmarks/steptime_published.py --calibrate recomputes them). H200 and B200 borrow H100's.
 _H100_EFF = 0.3704
 _A100_EFF = 0.6100
 

@@ -60,8 +60,7 @@ class LiveBytes(TorchDispatchMode):
     def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count tensors that exist already (parameters, optimizer state) from now on."""
         for t in tensors:
-            if t is not None:
-                self._track(t)
+            self._track(t)
         self.update()
 
     def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -69,20 +68,17 @@ class LiveBytes(TorchDispatchMode):
         for t in tensors:
             self._ignored.update(id(st) for st in tensor_storages(t))
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor | None) -> None:
         for st in tensor_storages(t):
-            self._track_storage(st)
-
-    def _track_storage(self, st: torch.UntypedStorage) -> None:
-        key = id(st)
-        if key in self._storages or key in self._ignored:
-            return
-        if self.incremental:
-            n = st.nbytes()
-            self.live += n
-            self._storages[key] = weakref.ref(st, lambda _, key=key, n=n: self._drop(key, n))
-        else:
-            self._storages[key] = weakref.ref(st, lambda _, key=key: self._storages.pop(key, None))
+            key = id(st)
+            if key in self._storages or key in self._ignored:
+                continue
+            if self.incremental:
+                n = st.nbytes()
+                self.live += n
+                self._storages[key] = weakref.ref(st, lambda _, key=key, n=n: self._drop(key, n))
+            else:
+                self._storages[key] = weakref.ref(st, lambda _, key=key: self._storages.pop(key, None))
 
     def _drop(self, key: int, n: int) -> None:
         self._storages.pop(key, None)

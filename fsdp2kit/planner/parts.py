@@ -1,8 +1,5 @@
-"""The analytic parts of a rank's memory: FSDP units' bytes, optimizer state and temporaries, allocator margin.
-
-Everything here is arithmetic on parameter shapes and dtypes, mirroring what the libraries
-allocate (each rule names the code it follows); `trace.py` measures the rest.
-"""
+"""The analytic parts of a rank's memory: FSDP units' bytes, optimizer state and temporaries, allocator margin:
+arithmetic on parameter shapes and dtypes, each rule naming the code it follows (`trace.py` measures the rest)."""
 
 from __future__ import annotations
 
@@ -23,10 +20,8 @@ __all__ = ["OPTIMIZERS", "OptimizerBytes", "margin_bytes", "optimizer_bytes", "r
 # make_optimizer's names (fsdp2kit/optim.py, whose state_bytes follows torchao's allocation), and sgd.
 OPTIMIZERS = (*MAKE_OPTIMIZER_NAMES, "sgd")
 
-# Bytes torchao's compiled step (one parameter at a time) allocates per element of a quantized shard,
-# beyond its two new fp32 scales a block: 8-bit two fp32 copies, 4-bit six and its unpacked codes,
-# FP8 none; an unquantized state, and adamw_bf16sr, none (inductor fuses their step into one loop).
-# Measured with inductor's CPU kernels, torchao 0.18: benchmarks/results/optim_step.md.
+# Bytes torchao's compiled step allocates per element of a quantized shard, beyond its two new fp32 scales a
+# block (measured: docs/optimizers.md, "Step temporaries").
 _STEP_PER_ELEMENT = {"adamw8bit": 8, "adamw4bit": 26, "adamw_fp8": 0}
 
 
@@ -74,7 +69,12 @@ def _is_lookup(model: nn.Module, names: list[str]) -> bool:
         return False
 
 
-def units_for(model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None = None) -> list[tuple[list[str], Unit]]:
+def compute_dtype(p: torch.Tensor, precision) -> torch.dtype:
+    """What FSDP2 gathers and computes ``p`` in: the policy's ``param_dtype`` if floating, else its master dtype."""
+    return (precision.policy.param_dtype if p.is_floating_point() else None) or precision.master(p)
+
+
+def units_for(model: nn.Module, plan: ShardPlan) -> list[Unit]:
     """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group),
     in the plan's precision: gathered and unsharded gradients in the compute dtype, the reduce-scatter
     in the reduce dtype, sharded gradients in the master dtype."""
@@ -84,29 +84,25 @@ def units_for(model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None =
     for (names, params), up in zip(unit_params(model, plan), plan.units):
         gathered = grads = rs_in = rs_out = sharded = 0
         for p in params:
-            master = precision.master(p)
-            cdt = (precision.policy.param_dtype if p.is_floating_point() else None) or master
+            cdt = compute_dtype(p, precision)
             padded = _padded(p.shape, shard)
             gathered += _gathered_bytes(p, shard, cdt)
-            if p.requires_grad if trainable is None else id(p) in trainable:
+            if p.requires_grad:
                 rdt = precision.policy.reduce_dtype or cdt
                 grads += p.numel() * cdt.itemsize
                 rs_in += padded * rdt.itemsize
                 rs_out += padded // shard * rdt.itemsize
-                sharded += padded // shard * master.itemsize
+                sharded += padded // shard * precision.master(p).itemsize
         out.append(
-            (
-                names,
-                Unit(
-                    name=up.name,
-                    gathered=gathered,
-                    unsharded_grads=grads,
-                    reduce_input=rs_in,
-                    reduce_output=rs_out,
-                    sharded_grads=sharded,
-                    reshard_after_forward=up.reshard_after_forward is not False,
-                    gather_in_backward=not _is_lookup(model, names),
-                ),
+            Unit(
+                name=up.name,
+                gathered=gathered,
+                unsharded_grads=grads,
+                reduce_input=rs_in,
+                reduce_output=rs_out,
+                sharded_grads=sharded,
+                reshard_after_forward=up.reshard_after_forward is not False,
+                gather_in_backward=not _is_lookup(model, names),
             )
         )
     return out
@@ -125,8 +121,7 @@ def rank_shards(model: nn.Module, shard: int, precision) -> list[tuple[int, torc
     for p in model.parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            rows = math.ceil(p.shape[0] / shard) if p.dim() else 1
-            out.append((rows * math.prod(p.shape[1:]), precision.master(p), tuple(p.shape)))
+            out.append((_padded(p.shape, shard) // shard, precision.master(p), tuple(p.shape)))
     return out
 
 
@@ -140,10 +135,8 @@ def optimizer_bytes(
       the whole parameter group at once (one state-sized list); the ``for-loop`` path (CPU's
       default) makes two single-parameter temporaries (sqrt, then the division), while the
       previous parameter's ``denom`` is still held; ``fused`` none.
-    - ``adamw8bit``, ``adamw4bit``, ``adamw_fp8`` (torchao): codes, a scale a block and a code
-      table for each of the two states (`state_bytes`, quantized as `make_optimizer` decides, from
-      the global shape); ``adamw_bf16sr`` (torchao _AdamW): a pair like the (bf16) parameter.
-      Temporaries: the largest parameter's step (``_STEP_PER_ELEMENT``).
+    - torchao's: `state_bytes` of each shard, as `make_optimizer` quantizes it; temporaries: the
+      largest parameter's step (``_STEP_PER_ELEMENT``).
     - ``sgd``: torch's default (no momentum): no state, in-place update.
     """
     if optimizer not in OPTIMIZERS:
@@ -155,9 +148,7 @@ def optimizer_bytes(
     if optimizer == "adamw":
         sizes = [n * dt.itemsize for n, dt, _ in shards]
         loop = max(2 * b + a for a, b in zip([0, *sizes], sizes))
-        temp = {"foreach": sum(sizes), "for-loop": loop, "fused": 0}[implementation]
-        state = 2 * sum(sizes)
-        return OptimizerBytes(state, temp)
+        return OptimizerBytes(2 * sum(sizes), {"foreach": sum(sizes), "for-loop": loop, "fused": 0}[implementation])
     state = sum(state_bytes(n, dt, optimizer, shape) for n, dt, shape in shards)
     blocks = [(n, state_block(optimizer, shape)) for n, _, shape in shards]
     temp = max((_STEP_PER_ELEMENT[optimizer] * n + 8 * (n // b) for n, b in blocks if b), default=0)
@@ -165,15 +156,8 @@ def optimizer_bytes(
 
 
 def margin_bytes(peak: int, device: str) -> int:
-    """What a device's allocator holds beyond live tensors at the peak.
-
-    CPU: nothing (the planner's figure is live tensor bytes, what the CPU check measures).
-    CUDA: the caching allocator rounds every block up (to 512 B, large ones to 2 MiB segments) and
-    cannot always reuse freed blocks of the wrong size, so ``max_memory_reserved`` (what OOMs and
-    what trainers report) exceeds ``max_memory_allocated``. We add 5% of the peak plus 0.5 GiB
-    (NCCL's and cuBLAS's workspaces, which are not tensors); see docs/memory_planner.md for the
-    published runs this was checked against.
-    """
+    """What a device's allocator holds beyond live tensors at the peak: nothing on CPU (live tensor bytes, what the
+    CPU check measures); on CUDA 5% of the peak plus 0.5 GiB (why: docs/memory_planner.md, "The allocator margin")."""
     if device == "cpu":
         return 0
     return int(0.05 * peak) + (1 << 29)

@@ -113,11 +113,8 @@ class MemoryPlan:
         rows.append(("peak", fmt_bytes(self.peak_bytes), f"per rank, in {self.phase}"))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
-        lines = [head]
-        for i, (a, b, d) in enumerate(rows):
-            if i == len(rows) - 1:
-                lines.append("-" * (w0 + w1 + 4))
-            lines.append(f"{a.ljust(w0)}  {b.rjust(w1)}  {d}")
+        lines = [head, *(f"{a.ljust(w0)}  {b.rjust(w1)}  {d}" for a, b, d in rows)]
+        lines.insert(-1, "-" * (w0 + w1 + 4))  # above the peak
         lines.append(
             f"forward peak {fmt_bytes(self.forward_peak)}, backward peak {fmt_bytes(self.backward_peak)}, "
             f"optimizer step {fmt_bytes(self.optimizer_peak)}; activations saved at the end of forward "

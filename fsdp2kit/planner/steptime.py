@@ -1,13 +1,5 @@
-"""Step time, predicted: each unit's matmul time against its collectives, under FSDP2's overlap rules.
-
-How it works and why: docs/step_time.md. In short: a unit computes for its FLOPs / (peak x efficiency);
-a collective takes its bytes on the wire / the bandwidth of the link its group crosses, plus a latency a
-ring step; one compute stream and one communication queue (all-gathers, reduce-scatters and HSDP
-all-reduces share the link) run as FSDP2 orders them: the all-gather of the unit ``prefetch`` ahead is
-issued when a unit starts computing, a unit computes once its own all-gather is done, a unit's
-reduce-scatter (then its all-reduce across replicas) is issued when its backward ends. So the first
-all-gather and the last reduce-scatter are exposed, and the rest hides under compute while compute is longer.
-"""
+"""Step time, predicted: each unit's matmul time against its collectives, under FSDP2's overlap rules
+(how and why: docs/step_time.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +10,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp2kit.planner.comm import Collective, CommPlan, comm_of_plan
+from fsdp2kit.planner.comm import Collective, comm_of_plan
 from fsdp2kit.planner.flops import UnitFlops, count_flops
 from fsdp2kit.planner.hardware import Hardware
 
@@ -101,22 +93,6 @@ def default_nodes(settings, hardware: Hardware) -> int:
     return nodes
 
 
-def link_seconds(hw: Hardware, *, group: int, per_node_in_group: int, per_node: int) -> tuple[float, float]:
-    """(seconds a byte on the wire, latency of one collective) for a ring over ``group`` ranks that has
-    ``per_node_in_group`` of its ranks on each of its nodes, on nodes of ``per_node`` GPUs.
-
-    Within a node: NVLink. Across nodes: NCCL runs one ring a NIC, so one collective gets the whole node's
-    network, shared by the groups that run at once on that node (``per_node / per_node_in_group`` of them:
-    the tp groups of a 2-D mesh's shard dimension, the replica groups of each local rank under HSDP)."""
-    if group <= 1:
-        return 0.0, 0.0
-    if group <= per_node_in_group:
-        return 1.0 / hw.nvlink_bytes_per_s, hw.latency_s * (group - 1)
-    concurrent = max(1, per_node // per_node_in_group)
-    bw = min(hw.nvlink_bytes_per_s, hw.network_bytes_per_s / concurrent)
-    return 1.0 / bw, hw.latency_s * (group - 1)
-
-
 def simulate(
     order: list[int],
     root: int,
@@ -173,13 +149,11 @@ def predict_step(
     ``grad_accum`` micro-batches a step, communicating as ``accumulation``, else ``settings.accumulation``, says)
     on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x cp x tp, split evenly over them).
     The collective bytes are `fsdp2kit.planner.comm`'s, the ones `fsdp2kit.count_collectives` measures."""
-    from fsdp2kit.planner.api import _as_trained, plan_settings
-    from fsdp2kit.precision import resolve_precision
-    from fsdp2kit.shard import estimate_plan
+    from fsdp2kit.planner.api import plan_settings, trained_plan
 
     cache = {} if cache is None else cache
-    s = settings
-    s.check()
+    s, hw = settings, hardware
+    trained, plan = trained_plan(model, s, cache)
     cp = s.cp  # context parallelism: FSDP shards over shard x cp, each rank holds seq / cp tokens
     world = s.replicate * s.shard * cp * s.tp
     if nodes < 1 or world % nodes:
@@ -187,18 +161,14 @@ def predict_step(
             f"nodes={nodes}: the world of {world} GPUs (replicate x shard x cp x tp) must split evenly over it"
         )
     per_node = world // nodes
-    if per_node > hardware.gpus_per_node:
+    if per_node > hw.gpus_per_node:
         raise ValueError(
-            f"{world} GPUs on {nodes} node(s) is {per_node} a node, more than {hardware.name}'s "
-            f"{hardware.gpus_per_node}: give --nodes {math.ceil(world / hardware.gpus_per_node)} or more"
+            f"{world} GPUs on {nodes} node(s) is {per_node} a node, more than {hw.name}'s "
+            f"{hw.gpus_per_node}: give --nodes {math.ceil(world / hw.gpus_per_node)} or more"
         )
     if price_per_gpu_hour < 0:
         raise ValueError(f"price_per_gpu_hour={price_per_gpu_hour!r}: expected >= 0")
-    compute = resolve_precision(s.mixed_precision).compute_dtype
-    trained = _as_trained(model, s, compute, cache)
-    plan = estimate_plan(
-        trained, shard=s.shard * cp, replicate=s.replicate, strategy=s.strategy, mixed_precision=s.mixed_precision
-    )
+    compute = plan.precision.compute_dtype
     unit_names = [list(u.modules) for u in plan.units]
     key = ("flops", id(trained), s.batch, s.seq, s.activation_checkpointing, compute)
     if key not in cache:
@@ -218,19 +188,94 @@ def predict_step(
     comm = comm_of_plan(trained, plan, micro_batches=s.grad_accum, accumulation=accumulation or s.accumulation)
     itemsize = (compute or next(model.parameters()).dtype).itemsize
     acts = activation_collectives(model, unit_names, s, itemsize)
-    host = [(u.bytes_per_rank, u.trainable_bytes_per_rank) for u in plan.units] if s.cpu_offload else None
-    return _predict(
-        hardware,
-        flops,
-        order,
-        comm,
-        memory_plan or plan_settings(model, s, cache),
-        s,
+    memory_plan = memory_plan or plan_settings(model, s, cache)
+
+    rate = hw.bf16_flops * hw.efficiency
+    fwd = [f.forward / rate for f in flops]
+    bwd = [f.backward / rate for f in flops]
+    compute_s = comm.micro_batches * (sum(fwd) + sum(bwd))
+    block = s.shard * cp * s.tp
+    sizes = {**comm.group_sizes, "tp": s.tp, "cp": cp}
+
+    def seconds(c: Collective) -> float:
+        """A ring collective's time: the bytes a rank puts on the wire over its group's link, + a latency a step."""
+        n = sizes.get(c.group, 1)
+        if n <= 1:
+            return 0.0
+        # The group's ranks on one node: the mesh is (replicate, shard, cp, tp), tp innermost, so "shard",
+        # "shard/K" (a reshard-to-K gather), NO_SHARD's "shard" and "cp" ranks are tp apart.
+        if c.group == "replicate":
+            in_node = max(1, min(n, per_node // block))
+        else:
+            in_node = min(n, per_node) if c.group == "tp" else min(n, max(1, per_node // s.tp))
+        # Within a node NVLink; across nodes (NCCL: a ring a NIC) the node's network, shared by the groups
+        # that run at once on it (a 2-D mesh's tp groups, HSDP's replica groups of each local rank).
+        bw = hw.nvlink_bytes_per_s
+        if n > in_node:
+            bw = min(bw, hw.network_bytes_per_s / max(1, per_node // in_node))
+        byte_s, lat, wire = 1.0 / bw, hw.latency_s * (n - 1), (n - 1) / n
+        if c.kind == "all_reduce":  # ring: a reduce-scatter then an all-gather
+            return c.nbytes * 2 * wire * byte_s + 2 * lat
+        return c.nbytes * wire * byte_s + lat
+
+    # Activations' collectives lengthen their unit's compute; recompute repeats the forward ones but a block's
+    # last all-reduce (why: docs/step_time.md, item 8).
+    act_bytes = act_s = 0.0
+    for i, unit in enumerate(acts):
+        last = max((k for k, a in enumerate(unit) if a[0] == "forward"), default=-1)
+        for k, (phase, kind, group, nbytes) in enumerate(unit):
+            t = seconds(Collective(kind, group, nbytes, "", 1, phase))
+            n = 1 + (phase == "forward" and flops[i].recompute > 0 and not (k == last and kind == "all_reduce"))
+            (fwd if phase == "forward" else bwd)[i] += t
+            bwd[i] += (n - 1) * t
+            act_bytes += n * nbytes
+            act_s += n * t
+
+    # With cpu_offload each all-gather first copies the unit's shards to the GPU, each reduction copies its
+    # gradient shards back, on the same queue.
+    host = [(u.bytes_per_rank, u.trainable_bytes_per_rank) if s.cpu_offload else (0, 0) for u in plan.units]
+    m = comm.micro_batches
+    end_all = 0.0
+    for micro in range(m):
+        ag, ag_bwd, after = ([0.0] * len(flops) for _ in range(3))
+        for i, unit in enumerate(comm.units):
+            for c in unit.collectives:
+                # A collective issued k times in m micro-batches: every one (k == m), or the first (a gather
+                # kept across micro-batches) or the last (a reduction deferred to the end of accumulation).
+                gather = c.kind == "all_gather"
+                if not (c.count == m or (gather and micro == 0) or (not gather and micro == m - 1)):
+                    continue
+                h2d, d2h = host[i]
+                if c.kind == "all_gather":
+                    (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c) + h2d / hw.host_bytes_per_s
+                else:
+                    after[i] += seconds(c) + (d2h / hw.host_bytes_per_s if c.kind == "reduce_scatter" else 0.0)
+        _, end = simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)
+        end_all += end
+    # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
+    opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
+    optimizer_s = 0.0 if s.cpu_offload else opt_bytes / hw.hbm_bytes_per_s
+    if s.optimizer_offload:  # each trainable parameter and its gradient to the host, the updated parameter back
+        moved = 2 * memory_plan.trainable_param_bytes + memory_plan.grad_bytes
+        optimizer_s = moved / hw.host_bytes_per_s
+    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
+    notes = []
+    if s.cpu_offload or s.optimizer_offload:
+        notes.append("offload: host transfers modelled, the CPU optimizer step not: a lower bound")
+    return StepTime(
+        hardware=hw,
         nodes=nodes,
-        per_node=per_node,
-        price=price_per_gpu_hour,
-        acts=acts,
-        host=host,
+        world=world,
+        tokens_per_step_per_gpu=m * s.batch * s.seq / (s.tp * cp),
+        compute_s=compute_s,
+        exposed_comm_s=end_all - compute_s,
+        optimizer_s=optimizer_s,
+        step_s=end_all + optimizer_s,
+        model_flops=m * sum(f.model for f in flops),
+        comm_bytes=comm.bytes_per_step + int(m * act_bytes),
+        comm_s=comm_s,
+        price_per_gpu_hour=price_per_gpu_hour,
+        notes=notes,
     )
 
 
@@ -269,107 +314,3 @@ def activation_collectives(model: nn.Module, unit_names: list[list[str]], s, ite
                 nbytes = tokens * width // s.tp * dim * itemsize
                 unit_of(name).extend([(phase, "all_to_all", "cp", nbytes) for phase in ("forward", "backward")])
     return out
-
-
-def _predict(
-    hw: Hardware,
-    flops: list[UnitFlops],
-    order: list[int],
-    comm: CommPlan,
-    memory_plan,
-    s,
-    *,
-    nodes: int,
-    per_node: int,
-    price: float,
-    acts: list[list[tuple]] | None = None,
-    host: list[tuple[int, int]] | None = None,
-) -> StepTime:
-    rate = hw.bf16_flops * hw.efficiency
-    fwd = [f.forward / rate for f in flops]
-    bwd = [f.backward / rate for f in flops]
-    compute_s = comm.micro_batches * (sum(fwd) + sum(bwd))
-    # Mesh (replicate, shard, tp), tp innermost: a shard group is ``shard`` ranks ``tp`` apart, so it has
-    # min(shard, per_node / tp) ranks on a node; a replica group's ranks are shard x tp apart.
-    cp = s.cp
-    block = s.shard * cp * s.tp
-
-    sizes = {**comm.group_sizes, "tp": s.tp, "cp": cp}
-
-    def link(group: str) -> tuple[float, float, float]:
-        """(seconds a byte on the wire, latency, wire bytes a buffer byte) of a collective over ``group``."""
-        n = sizes.get(group, 1)
-        # "shard", "shard/K" (a reshard-to-K gather: K consecutive shard ranks), NO_SHARD's "shard" and "cp" are
-        # tp apart; "tp" is innermost
-        if group == "replicate":
-            in_node = max(1, min(n, per_node // block))
-        else:
-            in_node = min(n, per_node) if group == "tp" else min(n, max(1, per_node // s.tp))
-        byte_s, lat = link_seconds(hw, group=n, per_node_in_group=in_node, per_node=per_node)
-        return byte_s, lat, (n - 1) / n if n > 1 else 0.0
-
-    def seconds(c) -> float:
-        byte_s, lat, wire = link(c.group)
-        if c.kind == "all_reduce":  # ring: a reduce-scatter then an all-gather
-            return c.nbytes * 2 * wire * byte_s + 2 * lat
-        return c.nbytes * wire * byte_s + lat
-
-    # Activations' collectives block the compute that needs their result: they lengthen the unit's compute.
-    # Recompute (in backward) repeats the forward ones but a block's last all-reduce: checkpoint stops once
-    # what backward needs exists, and the block's output is not among it.
-    act_bytes = act_s = 0.0
-    for i, unit in enumerate(acts or []):
-        last = max((k for k, a in enumerate(unit) if a[0] == "forward"), default=-1)
-        for k, (phase, kind, group, nbytes) in enumerate(unit):
-            t = seconds(Collective(kind, group, nbytes, "", 1, phase))
-            n = 1 + (phase == "forward" and flops[i].recompute > 0 and not (k == last and kind == "all_reduce"))
-            (fwd if phase == "forward" else bwd)[i] += t
-            bwd[i] += (n - 1) * t
-            act_bytes += n * nbytes
-            act_s += n * t
-
-    m = comm.micro_batches
-    end_all = 0.0
-    for micro in range(m):
-        ag, ag_bwd, after = ([0.0] * len(flops) for _ in range(3))
-        for i, unit in enumerate(comm.units):
-            for c in unit.collectives:
-                # A collective issued k times in m micro-batches: every one (k == m), or the first (a gather
-                # kept across micro-batches) or the last (a reduction deferred to the end of accumulation).
-                gather = c.kind == "all_gather"
-                if not (c.count == m or (gather and micro == 0) or (not gather and micro == m - 1)):
-                    continue
-                # With cpu_offload each all-gather first copies the unit's shards to the GPU, each reduction
-                # copies its gradient shards back, on the same queue.
-                h2d, d2h = host[i] if host else (0, 0)
-                if c.kind == "all_gather":
-                    (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c) + h2d / hw.host_bytes_per_s
-                else:
-                    after[i] += seconds(c) + (d2h / hw.host_bytes_per_s if c.kind == "reduce_scatter" else 0.0)
-        _, end = simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)
-        end_all += end
-    # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
-    opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
-    optimizer_s = 0.0 if s.cpu_offload else opt_bytes / hw.hbm_bytes_per_s
-    if s.optimizer_offload:  # each trainable parameter and its gradient to the host, the updated parameter back
-        moved = 2 * memory_plan.trainable_param_bytes + memory_plan.grad_bytes
-        optimizer_s = moved / hw.host_bytes_per_s
-    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
-    notes = []
-    if s.cpu_offload or s.optimizer_offload:
-        notes.append("offload: host transfers modelled, the CPU optimizer step not: a lower bound")
-    return StepTime(
-        hardware=hw,
-        nodes=nodes,
-        world=s.replicate * s.shard * cp * s.tp,
-        tokens_per_step_per_gpu=m * s.batch * s.seq / (s.tp * cp),
-        compute_s=compute_s,
-        exposed_comm_s=end_all - compute_s,
-        optimizer_s=optimizer_s,
-        step_s=end_all + optimizer_s,
-        model_flops=m * sum(f.model for f in flops),
-        comm_bytes=comm.bytes_per_step + int(m * act_bytes),
-        comm_s=comm_s,
-        price_per_gpu_hour=price,
-        notes=notes,
-    )

@@ -146,11 +146,12 @@ class FsdpTimeline:
                     self._start_gather(prev)
         return moments
 
-    def grad(self, index: int, nbytes: int) -> None:
+    def grad(self, index: int, nbytes: int) -> list[Moment]:
         u = self.units[index]
         if not u.backward_done:  # a straggler after the reduce-scatter is reduced at the end: ignored
             u.grads_live += nbytes
             self.grads_unsharded += nbytes
+        return [self.extra()]
 
     def post_backward(self, index: int) -> list[Moment]:
         """Reshard, reduce-scatter; returns its transient moments."""
@@ -211,11 +212,8 @@ def _expand(rec: Recording, block_names: list[str]) -> list[tuple]:
     ev = rec.events
     b0, b1, b2 = rec.blocks[-3:]  # the block before the representative, the representative, the last
 
-    def first(event: tuple) -> int:
-        return ev.index(event)
-
-    f1, f2 = first(("phase", f"forward {b1}")), first(("phase", f"forward {b2}"))
-    k1, k0 = first(("phase", f"backward {b1}")), first(("phase", f"backward {b0}"))
+    f1, f2 = ev.index(("phase", f"forward {b1}")), ev.index(("phase", f"forward {b2}"))
+    k1, k0 = ev.index(("phase", f"backward {b1}")), ev.index(("phase", f"backward {b0}"))
     middle = block_names[len(rec.blocks) - 2 : -1]
 
     def renamed(segment: list[tuple], name: str) -> list[tuple]:
@@ -264,7 +262,6 @@ def replay(
     after_blocks = 0
 
     def check(moments: list[Moment], rise: int = 0) -> None:
-        nonlocal backward
         for ex in moments:
             total = level + rise + ex.total
             if backward:
@@ -302,31 +299,18 @@ def replay(
             if e[1] in block_names:
                 held[e[1]] = level - entered[e[1]]
                 after_blocks = level
-        elif kind == "pre_forward":
-            check(tl.pre_forward(unit))
-        elif kind == "post_forward":
-            tl.post_forward(unit)
-        elif kind == "end_forward":
-            tl.end_forward()
         elif kind == "loss_done":
             out.saved_activations = after_blocks
             out.saved_by_block = [held.get(n, 0) for n in block_names]
             out.logits_and_loss = level - after_blocks
             held["(loss)"] = out.logits_and_loss
             backward = True
-        elif kind == "pre_backward":
-            if unit in blocks:
+        else:  # one of FSDP2's hooks, a `FsdpTimeline` method of the same name
+            if kind == "pre_backward" and unit in blocks:
                 done.add("(loss)")
-            check(tl.pre_backward(unit))
-        elif kind == "grad":
-            tl.grad(unit, e[2])
-            check([tl.extra()])
-        elif kind == "post_backward":
-            for n in unit_names[unit]:
-                done.add(n)
-            check(tl.post_backward(unit))
-        elif kind == "end_backward":
-            check(tl.end_backward())
+            elif kind == "post_backward":
+                done.update(unit_names[unit])
+            check(getattr(tl, kind)(*([] if unit is None else [unit, *e[2:]])) or [])
     out.grads_sharded = tl.grads_sharded
     out.max_gathered, out.max_buffers = tl.max_gathered, tl.max_buffers
     return out

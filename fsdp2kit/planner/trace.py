@@ -180,21 +180,16 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1):
-    """What must differ between a shapes-only step and a real one, diverted for this thread only (`divert`;
-    not a TorchFunctionMode: none is active while backward recomputes checkpointed blocks).
-
-    - transformers cannot tell packed positions on meta tensors and builds a (batch, 1, seq, seq) mask when
-      it suspects tracing; a real step with plain causal batches has none.
-    - SDPA on meta takes the math path, which saves the (seq x seq) weights; a real step runs a fused kernel,
-      so the CPU flash kernel runs (its meta kernel has the same outputs).
-    - MoE experts: torch's meta grouped_mm takes bf16 only; other dtypes use transformers' fallback op,
-      whose meta kernel and saved tensors are the same.
-    """
+    """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How"), diverted for
+    this thread only (`divert`; not a TorchFunctionMode: none is active while backward recomputes checkpointed
+    blocks): transformers' tracing guesses (a seq x seq mask, packed positions) say no, as for plain causal
+    batches; SDPA runs the CPU flash kernel, not the math path (which saves the weights); MoE experts take
+    transformers' fallback op where torch's meta grouped_mm (bf16 only) cannot run: the same saved tensors."""
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
-        for name, fn in (("is_tracing", _not_tracing), ("find_packed_sequence_indices", _not_packed)):
+        for name, answer in (("is_tracing", False), ("find_packed_sequence_indices", None)):
             if hasattr(masking, name):
-                stack.enter_context(divert(masking, name, fn))
+                stack.enter_context(divert(masking, name, lambda original, *a, answer=answer, **k: answer))
         moe = sys.modules.get("transformers.integrations.moe")
         if hasattr(moe, "_can_use_grouped_mm"):
             stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
@@ -202,16 +197,11 @@ def _as_a_real_step(cp: int = 1):
         yield
 
 
-def _not_tracing(original, tensor=None) -> bool:
-    return False
-
-
-def _not_packed(original, position_ids) -> None:
-    return None
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]  # transformers registers ModelOutput
+def on_output_grad(output, fn) -> None:
+    """``fn`` runs on the gradient w.r.t. each tensor of ``output`` (transformers registers ModelOutput as a pytree)."""
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(fn)
 
 
 def step_model(
@@ -276,12 +266,13 @@ def record_step(
 
     rec = Recording(blocks=kept_names, repeat=repeat)
     events = rec.events
-    live = LiveBytes(incremental=True)
     run = {"level": 0, "high": 0, "open": False}
 
     def on_op(now: int) -> None:
         run["high"] = max(run["high"], now)
         run["open"] = True
+
+    live = LiveBytes(on_op=on_op, incremental=True)
 
     def flush() -> None:
         if run["open"]:
@@ -293,7 +284,6 @@ def record_step(
         flush()
         events.append(event)
 
-    live.on_op = on_op
     state = {"backward": False}
     calls: dict[int, int] = {}
     unit_size = Counter(i for i, _, _ in unit_modules(unit_names, modules))
@@ -339,9 +329,7 @@ def record_step(
                 emit("pre_backward", index)
                 return grad
 
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(pre_backward)
+            on_output_grad(output, pre_backward)
             return None
 
         return pre, post

@@ -111,7 +111,7 @@ def test_five_blocks_stand_for_many_exactly():
     blocks = [f"model.layers.{i}" for i in range(7)]
     from fsdp2kit.planner.parts import units_for
 
-    units = [u for _, u in units_for(model, plan)]
+    units = units_for(model, plan)
     for ac in (None, "selective"):
         results = []
         for truncate in (True, False):
