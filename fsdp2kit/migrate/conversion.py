@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,36 @@ class Conversion:
                 lines.append(f"{key} = {_toml_value(values[key])}  # {quoted}")
                 lines += [f"# {n}" for n in dict.fromkeys(e.note for e in sources if e.note)]
         return "\n".join(lines) + "\n"
+
+
+# What becomes of one source key: a string is why it is not needed; a function(conv, src, value) records it.
+Rule = str | Callable[[Conversion, str, Any], None]
+
+
+def apply_rules(
+    conv: Conversion, cfg: dict, rules: dict[str, Rule], prefix: str = "", written: dict | None = None
+) -> None:
+    """Each key of ``cfg``, in its order, by its rule (``written``: a key's spelling in the file, when
+    another); a key without a rule is refused as unknown."""
+    for key, value in cfg.items():
+        src = prefix + (written or {}).get(key, key)
+        rule = rules.get(key)
+        if rule is None:
+            conv.unknown(src, value, list(rules))
+        elif isinstance(rule, str):
+            conv.not_needed(src, value, rule)
+        else:
+            rule(conv, src, value)
+
+
+def refused_when(on: Callable[[Any], bool], why: str) -> Rule:
+    """Refused (``why`` says what to do instead) when ``on(value)``; otherwise nothing to convert."""
+    return lambda conv, src, value: conv.refuse_if(on(value), src, value, why)
+
+
+def mapped(table: str, key: str, cast: Callable[[Any], Any] = lambda v: v, note: str = "") -> Rule:
+    """Sets recipe key ``table.key`` to ``cast(value)``."""
+    return lambda conv, src, value: conv.set(table, key, cast(value), src, value, note)
 
 
 _UNSET = object()
