@@ -293,9 +293,6 @@ def strategy_name(value: Any) -> str | None:
 # second, with a FutureWarning; removed in 0.34, huggingface/accelerate#3098, though its FSDP guide
 # still shows it). Keys without the "fsdp" prefix are covered by `canonical_keys`.
 ALIASES = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
-ALIAS_NOTES = {
-    "fsdp_backward_prefetch_policy": "old name of fsdp_backward_prefetch (accelerate >= 0.34 no longer reads it)"
-}
 
 
 def canonical_keys(conv: Conversion, cfg: dict) -> tuple[dict, dict]:
@@ -330,7 +327,8 @@ def _backward_prefetch(conv: Conversion, src: str, value: Any) -> None:
     }
     if name in notes:
         depth = 0 if name == "NO_PREFETCH" else 1  # [parallel] prefetch is a depth; 0: FSDP2's implicit one
-        note = "; ".join(filter(None, [notes[name], ALIAS_NOTES.get(src.removeprefix("fsdp_config."))]))
+        old = ALIASES.get(src.removeprefix("fsdp_config."))
+        note = notes[name] + (f"; old name of {old} (accelerate >= 0.34 no longer reads it)" if old else "")
         conv.set("parallel", "prefetch", depth, src, value, note)
     else:
         conv.refuse(src, value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
