@@ -16,6 +16,8 @@ __all__ = ["convert_accelerate"]
 
 TPU_ONLY = "TPU launch setting; fsdp2kit runs on CUDA (NCCL) or CPU (gloo)"
 ONE_MACHINE = "one machine: torchrun --standalone needs no rendezvous address"
+TPU_KEYS = ("tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env",
+            "command_file", "commands")  # fmt: skip
 
 
 def _given(value: Any) -> bool:
@@ -37,7 +39,7 @@ def convert_accelerate(data: dict, path: str) -> Conversion:
     data = dict(data)
     kind = str(data.get("distributed_type", "NO")).upper()
     machines = int(data.get("num_machines", 1) or 1)
-    ip, port = data.get("main_process_ip"), data.get("main_process_port")
+    addr, port = data.get("main_process_ip") or "$MASTER_ADDR", data.get("main_process_port") or 29500
     backend = str(data.get("rdzv_backend", "static") or "static")
     if "num_processes" in data or "num_machines" in data:
         conv.nnodes = machines
@@ -46,12 +48,9 @@ def convert_accelerate(data: dict, path: str) -> Conversion:
     if machines == 1:
         conv.torchrun_options.append("--standalone")
     elif backend == "static":
-        conv.torchrun_options += [f"--master_addr={ip or '$MASTER_ADDR'}", f"--master_port={port or 29500}"]
+        conv.torchrun_options += [f"--master_addr={addr}", f"--master_port={port}"]
     else:
-        conv.torchrun_options += [
-            f"--rdzv_backend={backend}",
-            f"--rdzv_endpoint={ip or '$MASTER_ADDR'}:{port or 29500}",
-        ]
+        conv.torchrun_options += [f"--rdzv_backend={backend}", f"--rdzv_endpoint={addr}:{port}"]
     if "fp16" in data:  # accelerate's pre-0.6 spelling of mixed_precision: fp16
         data.setdefault("mixed_precision", "fp16" if truthy(data["fp16"]) else "no")
     if "dynamo_backend" in data:  # the old flat spelling
@@ -121,20 +120,7 @@ def convert_accelerate(data: dict, path: str) -> Conversion:
         "main_training_function": "torchrun runs the script's __main__",
         "enable_cpu_affinity": refused_when(truthy, "torchrun does not pin cores: wrap the command in numactl"),
         "downcast_bf16": TPU_ONLY,
-        **dict.fromkeys(
-            [
-                "tpu_name",
-                "tpu_zone",
-                "tpu_use_cluster",
-                "tpu_cluster",
-                "tpu_use_sudo",
-                "tpu_vm",
-                "tpu_env",
-                "command_file",
-                "commands",
-            ],
-            refused_when(_given, TPU_ONLY),
-        ),
+        **dict.fromkeys(TPU_KEYS, refused_when(_given, TPU_ONLY)),
         "megatron_lm_config": unsupported,
         "mpirun_config": unsupported,
         # Blocks of older accelerate releases: Intel's extension (ipex_config: {ipex: bool}, until 1.12),
