@@ -345,6 +345,11 @@ def _activation_checkpointing(conv: Conversion, src: str, value: Any) -> None:
         conv.not_needed(src, value, "off is the recipe's default")
 
 
+def _switch(table: str, key: str, note: str) -> Rule:
+    """Sets ``table.key`` to whether the value is on; ``note`` says what on means."""
+    return lambda conv, src, value: conv.set(table, key, truthy(value), src, value, note if truthy(value) else "")
+
+
 def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
     """Convert the keys of an ``fsdp_config`` block (``machines``: the YAML's ``num_machines``)."""
     cfg, written = canonical_keys(conv, cfg)
@@ -368,13 +373,12 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
         conv.set("parallel", "strategy", name, src, value, note)
 
     both = "accelerate takes the strategy from fsdp_sharding_strategy when both are set"
-    offload = "FSDP2's CPU offload also runs the optimizer step on CPU"
     rules: dict[str, Rule] = {
         "fsdp_version": "the recipe is FSDP2 (fully_shard) whatever this says",
         "fsdp_sharding_strategy": strategy,
         "fsdp_reshard_after_forward": both if "fsdp_sharding_strategy" in cfg else strategy,
-        "fsdp_offload_params": lambda conv, src, value: conv.set(
-            "parallel", "cpu_offload", truthy(value), src, value, offload if truthy(value) else ""
+        "fsdp_offload_params": _switch(
+            "parallel", "cpu_offload", "FSDP2's CPU offload also runs the optimizer step on CPU"
         ),
         "fsdp_auto_wrap_policy": _auto_wrap_policy,
         "fsdp_transformer_layer_cls_to_wrap": "found from the model (its _no_split_modules or its repeated "
@@ -390,13 +394,8 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
         "optimizer groups, torch.compile and frozen parameters work without it",
         "fsdp_sync_module_states": "nothing to broadcast: the recipe builds on the meta device and every rank "
         "fills its own shards (materialize from the seed, or load_pretrained from the files)",
-        "fsdp_cpu_ram_efficient_loading": lambda conv, src, value: conv.set(
-            "model",
-            "meta_init",
-            truthy(value),
-            src,
-            value,
-            "built on the meta device; load_pretrained reads only each rank's rows" if truthy(value) else "",
+        "fsdp_cpu_ram_efficient_loading": _switch(
+            "model", "meta_init", "built on the meta device; load_pretrained reads only each rank's rows"
         ),
         "fsdp_activation_checkpointing": _activation_checkpointing,
         "fsdp_activation_checkpointing_offload": refused_when(
