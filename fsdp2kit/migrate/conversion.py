@@ -3,6 +3,7 @@ needed under FSDP2, or refused; an unknown key is refused), the recipe settings,
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from collections.abc import Callable
@@ -63,17 +64,12 @@ class Entry:
 
 
 def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{value!r} has no TOML form the recipe accepts")
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    raise TypeError(f"no TOML form for {value!r}")
+    """A TOML value: JSON's spelling of a bool, an int, a finite float and a string is TOML's too."""
+    if not isinstance(value, (bool, int, float, str)):
+        raise TypeError(f"no TOML form for {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} has no TOML form the recipe accepts")
+    return json.dumps(value)
 
 
 def _shown(value: Any) -> str:
@@ -104,12 +100,8 @@ class Conversion:
             raise AssertionError(f"{table}.{key} is not a recipe key this converter may set")
         previous = self.settings.setdefault(table, {}).get(key, _UNSET)
         if previous is not _UNSET and previous != value:
-            self.refuse(
-                src,
-                src_value,
-                f"conflicts with another key that set {table}.{key} = {_toml_value(previous)}; "
-                f"this one asks for {_toml_value(value)}: make the two agree",
-            )
+            why = f"conflicts with another key that set {table}.{key} = {_toml_value(previous)}; "
+            self.refuse(src, src_value, why + f"this one asks for {_toml_value(value)}: make the two agree")
             return
         self.settings[table][key] = value
         self.entries.append(Entry(src, src_value, MAPPED, f"{table}.{key}", note))
