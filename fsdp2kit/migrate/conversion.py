@@ -175,9 +175,7 @@ class Conversion:
             (REFUSED, "REFUSED"),
         ):
             chosen = [e for e in self.entries if e.verdict == verdict]
-            if not chosen:
-                continue
-            lines += ["#", f"# {title}:"]
+            lines += ["#", f"# {title}:"] if chosen else []
             for e in chosen:
                 target = f" -> {e.target}" if e.target else ""
                 lines.append(f"#   {e.key} = {_shown(e.value)}{target}")
@@ -188,9 +186,7 @@ class Conversion:
             if not values:
                 continue
             lines += ["", f"[{table}]"]
-            for key in keys:
-                if key not in values:
-                    continue
+            for key in [k for k in keys if k in values]:
                 sources = [e for e in self.entries if e.verdict == MAPPED and e.target == f"{table}.{key}"]
                 quoted = "; ".join(f"{e.key} = {_shown(e.value)}" for e in sources)
                 lines.append(f"{key} = {_toml_value(values[key])}  # {quoted}")
