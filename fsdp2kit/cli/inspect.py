@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 from fsdp2kit._internal.fmt import fmt_bytes
@@ -60,51 +59,46 @@ def inspect(ckpt_dir: str | Path, step: int | None = None) -> dict:
     return dict(root=str(root), steps=steps, incomplete=incomplete, step=chosen, contents=contents)
 
 
-def _print_inspect(report: dict, out) -> None:
+def _inspect_text(report: dict) -> str:
+    lines = []
     if report["steps"] is not None:
-        print(f"checkpoint root: {report['root']}", file=out)
-        print(f"complete steps: {', '.join(map(str, report['steps'])) or 'none'}", file=out)
-        for name in report["incomplete"]:
-            print(f"incomplete (ignored): {name}", file=out)
+        lines.append(f"checkpoint root: {report['root']}")
+        lines.append(f"complete steps: {', '.join(map(str, report['steps'])) or 'none'}")
+        lines += [f"incomplete (ignored): {name}" for name in report["incomplete"]]
     contents = report["contents"]
     if contents is None:
-        return
+        return "\n".join(lines)
     info = contents["info"]
-    print(f"\nstep {info.get('step', report['step'])}: {contents['path']}", file=out)
+    lines.append(f"\nstep {info.get('step', report['step'])}: {contents['path']}")
     if info:
         extras = ", ".join(info.get("extra", [])) or "none"
         per_rank = info.get("extra_per_rank", []) + (["rng"] if info.get("rng") else [])
-        print(
+        lines.append(
             f"  saved {info.get('saved_at', '?')} by {info.get('world_size', '?')} rank(s), "
-            f"torch {info.get('torch', '?')}, "
-            f"optimizer {info.get('optimizer') or 'none'}",
-            file=out,
+            f"torch {info.get('torch', '?')}, optimizer {info.get('optimizer') or 'none'}"
         )
         kinds = info.get("optimizer_state")
         if kinds:
             held = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
-            print(f"  optimizer state in memory (rank 0): {held}; stored as the records below say", file=out)
-        print(f"  extra: {extras}; per rank: {', '.join(per_rank) or 'none'}", file=out)
+            lines.append(f"  optimizer state in memory (rank 0): {held}; stored as the records below say")
+        lines.append(f"  extra: {extras}; per rank: {', '.join(per_rank) or 'none'}")
     hf = ", Hugging Face config.json" if contents["has_hf_config"] else ""
-    print(f"  {contents['data_files']} data file(s), {fmt_bytes(contents['data_bytes'])} on disk{hf}", file=out)
+    lines.append(f"  {contents['data_files']} data file(s), {fmt_bytes(contents['data_bytes'])} on disk{hf}")
 
     groups: dict[str, list[dict]] = {}
     for e in contents["entries"]:
         groups.setdefault(e["key"].split(".", 1)[0], []).append(e)
     for group, entries in groups.items():
         tensors = [e for e in entries if e["shape"] is not None]
-        numel = sum(e["numel"] for e in tensors)
-        print(
-            f"  {group:<10} {len(tensors):>5} tensor(s), {numel:,} elements, "
-            f"{fmt_bytes(sum(e['bytes'] for e in tensors))}"
-            + (f"; {len(entries) - len(tensors)} other value(s)" if len(entries) > len(tensors) else ""),
-            file=out,
-        )
+        numel, size = sum(e["numel"] for e in tensors), fmt_bytes(sum(e["bytes"] for e in tensors))
+        other = f"; {len(entries) - len(tensors)} other value(s)" if len(entries) > len(tensors) else ""
+        lines.append(f"  {group:<10} {len(tensors):>5} tensor(s), {numel:,} elements, {size}{other}")
     width = max(len(e["key"]) for e in contents["entries"]) if contents["entries"] else 3
-    print(f"\n{'key':<{width}}  {'shape':<16} {'dtype':<9} size", file=out)
+    lines.append(f"\n{'key':<{width}}  {'shape':<16} {'dtype':<9} size")
     for e in contents["entries"]:
         shape = "-" if e["shape"] is None else "(" + ", ".join(map(str, e["shape"])) + ")"
-        print(f"{e['key']:<{width}}  {shape:<16} {e['dtype']:<9} {fmt_bytes(e['bytes'])}", file=out)
+        lines.append(f"{e['key']:<{width}}  {shape:<16} {e['dtype']:<9} {fmt_bytes(e['bytes'])}")
+    return "\n".join(lines)
 
 
 def add_inspect(subparsers) -> None:
@@ -122,9 +116,5 @@ def add_inspect(subparsers) -> None:
 
 def run_inspect(args) -> int:
     report = inspect(args.ckpt_dir, args.step)
-    if args.json:
-        json.dump(report, sys.stdout, indent=1)
-        print()
-    else:
-        _print_inspect(report, sys.stdout)
+    print(json.dumps(report, indent=1) if args.json else _inspect_text(report))
     return 0

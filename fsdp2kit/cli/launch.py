@@ -31,10 +31,6 @@ def add_launch(subparsers) -> None:
     )
 
 
-def _status(exitcode: int) -> int:
-    return 128 - exitcode if exitcode < 0 else exitcode
-
-
 def _describe(rank: int, exitcode: int) -> str:
     if exitcode < 0:
         try:
@@ -56,7 +52,8 @@ def run_launch(argv: list[str]) -> int:
     if os.environ.get("FSDP2KIT_DEBUG", "").lower() not in ("", "0", "false", "no"):
         run(args)
         return 0
-    drop = [(logging.getLogger(name), _Drop(formats)) for name, formats in _REPLACED.items()]
+    # logging takes a plain callable as a filter: it drops the records whose format is one of those replaced
+    drop = [(logging.getLogger(name), lambda r, f=formats: r.msg not in f) for name, formats in _REPLACED.items()]
     for logger, f in drop:
         logger.addFilter(f)
     try:
@@ -70,19 +67,10 @@ def run_launch(argv: list[str]) -> int:
         failure = failed[0][1]
         failed = ", then ".join(_describe(rank, f.exitcode) for rank, f in failed)
         print(f"fsdp2kit launch: {failed}", file=sys.stderr, flush=True)
-        return _status(failure.exitcode)
+        return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
     except (SignalException, KeyboardInterrupt) as e:
         # torchrun has passed the signal on to the workers and waited for them (they save at the step boundary).
         return 128 + int(getattr(e, "sigval", signal.SIGINT))
     finally:
         for logger, f in drop:
             logger.removeFilter(f)
-
-
-class _Drop(logging.Filter):
-    def __init__(self, formats: tuple[str, ...]):
-        super().__init__()
-        self.formats = formats
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg not in self.formats

@@ -25,9 +25,7 @@ def parse_ac(text: str | None) -> str | int | None:
 
 def parse_targets(text: str | None) -> str | tuple[str, ...]:
     """``--lora-targets``: ``all-linear`` or comma-separated module names (as the recipe's ``[lora] targets``)."""
-    if text is None:
-        return "all-linear"
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    names = tuple(t.strip() for t in ("all-linear" if text is None else text).split(",") if t.strip())
     if not names:
         raise ValueError("--lora-targets is empty: name the Linear modules to adapt, or all-linear")
     return "all-linear" if names == ("all-linear",) else names
@@ -194,9 +192,7 @@ def run_plan(args) -> int:
     for flag in ("nodes", "price_per_gpu_hour"):
         if getattr(args, flag) is not None and hardware is None:
             raise ValueError(f"--{flag.replace('_', '-')} predicts step time: give --gpu too")
-    gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    if gpu_memory is None and hardware is not None:
-        gpu_memory = hardware.memory_bytes
+    gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else getattr(hardware, "memory_bytes", None)
     settings = Settings(
         shard=args.shard,
         batch=args.batch,

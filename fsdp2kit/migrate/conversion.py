@@ -3,8 +3,10 @@ needed under FSDP2, or refused; an unknown key is refused), the recipe settings,
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,17 +64,12 @@ class Entry:
 
 
 def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{value!r} has no TOML form the recipe accepts")
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    raise TypeError(f"no TOML form for {value!r}")
+    """A TOML value: JSON's spelling of a bool, an int, a finite float and a string is TOML's too."""
+    if not isinstance(value, (bool, int, float, str)):
+        raise TypeError(f"no TOML form for {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} has no TOML form the recipe accepts")
+    return json.dumps(value)
 
 
 def _shown(value: Any) -> str:
@@ -103,12 +100,8 @@ class Conversion:
             raise AssertionError(f"{table}.{key} is not a recipe key this converter may set")
         previous = self.settings.setdefault(table, {}).get(key, _UNSET)
         if previous is not _UNSET and previous != value:
-            self.refuse(
-                src,
-                src_value,
-                f"conflicts with another key that set {table}.{key} = {_toml_value(previous)}; "
-                f"this one asks for {_toml_value(value)}: make the two agree",
-            )
+            why = f"conflicts with another key that set {table}.{key} = {_toml_value(previous)}; "
+            self.refuse(src, src_value, why + f"this one asks for {_toml_value(value)}: make the two agree")
             return
         self.settings[table][key] = value
         self.entries.append(Entry(src, src_value, MAPPED, f"{table}.{key}", note))
@@ -182,9 +175,7 @@ class Conversion:
             (REFUSED, "REFUSED"),
         ):
             chosen = [e for e in self.entries if e.verdict == verdict]
-            if not chosen:
-                continue
-            lines += ["#", f"# {title}:"]
+            lines += ["#", f"# {title}:"] if chosen else []
             for e in chosen:
                 target = f" -> {e.target}" if e.target else ""
                 lines.append(f"#   {e.key} = {_shown(e.value)}{target}")
@@ -195,14 +186,42 @@ class Conversion:
             if not values:
                 continue
             lines += ["", f"[{table}]"]
-            for key in keys:
-                if key not in values:
-                    continue
+            for key in [k for k in keys if k in values]:
                 sources = [e for e in self.entries if e.verdict == MAPPED and e.target == f"{table}.{key}"]
                 quoted = "; ".join(f"{e.key} = {_shown(e.value)}" for e in sources)
                 lines.append(f"{key} = {_toml_value(values[key])}  # {quoted}")
                 lines += [f"# {n}" for n in dict.fromkeys(e.note for e in sources if e.note)]
         return "\n".join(lines) + "\n"
+
+
+# What becomes of one source key: a string is why it is not needed; a function(conv, src, value) records it.
+Rule = str | Callable[[Conversion, str, Any], None]
+
+
+def apply_rules(
+    conv: Conversion, cfg: dict, rules: dict[str, Rule], prefix: str = "", written: dict | None = None
+) -> None:
+    """Each key of ``cfg``, in its order, by its rule (``written``: a key's spelling in the file, when
+    another); a key without a rule is refused as unknown."""
+    for key, value in cfg.items():
+        src = prefix + (written or {}).get(key, key)
+        rule = rules.get(key)
+        if rule is None:
+            conv.unknown(src, value, list(rules))
+        elif isinstance(rule, str):
+            conv.not_needed(src, value, rule)
+        else:
+            rule(conv, src, value)
+
+
+def refused_when(on: Callable[[Any], bool], why: str) -> Rule:
+    """Refused (``why`` says what to do instead) when ``on(value)``; otherwise nothing to convert."""
+    return lambda conv, src, value: conv.refuse_if(on(value), src, value, why)
+
+
+def mapped(table: str, key: str, cast: Callable[[Any], Any] = lambda v: v, note: str = "") -> Rule:
+    """Sets recipe key ``table.key`` to ``cast(value)``."""
+    return lambda conv, src, value: conv.set(table, key, cast(value), src, value, note)
 
 
 _UNSET = object()

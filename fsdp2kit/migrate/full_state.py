@@ -108,14 +108,13 @@ class _TorchFiles:
         self.tensors.clear()
 
 
-def _reader(files: list[Path]):
+def _reader(files: list[Path]) -> SafetensorsReader | _TorchFiles:
+    """A reader of the files' tensors; its ``files`` maps each key to its file."""
     if all(f.suffix == ".safetensors" for f in files):
-        reader = SafetensorsReader.of(files)
-        return reader, list(reader.files)
+        return SafetensorsReader.of(files)
     if any(f.suffix == ".safetensors" for f in files):
         raise ValueError(f"mixed safetensors and torch files: {fmt_list([str(f) for f in files])}")
-    reader = _TorchFiles(files)
-    return reader, list(reader.tensors)
+    return _TorchFiles(files)
 
 
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:
@@ -131,8 +130,8 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportRes
     path = Path(path)
     with all_ranks_or_none(model, "load_full_state_dict"):
         files = full_state_files(path)
-        reader, keys = _reader(files)
-        by_name = {clean_fqn(k): k for k in keys}
+        reader = _reader(files)
+        by_name = {clean_fqn(k): k for k in reader.files}
         tensors, aliases = model_tensors(model)
         groups: dict[str, list[str]] = {}
         for name, first in aliases.items():
