@@ -214,25 +214,19 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
     return out.finish(last)
 
 
-def _load_config(config: Any, step_dir: Path):
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(config, PretrainedConfig):
-        return config
-    if config is not None:
-        return AutoConfig.from_pretrained(str(config), local_files_only=True)
-    for where in (step_dir, step_dir.parent):
-        if (where / "config.json").is_file():
-            return AutoConfig.from_pretrained(str(where), local_files_only=True)
-    raise FileNotFoundError(
-        f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
-        "directory / file holding config.json)"
-    )
-
-
-def _meta_model(config) -> nn.Module:
+def _meta_model(config: Any, step_dir: Path) -> nn.Module:
+    """The model of ``config`` (a transformers config or a path; default: the step's, else the root's
+    config.json) on the meta device, as the first class of its ``architectures``."""
     import transformers
 
+    if not isinstance(config, transformers.PretrainedConfig):
+        where = config or next((d for d in (step_dir, step_dir.parent) if (d / "config.json").is_file()), None)
+        if where is None:
+            raise FileNotFoundError(
+                f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
+                "directory / file holding config.json)"
+            )
+        config = transformers.AutoConfig.from_pretrained(str(where), local_files_only=True)
     classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
     build = next((c for c in classes if isinstance(c, type)), transformers.AutoModelForCausalLM.from_config)
     with torch.device("meta"):
@@ -271,19 +265,11 @@ def dcp_to_hf(
                 "frozen base): pass base= (--base) the pretrained model directory the run started from"
             )
         model = peft_model_from_checkpoint(step_dir, base)
-        return export_hf(
-            model,
-            out_dir,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            merge=merge,
-            tokenizer=tokenizer,
-        )
+        kwargs = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, merge=merge, tokenizer=tokenizer)
+        return export_hf(model, out_dir, **kwargs)
     if merge:
         raise ValueError(f"merge=True folds LoRA adapters into their base; {step_dir} is a full model's checkpoint")
-    config = _load_config(config, step_dir)
-    model = _meta_model(config)
+    model = _meta_model(config, step_dir)
     tok = _resolve_tokenizer(tokenizer, model)
     metadata = read_metadata(step_dir)
     stored = {  # the model's tensors, under the Checkpointer's "model" key
