@@ -111,14 +111,10 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- queries ---------------------------------------------------------------------------
-
     @property
     def steps(self) -> list[int]:
         """Complete steps under root, ascending (a file-system look-up, not collective)."""
         return list_steps(self.root)
-
-    # ---- save ------------------------------------------------------------------------------
 
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
@@ -147,9 +143,7 @@ class Checkpointer:
             if self.async_save:
                 state = self._stage(state)
             if rank == 0:
-                info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
-                if trainable_only:  # what `dcp_to_hf(..., base=...)` needs to rebuild the model offline
-                    info["peft"] = peft_description(model)
+                info = self._info(model, optimizer, extra, comm.world, trainable_only)
         except Exception as e:  # agreed on before DCP starts, so no rank enters it alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
         if self.async_save:
@@ -204,8 +198,9 @@ class Checkpointer:
                 self._stager.close()  # frees the staging buffers
                 self._stager = None
 
-    def _info(self, optimizer, extra: dict | None, world: int) -> dict[str, Any]:
-        """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``)."""
+    def _info(self, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict[str, Any]:
+        """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``, and by
+        ``dcp_to_hf(..., base=...)`` to rebuild a PEFT model offline)."""
         per_rank = {k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))}
         return {
             "world_size": world,
@@ -216,6 +211,8 @@ class Checkpointer:
             "extra_per_rank": sorted(per_rank),
             "rng": self.rng,
             "checksums": CHECKSUMS,  # see integrity.py
+            "trainable_only": trainable_only,
+            "peft": peft_description(model) if trainable_only else None,
         }
 
     def _stage(self, state: dict) -> dict:
@@ -264,8 +261,6 @@ class Checkpointer:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-    # ---- load ------------------------------------------------------------------------------
 
     def load(
         self,

@@ -91,14 +91,11 @@ def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, t
         if dtype is not None:
             config.dtype = dtype
         generation = copy.deepcopy(getattr(model, "generation_config", None))
-        for c in (config, generation):
+        for c in (config, generation) if generation is not None else (config,):
             for key, value in ids.items():
-                have = getattr(c, key, None) if c is not None else None
-                if c is not None and not (isinstance(have, list) and value in have):  # keep a list of EOS ids
+                if not (isinstance(getattr(c, key, None), list) and value in getattr(c, key)):  # keep a list of EOS ids
                     setattr(c, key, value)
-        config.save_pretrained(directory)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(directory)
+            c.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
 
