@@ -101,10 +101,7 @@ def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, t
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    t = t.detach()
-    if dtype is not None and t.is_floating_point():
-        t = t.to(dtype)
-    return t.cpu()
+    return t.detach().to("cpu", dtype=dtype if t.is_floating_point() else None)
 
 
 def export_hf(
