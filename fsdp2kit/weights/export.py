@@ -21,8 +21,6 @@ from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-# Files one of which every tokenizer directory transformers loads holds.
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
 def parse_size(size: int | str) -> int:
@@ -50,7 +48,7 @@ def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: d
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a tokenizer (one of the files `AutoTokenizer` reads)."""
-    return any(Path(directory, f).is_file() for f in TOKENIZER_FILES)
+    return any(Path(directory, f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "tokenizer.model"))
 
 
 def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
