@@ -61,8 +61,8 @@ def check_step(step: Any) -> int:
 
 
 def fsync(path: Path) -> None:
-    """Flush a file or directory to disk; where a directory cannot be (e.g. Windows) the rename is still atomic."""
-    with contextlib.suppress(OSError):
+    """Flush a file to disk, or a directory where the system allows it (not on Windows: the rename is atomic still)."""
+    with contextlib.suppress(OSError) if path.is_dir() else contextlib.nullcontext():
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
