@@ -89,8 +89,7 @@ def instrument():
     wrap(S, "set_model_state_dict", "set_model_state_dict")
     import fsdp2kit.checkpoint.publish as P
 
-    wrap(P, "fsync_dir", "fsync_dir")
-    wrap(P, "fsync_file", "fsync_file")
+    wrap(P, "fsync", "fsync")
     wrap(FileSystemWriter, "prepare_global_plan", "W.prepare_global_plan")
     import torch.distributed.checkpoint.filesystem as FS
 

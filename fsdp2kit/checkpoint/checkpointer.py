@@ -1,12 +1,7 @@
-"""The Checkpointer: atomic, resumable, optionally asynchronous DCP checkpoints, resharded on load.
-
-The layout under ``root``, how a step is published atomically, the records, the extras codec, what
-is unpickled and the integrity check: docs/checkpoint-format.md.
-"""
+"""The Checkpointer: atomic, resumable, optionally asynchronous DCP checkpoints, resharded on load."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -28,7 +23,7 @@ from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_fi
 from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_dcp
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
-from fsdp2kit.checkpoint.layout import INFO_FILE, CheckpointError, check_step, list_steps, resolve_step, step_dir
+from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, read_info, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer, state_kinds
 from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
 from fsdp2kit.checkpoint.state import resolve_trainable_only, restore_extra, restore_model, state_to_load, state_to_save
@@ -120,14 +115,10 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- queries ---------------------------------------------------------------------------
-
     @property
     def steps(self) -> list[int]:
         """Complete steps under root, ascending (a file-system look-up, not collective)."""
         return list_steps(self.root)
-
-    # ---- save ------------------------------------------------------------------------------
 
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
@@ -156,9 +147,7 @@ class Checkpointer:
             if self.async_save:
                 state = self._stage(state)
             if rank == 0:
-                info = {**self._info(optimizer, extra, comm.world), "trainable_only": trainable_only}
-                if trainable_only:  # what `dcp_to_hf(..., base=...)` needs to rebuild the model offline
-                    info["peft"] = peft_description(model)
+                info = self._info(model, optimizer, extra, comm.world, trainable_only)
         except Exception as e:  # agreed on before DCP starts, so no rank enters it alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
         if self.async_save:
@@ -213,8 +202,9 @@ class Checkpointer:
                 self._stager.close()  # frees the staging buffers
                 self._stager = None
 
-    def _info(self, optimizer, extra: dict | None, world: int) -> dict[str, Any]:
-        """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``)."""
+    def _info(self, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict[str, Any]:
+        """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``, and by
+        ``dcp_to_hf(..., base=...)`` to rebuild a PEFT model offline)."""
         per_rank = {k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))}
         return {
             "world_size": world,
@@ -225,6 +215,8 @@ class Checkpointer:
             "extra_per_rank": sorted(per_rank),
             "rng": self.rng,
             "checksums": CHECKSUMS,  # see integrity.py
+            "trainable_only": trainable_only,
+            "peft": peft_description(model) if trainable_only else None,
         }
 
     def _stage(self, state: dict) -> dict:
@@ -274,8 +266,6 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    # ---- load ------------------------------------------------------------------------------
-
     def load(
         self,
         model: nn.Module,
@@ -323,11 +313,12 @@ class Checkpointer:
             metadata = read_metadata(path)
             trainable_only = resolve_trainable_only(model, self.trainable_only)
             state = state_to_load(model, optimizer, metadata, rank=comm.rank, trainable_only=trainable_only)
-            problems = check_optimizer(_read_info(path), optimizer)
+            info = read_info(path)
+            problems = check_optimizer(info, optimizer)
             problems += check_against(state, metadata, path, optimizer is not None, upcast)
             problems += check_files(metadata, path)
             problems += check_extra_keys(extra, metadata)
-            if not problems and self.verify and _read_info(path).get("checksums") == CHECKSUMS:
+            if not problems and self.verify and info.get("checksums") == CHECKSUMS:
                 problems = verify_files(metadata, path, comm.rank, comm.world)
         except Exception as e:
             problems = [describe(e)]
@@ -381,17 +372,3 @@ _PLAN_CACHES = (
     SavePlanner._cached_global_plan,
     SavePlanner._cached_metadata,
 )
-
-
-def _read_info(path: Path) -> dict:
-    """The step's ``fsdp2kit.json`` ({} for a plain DCP checkpoint). An unreadable one is a problem."""
-    info = path / INFO_FILE
-    if not info.is_file():
-        return {}
-    try:
-        value = json.loads(info.read_text())
-        if not isinstance(value, dict):
-            raise ValueError(f"a JSON {type(value).__name__}, not an object")
-        return value
-    except ValueError as e:
-        raise CheckpointError(f"{info} is corrupt ({type(e).__name__}: {e})") from e

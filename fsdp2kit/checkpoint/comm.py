@@ -19,11 +19,9 @@ FAILURES = (Exception, CheckpointException)
 
 
 class Comm:
-    """The group the checkpointer agrees on, and DCP coordinates on: the default group, or for
-    asynchronous saves a gloo group of their own (DCP's collectives then run on the writer thread
-    while training uses the default group; gloo because DCP exchanges Python objects, so NCCL
-    runs work too). It inherits the default group's timeout: a dead rank is an error, not a hang.
-    """
+    """The group the checkpointer agrees and DCP coordinates on: the default group, or for asynchronous
+    saves a gloo group of their own (DCP then runs on the writer thread beside training), with the
+    default group's timeout, so that a dead rank is an error, not a hang."""
 
     def __init__(self, own_group: bool) -> None:
         self.own_group = own_group
@@ -70,9 +68,8 @@ def describe(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def quiet_dcp(without_process_group: bool) -> Iterator[None]:
-    """DCP's warning that a save or load without a process group assumes one process (what is meant
-    here) ignored in this scope, entered only where DCP would warn: ``catch_warnings`` swaps the
-    process-wide filter list, which another thread's scope could restore out of order."""
+    """DCP's warning that a save or load without a process group assumes one process (meant here) ignored,
+    only where DCP would warn: ``catch_warnings`` swaps the process-wide filters, which threads race on."""
     if not without_process_group:
         yield
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,18 +17,13 @@ except ImportError:  # pragma: no cover
     np = None
 
 
+@dataclass(slots=True)
 class PerRank:
     """Marks an ``extra`` value that differs by rank (a data-loader position): stored once per rank,
     each rank loads its own (plain values are rank 0's). Ranks that did not exist at save time keep
     their current value, with a warning. An `RNGState` is always per rank."""
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"PerRank({self.value!r})"
+    value: Any
 
 
 class RNGState:

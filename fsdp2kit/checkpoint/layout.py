@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 from pathlib import Path
@@ -24,11 +26,7 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
 
 
 def list_steps(root: str | os.PathLike) -> list[int]:
-    """Complete steps under ``root``, ascending; ``[]`` when there are none or no ``root``.
-
-    Complete means a ``step_*`` directory holding DCP's ``.metadata``: temporary and trash
-    directories, and anything else, are ignored.
-    """
+    """Complete steps (``step_*`` directories holding DCP's ``.metadata``) under ``root``, ascending."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -62,22 +60,28 @@ def check_step(step: Any) -> int:
     return step
 
 
-def fsync_dir(path: Path) -> None:
-    try:
+def fsync(path: Path) -> None:
+    """Flush a file to disk, or a directory where the system allows it (not on Windows: the rename is atomic still)."""
+    with contextlib.suppress(OSError) if path.is_dir() else contextlib.nullcontext():
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not supported (e.g. Windows): the rename is still atomic
-        return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_info(path: Path) -> dict:
+    """The step's ``fsdp2kit.json`` ({} for a plain DCP checkpoint); an unreadable one is a `CheckpointError`."""
+    info = path / INFO_FILE
+    if not info.is_file():
+        return {}
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+        value = json.loads(info.read_text())
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON {type(value).__name__}, not an object")
+        return value
+    except ValueError as e:
+        raise CheckpointError(f"{info} is corrupt ({type(e).__name__}: {e})") from e
 
 
 def resolve_step(root: str | os.PathLike, step: int | None = None) -> int | None:

@@ -20,8 +20,6 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2kit.checkpoint.extras import decode, encode, extra_entries
 
-__all__ = ["optimizer_format", "optimizer_template", "optimizer_to_save", "restore_optimizer", "state_kinds"]
-
 FORMAT = 2
 PACKED = "packed"
 # Format 1's layout, kept to read older checkpoints: one key per parameter, state and hyper-parameter.

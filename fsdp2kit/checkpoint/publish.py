@@ -16,16 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp2kit.checkpoint.layout import (
-    INFO_FILE,
-    TMP_PREFIX,
-    TRASH_PREFIX,
-    fsync_dir,
-    fsync_file,
-    incomplete_dirs,
-    list_steps,
-    step_dir,
-)
+from fsdp2kit.checkpoint.layout import INFO_FILE, TMP_PREFIX, TRASH_PREFIX, fsync, incomplete_dirs, list_steps, step_dir
 
 
 def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], busy: set[Path] = frozenset()) -> Path:
@@ -83,10 +74,9 @@ class BackgroundDeleter:
 def publish(root: Path, step: int, tmp: Path, keep_last: int | None, discard: BackgroundDeleter) -> None:
     """Rank 0, after every rank has written: make the step visible with one rename, then prune.
     Directories renamed out of the way go to ``discard``."""
-    for name in (INFO_FILE, "config.json"):
-        if (tmp / name).exists():
-            fsync_file(tmp / name)
-    fsync_dir(tmp)
+    for path in (tmp / INFO_FILE, tmp / "config.json", tmp):
+        if path.exists():
+            fsync(path)
     final = step_dir(root, step)
     trash = []
     if final.exists():
@@ -95,7 +85,7 @@ def publish(root: Path, step: int, tmp: Path, keep_last: int | None, discard: Ba
         trash.append(root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
         os.rename(final, trash[0])
     os.rename(tmp, final)
-    fsync_dir(root)
+    fsync(root)
     discard(trash + prune(root, keep_last, just_saved=step))
 
 

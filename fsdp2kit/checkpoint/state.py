@@ -28,17 +28,11 @@ def model_options(trainable_only: bool) -> StateDictOptions:
 def state_to_save(
     model: nn.Module, optimizer, extra: dict | None, *, rank: int, rng: bool, trainable_only: bool = False
 ) -> dict:
-    """The nested state dict DCP writes: the model's and optimizer's sharded tensors, and ``extra``."""
+    """The nested state dict DCP writes: the model's and optimizer's sharded tensors, and ``extra`` encoded
+    (shared values from rank 0, `PerRank` values and RNG states from every rank), its values taken now."""
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=model_options(trainable_only))}
     if optimizer is not None:
         state["optimizer"] = optimizer_to_save(model, optimizer)  # see optim.py for the layout
-    state["extra"] = extra_to_save(extra, rank=rank, rng=rng)
-    return state
-
-
-def extra_to_save(extra: dict | None, *, rank: int, rng: bool) -> dict:
-    """``extra`` encoded as DCP leaves: shared values from rank 0, `PerRank` values and RNG states
-    from every rank. Values (a scheduler's ``state_dict()``) are taken now; tensors are not copied."""
     shared, mine = {}, {}
     for key, value in (extra or {}).items():
         if isinstance(value, (PerRank, RNGState)):
@@ -51,7 +45,8 @@ def extra_to_save(extra: dict | None, *, rank: int, rng: bool) -> dict:
                 shared[key] = entry
     if rng:
         mine[RNG_KEY] = encode(RNGState(), "RNG state")
-    return {"shared": shared, "rank": {str(rank): mine}}
+    state["extra"] = {"shared": shared, "rank": {str(rank): mine}}
+    return state
 
 
 def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int, trainable_only: bool = False) -> dict:

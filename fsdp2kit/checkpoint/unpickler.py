@@ -73,11 +73,8 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's `FileSystemReader`, whose metadata goes through the allow-list.
-
-    ``metadata``: what `read_metadata` already returned for this directory (the Checkpointer
-    reads it to check the model before loading), so DCP does not read and unpickle it again.
-    """
+    """DCP's `FileSystemReader`, whose metadata goes through the allow-list (or is the ``metadata``
+    `read_metadata` already returned for this directory, not read and unpickled again)."""
 
     def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, **kwargs: Any):
         super().__init__(path, **kwargs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,16 +12,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from fsdp2kit._internal.hf_load import from_pretrained
 from fsdp2kit.checkpoint.comm import quiet_dcp
-from fsdp2kit.checkpoint.layout import INFO_FILE
+from fsdp2kit.checkpoint.layout import read_info
 from fsdp2kit.checkpoint.state import model_options
 from fsdp2kit.checkpoint.unpickler import SafeReader
 from fsdp2kit.weights.nf4 import quantize_nf4
-
-
-def read_info(step_dir: Path) -> dict:
-    """The ``fsdp2kit.json`` the Checkpointer writes beside a step's DCP files ({} if there is none)."""
-    path = step_dir / INFO_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_alone(state: dict, step_dir: Path) -> None:

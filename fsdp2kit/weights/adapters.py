@@ -67,13 +67,7 @@ def adapter_keys(model: nn.Module, adapter: str, tensors: dict[str, torch.Tensor
 
     by_id = {id(t): n for n, t in tensors.items()}
     selected = get_peft_model_state_dict(model, state_dict=tensors, adapter_name=adapter, save_embedding_layers=False)
-    keys = {}
-    for key, value in selected.items():
-        name = by_id.get(id(value))
-        if name is None:
-            raise RuntimeError(f"internal: peft's adapter entry {key} is not a tensor of the model")
-        keys[name] = key
-    return keys
+    return {by_id[id(value)]: key for key, value in selected.items()}
 
 
 def base_name(name: str) -> str:
@@ -101,26 +95,25 @@ def peft_view(
 
     merges: dict[str, list[LoraMerge]] = {}
     if for_merge:
-        config_types = {str(c.peft_type) for c in model.peft_config.values()}
-        if config_types != {"LORA"} and config_types != {"PeftType.LORA"}:
-            raise ValueError(f"export_hf(merge=True) merges LoRA adapters only; this model has {sorted(config_types)}")
+        config_types = sorted({c.peft_type.value for c in model.peft_config.values()})
+        if config_types != ["LORA"]:
+            raise ValueError(f"export_hf(merge=True) merges LoRA adapters only; this model has {config_types}")
         active = list(model.active_adapters)
         modnames = {id(m): clean_fqn(n) for n, m in model.named_modules()}
         bad = []
         for module in model.modules():
-            if ".modules_to_save" in modnames[id(module)]:
-                bad.append(f"{modnames[id(module)]} (modules_to_save)")
+            label = modnames[id(module)]
+            if ".modules_to_save" in label:
+                bad.append(f"{label} (modules_to_save)")
             if not isinstance(module, LoraLayer):
                 continue
-            label = modnames[id(module)]
             if not isinstance(module, LoraLinear):
                 bad.append(f"{label} ({type(module).__name__})")
-                continue
-            if any(a in getattr(module, "lora_magnitude_vector", {}) for a in active):
+            elif any(a in getattr(module, "lora_magnitude_vector", {}) for a in active):
                 bad.append(f"{label} (DoRA)")
-                continue
-            if any(getattr(module.lora_B[a], "bias", None) is not None for a in active if a in module.lora_B):
+            elif any(getattr(module.lora_B[a], "bias", None) is not None for a in active if a in module.lora_B):
                 bad.append(f"{label} (lora_bias)")
+            if bad:
                 continue
             weight = base_name(f"{label}.base_layer.weight")
             for a in active:

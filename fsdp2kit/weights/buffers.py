@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -19,19 +18,6 @@ def _to_meta(register: Callable, module: nn.Module, name: str, param: nn.Paramet
     if param is not None and not param.is_meta:
         param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
     register(module, name, param)
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Build modules for real on CPU, except that each parameter moves to meta as it is registered
-    (cheap even for a very large model), drawing from a fork of the random state."""
-    with (
-        torch.random.fork_rng(devices=[]),
-        torch.device("cpu"),
-        divert(nn.Module, "register_parameter", _to_meta),
-        quiet_imports(),
-    ):
-        yield
 
 
 def _rebuild_from_attributes(module: nn.Module) -> nn.Module:
@@ -64,7 +50,14 @@ def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.
         if not wanted:
             return
         try:
-            with parameters_on_meta():
+            # Built for real on CPU, but each parameter moves to meta as it is registered (cheap even
+            # for a very large model), drawing from a fork of the random state.
+            with (
+                torch.random.fork_rng(devices=[]),
+                torch.device("cpu"),
+                divert(nn.Module, "register_parameter", _to_meta),
+                quiet_imports(),
+            ):
                 twin = build()
         except Exception:
             return

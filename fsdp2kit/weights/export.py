@@ -21,8 +21,6 @@ from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-# Files one of which every tokenizer directory transformers loads holds.
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
 def parse_size(size: int | str) -> int:
@@ -50,7 +48,7 @@ def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: d
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a tokenizer (one of the files `AutoTokenizer` reads)."""
-    return any(Path(directory, f).is_file() for f in TOKENIZER_FILES)
+    return any(Path(directory, f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "tokenizer.model"))
 
 
 def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
@@ -91,23 +89,17 @@ def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, t
         if dtype is not None:
             config.dtype = dtype
         generation = copy.deepcopy(getattr(model, "generation_config", None))
-        for c in (config, generation):
+        for c in (config, generation) if generation is not None else (config,):
             for key, value in ids.items():
-                have = getattr(c, key, None) if c is not None else None
-                if c is not None and not (isinstance(have, list) and value in have):  # keep a list of EOS ids
+                if not (isinstance(getattr(c, key, None), list) and value in getattr(c, key)):  # keep a list of EOS ids
                     setattr(c, key, value)
-        config.save_pretrained(directory)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(directory)
+            c.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    t = t.detach()
-    if dtype is not None and t.is_floating_point():
-        t = t.to(dtype)
-    return t.cpu()
+    return t.detach().to("cpu", dtype=dtype if t.is_floating_point() else None)
 
 
 def export_hf(
@@ -214,25 +206,19 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
     return out.finish(last)
 
 
-def _load_config(config: Any, step_dir: Path):
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(config, PretrainedConfig):
-        return config
-    if config is not None:
-        return AutoConfig.from_pretrained(str(config), local_files_only=True)
-    for where in (step_dir, step_dir.parent):
-        if (where / "config.json").is_file():
-            return AutoConfig.from_pretrained(str(where), local_files_only=True)
-    raise FileNotFoundError(
-        f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
-        "directory / file holding config.json)"
-    )
-
-
-def _meta_model(config) -> nn.Module:
+def _meta_model(config: Any, step_dir: Path) -> nn.Module:
+    """The model of ``config`` (a transformers config or a path; default: the step's, else the root's
+    config.json) on the meta device, as the first class of its ``architectures``."""
     import transformers
 
+    if not isinstance(config, transformers.PretrainedConfig):
+        where = config or next((d for d in (step_dir, step_dir.parent) if (d / "config.json").is_file()), None)
+        if where is None:
+            raise FileNotFoundError(
+                f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
+                "directory / file holding config.json)"
+            )
+        config = transformers.AutoConfig.from_pretrained(str(where), local_files_only=True)
     classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
     build = next((c for c in classes if isinstance(c, type)), transformers.AutoModelForCausalLM.from_config)
     with torch.device("meta"):
@@ -271,19 +257,11 @@ def dcp_to_hf(
                 "frozen base): pass base= (--base) the pretrained model directory the run started from"
             )
         model = peft_model_from_checkpoint(step_dir, base)
-        return export_hf(
-            model,
-            out_dir,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            merge=merge,
-            tokenizer=tokenizer,
-        )
+        kwargs = dict(dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, merge=merge, tokenizer=tokenizer)
+        return export_hf(model, out_dir, **kwargs)
     if merge:
         raise ValueError(f"merge=True folds LoRA adapters into their base; {step_dir} is a full model's checkpoint")
-    config = _load_config(config, step_dir)
-    model = _meta_model(config)
+    model = _meta_model(config, step_dir)
     tok = _resolve_tokenizer(tokenizer, model)
     metadata = read_metadata(step_dir)
     stored = {  # the model's tensors, under the Checkpointer's "model" key

@@ -162,25 +162,17 @@ def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[],
 def _rank0_rng(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Inside: every rank draws from a copy of the mesh's first rank's random state, so that full
     tensors agree; on exit each rank's own state is back as it was (ranks keep their own streams)."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        _copy_first_rank_rng(model, device)
-        yield
-
-
-def _copy_first_rank_rng(model: nn.Module, device: torch.device) -> None:
-    """Set this rank's CPU (and CUDA) random state to the mesh's first rank's; nothing without a mesh."""
     meshes = model_meshes(model) if dist.is_initialized() else []
-    if not meshes:
-        return
-    mesh = meshes[0]
     states = [(torch.get_rng_state, torch.set_rng_state)]
     if device.type == "cuda":
         states.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
-    for get, put in states:
-        state = get().to(mesh_device(mesh.device_type))
-        for d in range(mesh.ndim):
-            dist.broadcast(state, group=mesh.get_group(d), group_src=0)
-        put(state.cpu())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        for get, put in states if meshes else ():  # without a mesh, this rank's own state
+            state = get().to(mesh_device(meshes[0].device_type))
+            for d in range(meshes[0].ndim):
+                dist.broadcast(state, group=meshes[0].get_group(d), group_src=0)
+            put(state.cpu())
+        yield
 
 
 def materialize(
