@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
 from fsdp2kit.precision import PRECISIONS, Precision, dtype_name, resolve_precision
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
@@ -19,11 +20,7 @@ __all__ = ["ShardPlan", "UnitPlan"]
 def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) -> torch.Size:
     """The part of a parameter one TP rank holds, what FSDP shards; ``planned`` (by ``id(p)``) gives it for a
     model TP has not been applied to (`estimate_plan`)."""
-    from torch.distributed.tensor import DTensor
-
-    if planned is not None and id(p) in planned:
-        return planned[id(p)]
-    return p.to_local().shape if isinstance(p, DTensor) else p.shape
+    return planned[id(p)] if planned and id(p) in planned else local_shard(p).shape
 
 
 def _sharded_numel(shape: torch.Size, shard: int) -> int:
@@ -61,7 +58,6 @@ class UnitPlan:
     n_params: int
     bytes_per_rank: int  # sharded parameters, trainable ones in their master dtype
     bytes_gathered: int  # unsharded parameters while the unit runs, in the compute dtype
-    trainable_numel_per_rank: int
     trainable_bytes_per_rank: int
     reshard_after_forward: bool | int
     modules: tuple[str, ...] = ()  # the fully_shard'ed modules' names ("" for the root)
@@ -101,7 +97,6 @@ class ShardPlan:
             n_params=sum(p.numel() for p in params),
             bytes_per_rank=per_rank,
             bytes_gathered=gathered,
-            trainable_numel_per_rank=sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) for p in trainable),
             trainable_bytes_per_rank=sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in trainable),
             reshard_after_forward=reshard_after_forward,
             modules=modules,
@@ -182,7 +177,6 @@ class ShardPlan:
             f"ShardPlan: {len(self.units)} FSDP units over mesh ({mesh}), strategy {self.strategy}, "
             f"precision {self.mixed_precision}" + (", CPU offload" if self.cpu_offload else "")
         )
-        head += "\n" + self.precision_line
         rows = [("unit", "params", "per rank", "gathered", "reshard")]
         for u in self.units:
             reshard = {True: "yes", False: "no"}.get(u.reshard_after_forward, f"to {u.reshard_after_forward}")
@@ -191,11 +185,11 @@ class ShardPlan:
             )
         rows.append(("total", fmt_count(self.n_params), fmt_bytes(self.param_bytes_per_rank), "", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = [head]
-        for i, r in enumerate(rows):
-            if i == len(rows) - 1:
-                lines.append("  ".join("-" * w for w in widths))
-            lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        rows.insert(-1, tuple("-" * w for w in widths))
+        lines = [head, self.precision_line]
+        lines += [
+            "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows
+        ]
         lines.append(
             f"per rank: parameters {fmt_bytes(self.param_bytes_per_rank)}, "
             f"gradients {fmt_bytes(self.grad_bytes_per_rank)}, "
