@@ -20,24 +20,20 @@ EXIT_PREEMPTED = 75
 
 def parse_signals(names: str | Iterable[str | int | signal.Signals]) -> list[signal.Signals]:
     """``"SIGTERM,SIGUSR1"`` (or ``"TERM, USR1"``, numbers, a list) -> signals; unknown names are a ValueError."""
-    items = names.split(",") if isinstance(names, str) else list(names)
     out = []
-    for item in items:
-        if isinstance(item, str):
-            name = item.strip().upper()
-            if not name:
-                continue
-            if name.isdigit():
-                item = int(name)
-            else:
-                name = name if name.startswith("SIG") else "SIG" + name
-                if not hasattr(signal.Signals, name):
-                    raise ValueError(f"unknown signal {item.strip()!r} (e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)")
-                item = signal.Signals[name]
+    for item in names.split(",") if isinstance(names, str) else names:
+        key = item.strip().upper() if isinstance(item, str) else item
+        if key == "":
+            continue
+        if isinstance(key, str) and not key.isdigit():
+            key = key if key.startswith("SIG") else "SIG" + key
+            if key not in signal.Signals.__members__:
+                raise ValueError(f"unknown signal {item.strip()!r} (e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)")
+            key = signal.Signals[key]
         try:
-            sig = signal.Signals(item)
+            sig = signal.Signals(int(key))
         except ValueError:
-            raise ValueError(f"unknown signal number {item!r}") from None
+            raise ValueError(f"unknown signal number {int(key)}") from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError(f"{sig.name} cannot be caught")
         out.append(sig)
@@ -45,23 +41,11 @@ def parse_signals(names: str | Iterable[str | int | signal.Signals]) -> list[sig
 
 
 class StopSignal:
-    """Catch stop signals on any rank; `should_stop` makes it every rank's decision at a step boundary.
-
-    ::
-
-        with fk.StopSignal() as stop:                    # SIGTERM, SIGUSR1 and SIGINT (Ctrl-C)
-            for step in ...:
-                train_one_step()
-                if stop.should_stop():                   # collective: one tiny all-reduce
-                    ck.save(step, model, optimizer=opt)  # every rank saves the same step
-                    sys.exit(fk.EXIT_PREEMPTED)
-
-    The handler only sets a flag (the current step finishes untouched); one all-reduce at the next boundary
-    makes every rank stop after the same step, whichever rank the scheduler signalled. After a first signal in
-    ``abort_on_repeat`` (a Ctrl-C), any stop signal more than ``repeat_after`` seconds later puts the previous
-    handlers back and raises `KeyboardInterrupt` (docs/long-runs.md, "Ctrl-C"). ``on_signal(sig)`` runs inside
-    the handler on the first signal (keep it to an ``os.write``). Create it in the main thread; `close` (or
-    the end of the ``with``) puts the previous handlers back.
+    """Catch stop signals on any rank (the handler only sets a flag); `should_stop` makes it every rank's decision
+    at a step boundary (README.md, "Long runs: ..."). After a first signal in ``abort_on_repeat`` (a Ctrl-C), any stop
+    signal more than ``repeat_after`` seconds later puts the previous handlers back and raises `KeyboardInterrupt`
+    (docs/long-runs.md, "Ctrl-C"). ``on_signal(sig)`` runs inside the handler on the first signal (keep it to an
+    ``os.write``). Create it in the main thread; `close` (or the end of the ``with``) puts the handlers back.
     """
 
     def __init__(
