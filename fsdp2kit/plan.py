@@ -11,7 +11,7 @@ import torch
 
 from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
-from fsdp2kit.precision import PRECISIONS, Precision, dtype_name, resolve_precision
+from fsdp2kit.precision import PRECISIONS, Precision, dtype_name
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["ShardPlan", "UnitPlan"]
@@ -77,36 +77,26 @@ class ShardPlan:
     master_numel: dict[str, int] = field(default_factory=dict)  # trainable elements by master dtype name
     cast_numel: dict[str, int] = field(default_factory=dict)  # of those, cast at sharding, by dtype as built
 
-    @classmethod
-    def unit(
-        cls,
+    def add_unit(
+        self,
         name: str,
         params: list[torch.nn.Parameter],
         shard: int,
-        precision: Precision | str | None,
         reshard_after_forward: bool | int,
         tp_shapes: Mapping[int, torch.Size] | None = None,
         modules: tuple[str, ...] = (),
-    ) -> UnitPlan:
-        prec = resolve_precision(precision)
-        per_rank = sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in params)
+    ) -> None:
+        """Append the unit that holds ``params``, and count its trainable parameters by master dtype (and
+        those that sharding casts, by their dtype as built)."""
+        prec = self.precision
+        sharded = [_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in params]
         gathered = sum(_gathered_bytes(p, prec, tp_shapes) for p in params)
-        trainable = [p for p in params if p.requires_grad]
-        return UnitPlan(
-            name=name,
-            n_params=sum(p.numel() for p in params),
-            bytes_per_rank=per_rank,
-            bytes_gathered=gathered,
-            trainable_bytes_per_rank=sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in trainable),
-            reshard_after_forward=reshard_after_forward,
-            modules=modules,
-        )
-
-    def count_masters(self, params: list[torch.nn.Parameter]) -> None:
-        """Record the master dtype of every trainable parameter, and which ones sharding casts."""
+        trainable = sum(b for b, p in zip(sharded, params) if p.requires_grad)
+        n = sum(p.numel() for p in params)
+        self.units.append(UnitPlan(name, n, sum(sharded), gathered, trainable, reshard_after_forward, modules))
         for p in params:
             if p.requires_grad:
-                master = self.precision.master(p)
+                master = prec.master(p)
                 self.master_numel[dtype_name(master)] = self.master_numel.get(dtype_name(master), 0) + p.numel()
                 if master != p.dtype:
                     self.cast_numel[dtype_name(p.dtype)] = self.cast_numel.get(dtype_name(p.dtype), 0) + p.numel()

@@ -269,8 +269,6 @@ def _layout(
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
-        module_names = tuple(names[id(m)] for m in modules)
-        plan.units.append(ShardPlan.unit(label, params, shard_size, precision, reshard, tp_shapes, module_names))
-        plan.count_masters(params)
+        plan.add_unit(label, params, shard_size, reshard, tp_shapes, tuple(names[id(m)] for m in modules))
     lookups = [g[0] for g in groups if len(g) == 1 and type(g[0]) is nn.Embedding]
     return _Layout(resolved, found, units, lookups, precision, plan)
