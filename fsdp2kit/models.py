@@ -62,14 +62,11 @@ def causal_lm_config(
             raise FileNotFoundError(f"model directory {name} has no config.json")
         config = AutoConfig.from_pretrained(name, local_files_only=True)
     else:
-        overrides = {}
+        config = llama_config(name)
         if vocab_size is not None:
-            overrides["vocab_size"] = vocab_size
+            config.vocab_size = vocab_size
         if max_seq_len is not None:
-            overrides["max_position_embeddings"] = max(
-                max_seq_len, NAMED_CONFIGS.get(name, {}).get("max_position_embeddings", 0)
-            )
-        config = llama_config(name, **overrides)
+            config.max_position_embeddings = max(max_seq_len, config.max_position_embeddings)
     if max_position_embeddings is not None:
         config.max_position_embeddings = max_position_embeddings
     return config

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2kit._internal.dtensor import local_shard
+from fsdp2kit.optim_offload import OffloadedAdamW
 
 __all__ = ["OPTIMIZERS", "block_for", "make_optimizer", "state_block", "state_bytes"]
 
@@ -139,7 +140,24 @@ def make_optimizer(
     params = [p for _, p in named]
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if offload:
-        return _offloaded(named, name, hyper, kwargs)
+        if name != "adamw":
+            raise ValueError(
+                f"make_optimizer({name!r}, offload=True): state offload is for 'adamw' (its fp32 state is what "
+                "offload moves; a low-bit state is already 4-8x smaller and its step is compiled for the device)"
+            )
+        off = [f"{n} ({local_shard(p).device})" for n, p in named if local_shard(p).device.type != "cuda"]
+        if off:
+            raise ValueError(
+                "make_optimizer(offload=True) keeps parameters and gradients on the GPU and the optimizer state in "
+                f"host memory, but {len(off)} trainable parameter(s) are not on a CUDA device, e.g. "
+                f"{', '.join(off[:2])}: on CPU there is nothing to offload (use offload=False); "
+                "shard_model(..., cpu_offload=True) moves parameters, gradients and state to the host together"
+            )
+        if kwargs:
+            raise ValueError(
+                f"make_optimizer(offload=True) takes AdamW's lr, betas, eps, weight_decay only, not {sorted(kwargs)}"
+            )
+        return OffloadedAdamW(params, **hyper)
     if name == "adamw":
         low = [n for n, p in named if p.dtype in (torch.bfloat16, torch.float16)]
         if low:  # pure_bf16 chosen, but with round-to-nearest updates: say so rather than switch silently
@@ -163,26 +181,3 @@ def make_optimizer(
     if any(p.dtype == torch.bfloat16 for p in params):  # round-to-nearest would lose updates under half a bf16 step
         kwargs.setdefault("bf16_stochastic_round", True)
     return _torchao_class(name)(params, **hyper, **kwargs)
-
-
-def _offloaded(named: list[tuple[str, torch.Tensor]], name: str, hyper: dict, kwargs: dict) -> torch.optim.Optimizer:
-    from fsdp2kit.optim_offload import OffloadedAdamW
-
-    if name != "adamw":
-        raise ValueError(
-            f"make_optimizer({name!r}, offload=True): state offload is for 'adamw' (its fp32 state is what "
-            "offload moves; a low-bit state is already 4-8x smaller and its step is compiled for the device)"
-        )
-    off = [f"{n} ({local_shard(p).device})" for n, p in named if local_shard(p).device.type != "cuda"]
-    if off:
-        raise ValueError(
-            f"make_optimizer(offload=True) keeps parameters and gradients on the GPU and the optimizer state in "
-            f"host memory, but {len(off)} trainable parameter(s) are not on a CUDA device, e.g. {', '.join(off[:2])}: "
-            "on CPU there is nothing to offload (use offload=False); shard_model(..., cpu_offload=True) moves "
-            "parameters, gradients and state to the host together"
-        )
-    if kwargs:
-        raise ValueError(
-            f"make_optimizer(offload=True) takes AdamW's lr, betas, eps, weight_decay only, not {sorted(kwargs)}"
-        )
-    return OffloadedAdamW([p for _, p in named], **hyper)
