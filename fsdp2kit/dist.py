@@ -12,14 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = [
-    "DistInfo",
-    "data_parallel_mesh",
-    "fsdp_mesh_shape",
-    "init_distributed",
-    "make_mesh",
-    "mesh_device",
-]
+__all__ = ["DistInfo", "data_parallel_mesh", "fsdp_mesh_shape", "init_distributed", "make_mesh", "mesh_device"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +65,7 @@ def init_distributed(
         raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
 
     local_rank = _env_int("LOCAL_RANK", 0)
+    dev = torch.device("cuda", local_rank) if dev_type == "cuda" else torch.device("cpu")
     if dev_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
@@ -79,9 +73,6 @@ def init_distributed(
                 "launch at most one process per GPU (torchrun --nproc_per_node)"
             )
         torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
 
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if dev_type == "cuda" else "gloo"
@@ -187,8 +178,10 @@ SHARD_CP = "shard_cp"
 def fsdp_mesh_shape(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The (shape, names) FSDP sees on a mesh of this shape: ``"shard"`` and ``"cp"`` folded into one
     ``"shard_cp"`` dimension of their product (the cp ranks share parameter shards); others as given."""
-    cp = dict(zip(names, shape)).get("cp", 1)
-    dims = [(SHARD_CP, s * cp) if n == "shard" and "cp" in names else (n, s) for n, s in zip(names, shape) if n != "cp"]
+    cp = dict(zip(names, shape)).get("cp")
+    if cp is None:
+        return tuple(shape), tuple(names)
+    dims = [(SHARD_CP, s * cp) if n == "shard" else (n, s) for n, s in zip(names, shape) if n != "cp"]
     return tuple(s for _, s in dims), tuple(n for n, _ in dims)
 
 

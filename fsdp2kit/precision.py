@@ -12,14 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = [
-    "PRECISIONS",
-    "Precision",
-    "cast_masters",
-    "dtype_name",
-    "resolve_precision",
-    "warn_as_built",
-]
+__all__ = ["PRECISIONS", "Precision", "cast_masters", "dtype_name", "resolve_precision", "warn_as_built"]
 
 
 @dataclass(frozen=True)

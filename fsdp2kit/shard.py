@@ -226,9 +226,7 @@ def _layout(
             "data-parallel dimensions"
         )
     check_not_sharded(model)
-    found = find_blocks(model, blocks)
-    if any(b is model for b in found):
-        raise ValueError("the root module cannot be one of its own blocks")
+    found = find_blocks(model, blocks)  # children only: the root is never one of its own blocks
     groups, unit_of = assign_units(model, found)
 
     precision = resolve_precision(mixed_precision)
