@@ -23,10 +23,6 @@ def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) 
     return planned[id(p)] if planned and id(p) in planned else local_shard(p).shape
 
 
-def _sharded_numel(shape: torch.Size, shard: int) -> int:
-    return math.ceil(shape[0] / shard) * math.prod(shape[1:]) if len(shape) else 1
-
-
 def _sharded_bytes(
     p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None, dtype: torch.dtype | None = None
 ) -> int:
@@ -40,7 +36,9 @@ def _sharded_bytes(
             parts = shard if attr in NF4_ROW_TENSORS else 1
             total += math.ceil(t.numel() / parts) * t.element_size()
         return total
-    return _sharded_numel(_tp_shape(p, tp_shapes), shard) * (dtype or p.dtype).itemsize
+    shape = _tp_shape(p, tp_shapes)
+    numel = math.ceil(shape[0] / shard) * math.prod(shape[1:]) if len(shape) else 1
+    return numel * (dtype or p.dtype).itemsize
 
 
 def _gathered_bytes(p: torch.Tensor, precision: Precision, tp_shapes: Mapping[int, torch.Size] | None) -> int:
@@ -153,10 +151,6 @@ class ShardPlan:
         return 2 * self.grad_bytes_per_rank
 
     @property
-    def largest_gather_bytes(self) -> int:
-        return max((u.bytes_gathered for u in self.units), default=0)
-
-    @property
     def state_bytes_per_rank(self) -> int:
         """Parameters + gradients + Adam state per rank: the floor that activations come on top of."""
         return self.param_bytes_per_rank + self.grad_bytes_per_rank + self.adam_bytes_per_rank
@@ -184,6 +178,6 @@ class ShardPlan:
             f"per rank: parameters {fmt_bytes(self.param_bytes_per_rank)}, "
             f"gradients {fmt_bytes(self.grad_bytes_per_rank)}, "
             f"Adam state {fmt_bytes(self.adam_bytes_per_rank)} (sum {fmt_bytes(self.state_bytes_per_rank)}); "
-            f"largest all-gather {fmt_bytes(self.largest_gather_bytes)}"
+            f"largest all-gather {fmt_bytes(max((u.bytes_gathered for u in self.units), default=0))}"
         )
         return "\n".join(lines)

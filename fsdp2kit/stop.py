@@ -89,14 +89,11 @@ class StopSignal:
     def should_stop(self, device: torch.device | str = "cpu", group=None) -> bool:
         """Whether any rank has received a signal: the same answer on every rank. Collective: one all-reduce (MAX)
         of the highest rank that received one (plus one) and its signal, kept in `by_rank` and `agreed_signal`."""
-        if not dist.is_initialized():
-            self.by_rank = 0 if self.requested else None
-            self.agreed_signal = self.received
-            return self.requested
-        rank = dist.get_rank(group)
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
         mine = [rank + 1, int(self.received)] if self.requested else [0, 0]
         flag = torch.tensor(mine, dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         by, sig = flag.tolist()
         self.by_rank = by - 1 if by else None
         self.agreed_signal = signal.Signals(sig) if sig else None
