@@ -94,17 +94,17 @@ class _NoAutogradCache:
             return step(self, closure)
 
 
-def state_block(name: str, shape: Sequence[int], block: int | None = None) -> int | None:
+def state_block(name: str, shape: Sequence[int]) -> int | None:
     """The block of optimizer ``name``'s quantized state for a parameter of global ``shape``, or None
     (full-precision state, or not a low-bit optimizer): `block_for` with the class's default block."""
-    return block_for(shape, block or _BLOCK[name]) if name in _BLOCK else None
+    return block_for(shape, _BLOCK[name]) if name in _BLOCK else None
 
 
-def state_bytes(numel: int, dtype: torch.dtype, name: str, shape: Sequence[int], *, block: int | None = None) -> int:
+def state_bytes(numel: int, dtype: torch.dtype, name: str, shape: Sequence[int]) -> int:
     """Bytes of optimizer state ``name`` (one of `OPTIMIZERS`) for one local tensor of ``numel`` elements in
     ``dtype``, a shard of a parameter of global ``shape``: the classes' own allocation, for each of the two
     states the codes, an fp32 scale a block and the code table; the 0-d ``step`` is not counted."""
-    block = state_block(name, shape, block)
+    block = state_block(name, shape)
     if block is None or numel == 0:
         return 2 * numel * dtype.itemsize
     codes = numel // 2 if name == "adamw4bit" else numel

@@ -42,7 +42,7 @@ def parse_signals(names: str | Iterable[str | int | signal.Signals]) -> list[sig
 
 class StopSignal:
     """Catch stop signals on any rank (the handler only sets a flag); `should_stop` makes it every rank's decision
-    at a step boundary (README.md, "Long runs: ..."). After a first signal in ``abort_on_repeat`` (a Ctrl-C), any stop
+    at a step boundary (README.md, "Long runs: ..."). After a first SIGINT (a Ctrl-C), any stop
     signal more than ``repeat_after`` seconds later puts the previous handlers back and raises `KeyboardInterrupt`
     (docs/long-runs.md, "Ctrl-C"). ``on_signal(sig)`` runs inside the handler on the first signal (keep it to an
     ``os.write``). Create it in the main thread; `close` (or the end of the ``with``) puts the handlers back.
@@ -52,12 +52,10 @@ class StopSignal:
         self,
         signals: str | Iterable[str | int | signal.Signals] = "SIGTERM,SIGUSR1,SIGINT",
         *,
-        abort_on_repeat: str | Iterable[str | int | signal.Signals] = "SIGINT",
         repeat_after: float = 0.5,
         on_signal: Callable[[signal.Signals], None] | None = None,
     ):
         self.signals = parse_signals(signals)
-        self.abort_on_repeat = set(parse_signals(abort_on_repeat))
         self.repeat_after = repeat_after
         self.on_signal = on_signal
         self.received: signal.Signals | None = None
@@ -77,7 +75,7 @@ class StopSignal:
             self.received, self.received_at = sig, now
             if self.on_signal is not None:
                 self.on_signal(sig)
-        elif self.received in self.abort_on_repeat and now - self.received_at > self.repeat_after:
+        elif self.received == signal.SIGINT and now - self.received_at > self.repeat_after:
             self.close()
             raise KeyboardInterrupt(f"{sig.name} after {self.received.name}: aborted")
 
