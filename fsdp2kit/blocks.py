@@ -80,9 +80,8 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[nn.Module]
         found = _outermost(model, lambda m: isinstance(m, classes))
         how = f"no module is an instance of {[c.__name__ for c in classes]}"
     elif callable(blocks):
-        predicate = blocks
-        found = _outermost(model, lambda m: bool(predicate(m)))
-        how = f"the predicate {getattr(predicate, '__name__', predicate)!r} matched no module"
+        found = _outermost(model, lambda m: bool(blocks(m)))
+        how = f"the predicate {getattr(blocks, '__name__', blocks)!r} matched no module"
     else:
         raise TypeError(
             f"blocks must be 'auto', a module class, a list of module classes or a predicate; got {blocks!r}"
