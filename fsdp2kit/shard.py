@@ -120,16 +120,11 @@ def shard_model(
         reshard_after_forward: overrides the strategy for every unit: ``True`` / ``False``, or an int, the
             group size to reshard to after forward (e.g. GPUs per node). ``None`` keeps the strategy's
             default, under which the last block, where backward starts, does not reshard.
-        mixed_precision: ``"bf16"`` / ``"fp16"``: compute in that dtype, reduce gradients in fp32, fp32 master
-            weights whatever the dtype built or stored (frozen parameters keep theirs). ``"pure_bf16"``: bf16
-            parameters, gradients and optimizer state, on purpose. ``"fp32"``. ``None`` or a
-            ``MixedPrecisionPolicy``: parameters trained as built (a warning when trainable ones are 16-bit).
+        mixed_precision: ``"bf16"`` / ``"fp16"`` (that compute over fp32 master weights), ``"pure_bf16"``, ``"fp32"``,
+            or ``None`` / a ``MixedPrecisionPolicy`` (trained as built): docs/internals.md, fsdp2kit/precision.py.
             The plan's precision line names the master and optimizer-state dtypes (`fsdp2kit.precision`).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer
             step runs on CPU).
-
-    On any backend, an embedding unit that is one plain ``nn.Embedding`` is not all-gathered
-    again in backward (a lookup's gradient does not read the table); tied to a head, it is.
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
     optimizer built before is found at the model's first forward and raises on its first step).
