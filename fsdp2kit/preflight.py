@@ -21,7 +21,6 @@ __all__ = [
     "check_nf4_shards",
     "check_not_sharded",
     "check_optimizers_at_first_forward",
-    "mark_frozen",
     "mark_replaced",
 ]
 
@@ -117,13 +116,6 @@ def mark_replaced(params: dict[str, nn.Parameter]) -> None:
         setattr(param, SHARDED_AS, name)
 
 
-def mark_frozen(params: dict[str, nn.Parameter]) -> None:
-    """Tag the sharded parameters that are frozen, so an optimizer holding them can be refused."""
-    for name, param in params.items():
-        if not param.requires_grad:
-            setattr(param, FROZEN_AS, name)
-
-
 def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -148,7 +140,10 @@ def check_optimizers_at_first_forward(model: nn.Module, replaced: Iterable[nn.Pa
     """At ``model``'s first forward, give every optimizer that holds a parameter ``shard_model`` replaced (its
     loss would not move), or a frozen sharded one, a step pre-hook that raises. Nothing global is installed:
     only while a replaced parameter is alive (weakly watched) or the model has frozen ones are the process's
-    optimizers looked up, once."""
+    optimizers looked up, once. Call it after sharding: it tags the frozen sharded parameters here."""
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            setattr(param, FROZEN_AS, name)
     watched = [weakref.ref(p) for p in replaced]
 
     def first_forward(module: nn.Module, args: tuple) -> None:

@@ -22,7 +22,6 @@ from fsdp2kit.preflight import (
     check_nf4_shards,
     check_not_sharded,
     check_optimizers_at_first_forward,
-    mark_frozen,
     mark_replaced,
 )
 from fsdp2kit.units import assign_units, dtype_subunits
@@ -156,7 +155,6 @@ def shard_model(
         # backward of a lookup scatters the output gradient by index: the table is not read
         table.set_unshard_in_backward(False)
 
-    mark_frozen(dict(model.named_parameters()))
     check_optimizers_at_first_forward(model, replaced.values())
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
     return layout.plan
