@@ -207,7 +207,9 @@ def _nf4_bytes_world(world: int) -> int:
 
     model, _, _ = build_model("qlora")
     nf4 = [p for p in model.parameters() if type(p).__name__ == "NF4Tensor"]
-    return ShardPlan.unit("nf4", nf4, world, None, True).bytes_per_rank
+    plan = ShardPlan("FULL_SHARD", (world,), ("shard",), "fp32", False)
+    plan.add_unit("nf4", nf4, world, True)
+    return plan.param_bytes_per_rank
 
 
 def main() -> None:

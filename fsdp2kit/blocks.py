@@ -28,21 +28,6 @@ def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.
     return found
 
 
-def _declared_block_classes(model: nn.Module) -> set[str]:
-    """Class names the model's modules say must not be split (transformers' ``_no_split_modules``; composite
-    models declare them on their sub-models)."""
-    names: set[str] = set()
-    for module in model.modules():
-        declared = getattr(module, "_no_split_modules", None)
-        if declared:
-            names.update(declared)
-    return names
-
-
-def _n_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def _largest_repeated_children(model: nn.Module) -> list[nn.Module]:
     """The largest set of same-class siblings by parameter count (decoder layers, not the experts inside)."""
     best: list[nn.Module] = []
@@ -54,7 +39,7 @@ def _largest_repeated_children(model: nn.Module) -> list[nn.Module]:
         for siblings in by_class.values():
             if len(siblings) < 2:
                 continue
-            size = sum(_n_params(m) for m in siblings)
+            size = sum(p.numel() for m in siblings for p in m.parameters())
             if size > best_size:
                 best, best_size = siblings, size
     return best
@@ -75,7 +60,8 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[nn.Module]
     if isinstance(blocks, str):
         if blocks != "auto":
             raise ValueError(f"blocks={blocks!r}: the only string accepted is 'auto'; pass classes or a predicate")
-        declared = _declared_block_classes(model)
+        # transformers' _no_split_modules: composite models declare them on their sub-models
+        declared = {c for m in model.modules() for c in getattr(m, "_no_split_modules", None) or ()}
         found = _outermost(model, lambda m: type(m).__name__ in declared) if declared else []
         if not found:
             found = _largest_repeated_children(model)
@@ -94,9 +80,8 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[nn.Module]
         found = _outermost(model, lambda m: isinstance(m, classes))
         how = f"no module is an instance of {[c.__name__ for c in classes]}"
     elif callable(blocks):
-        predicate = blocks
-        found = _outermost(model, lambda m: bool(predicate(m)))
-        how = f"the predicate {getattr(predicate, '__name__', predicate)!r} matched no module"
+        found = _outermost(model, lambda m: bool(blocks(m)))
+        how = f"the predicate {getattr(blocks, '__name__', blocks)!r} matched no module"
     else:
         raise TypeError(
             f"blocks must be 'auto', a module class, a list of module classes or a predicate; got {blocks!r}"

@@ -12,15 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = [
-    "DistInfo",
-    "data_parallel_mesh",
-    "default_device_type",
-    "fsdp_mesh_shape",
-    "init_distributed",
-    "make_mesh",
-    "mesh_device",
-]
+__all__ = ["DistInfo", "data_parallel_mesh", "fsdp_mesh_shape", "init_distributed", "make_mesh", "mesh_device"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +26,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def default_device_type() -> str:
-    """The accelerator type the process group runs on: "cuda" when there is one, else "cpu"."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -71,13 +58,14 @@ def init_distributed(
     """
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
-    dev_type = device or default_device_type()
+    dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev_type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dev_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
 
     local_rank = _env_int("LOCAL_RANK", 0)
+    dev = torch.device("cuda", local_rank) if dev_type == "cuda" else torch.device("cpu")
     if dev_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
@@ -85,9 +73,6 @@ def init_distributed(
                 "launch at most one process per GPU (torchrun --nproc_per_node)"
             )
         torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
 
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if dev_type == "cuda" else "gloo"
@@ -104,13 +89,7 @@ def init_distributed(
         atexit.unregister(_settle_gloo_workers)  # once per process, however many groups come and go
         atexit.register(_settle_gloo_workers)
 
-    return DistInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=local_rank,
-        device=dev,
-        backend=str(dist.get_backend()),
-    )
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, str(dist.get_backend()))
 
 
 def _settle_gloo_workers(seconds: float = 0.05) -> None:
@@ -167,7 +146,7 @@ def make_mesh(
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs a process group: call fsdp2kit.init_distributed() first")
     world = dist.get_world_size()
-    dev = device_type or default_device_type()
+    dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
 
     for name, value in (("shard", shard), ("replicate", replicate), ("tp", tp), ("cp", cp)):
         allowed_infer = name not in ("tp", "cp")
@@ -187,14 +166,9 @@ def make_mesh(
         replicate = dp // shard if dp else 0
     if shard * replicate * cp * tp != world or shard < 1 or replicate < 1:
         raise ValueError(f"make_mesh: {given} does not fit the world size {world}; sizes that work: {_fits(world, cp)}")
-    shape, names = [shard], ["shard"]
-    if replicate > 1:
-        shape, names = [replicate, *shape], ["replicate", *names]
-    if cp > 1:
-        shape, names = [*shape, cp], [*names, "cp"]
-    if tp > 1:
-        shape, names = [*shape, tp], [*names, "tp"]
-    return init_device_mesh(dev, tuple(shape), mesh_dim_names=tuple(names))
+    sizes = {"replicate": replicate, "shard": shard, "cp": cp, "tp": tp}
+    dims = {n: s for n, s in sizes.items() if s > 1 or n == "shard"}
+    return init_device_mesh(dev, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
 # The name of the flattened ("shard", "cp") dimension FSDP shards over (torchtitan's dp_shard_cp).
@@ -204,18 +178,11 @@ SHARD_CP = "shard_cp"
 def fsdp_mesh_shape(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The (shape, names) FSDP sees on a mesh of this shape: ``"shard"`` and ``"cp"`` folded into one
     ``"shard_cp"`` dimension of their product (the cp ranks share parameter shards); others as given."""
-    if "cp" not in names:
+    cp = dict(zip(names, shape)).get("cp")
+    if cp is None:
         return tuple(shape), tuple(names)
-    size = dict(zip(names, shape))
-    out_shape, out_names = [], []
-    for n, s in zip(names, shape):
-        if n == "shard":
-            out_shape.append(s * size["cp"])
-            out_names.append(SHARD_CP)
-        elif n != "cp":
-            out_shape.append(s)
-            out_names.append(n)
-    return tuple(out_shape), tuple(out_names)
+    dims = [(SHARD_CP, s * cp) if n == "shard" else (n, s) for n, s in zip(names, shape) if n != "cp"]
+    return tuple(s for _, s in dims), tuple(n for n, _ in dims)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -34,18 +34,11 @@ def clip_grad_norm_(
 
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for g in grads:
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        by_mesh.setdefault(key, []).append(g)
-
-    partial_norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=None)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # the reduction over the shards happens here
-        partial_norms.append(norm)
-    device = grads[0].device
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in partial_norms])
-    total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
+        by_mesh.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
+    norms = [torch.nn.utils.get_total_norm(group, norm_type, foreach=None) for group in by_mesh.values()]
+    # a DTensor norm is this rank's part: full_tensor reduces it over the shards
+    norms = [(n.full_tensor() if isinstance(n, DTensor) else n).to(grads[0].device, torch.float32) for n in norms]
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
 
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")

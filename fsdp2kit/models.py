@@ -62,14 +62,11 @@ def causal_lm_config(
             raise FileNotFoundError(f"model directory {name} has no config.json")
         config = AutoConfig.from_pretrained(name, local_files_only=True)
     else:
-        overrides = {}
+        config = llama_config(name)
         if vocab_size is not None:
-            overrides["vocab_size"] = vocab_size
+            config.vocab_size = vocab_size
         if max_seq_len is not None:
-            overrides["max_position_embeddings"] = max(
-                max_seq_len, NAMED_CONFIGS.get(name, {}).get("max_position_embeddings", 0)
-            )
-        config = llama_config(name, **overrides)
+            config.max_position_embeddings = max(max_seq_len, config.max_position_embeddings)
     if max_position_embeddings is not None:
         config.max_position_embeddings = max_position_embeddings
     return config
@@ -82,21 +79,12 @@ def max_positions(model_or_config) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
-def build_causal_lm(
-    name: str,
-    *,
-    vocab_size: int | None = None,
-    max_seq_len: int | None = None,
-    max_position_embeddings: int | None = None,
-    meta: bool = True,
-    device: torch.device | str = "cpu",
-) -> nn.Module:
-    """A randomly initialised causal LM from `causal_lm_config`: on the meta device (shard it, then
-    `fsdp2kit.materialize` or `fsdp2kit.load_pretrained`), or with ``meta=False`` on ``device``."""
+def build_causal_lm(name: str, *, meta: bool = True, device: torch.device | str = "cpu", **config_args) -> nn.Module:
+    """A randomly initialised causal LM from `causal_lm_config` (``config_args`` are its keyword arguments): on the
+    meta device (shard it, then `fsdp2kit.materialize` or `fsdp2kit.load_pretrained`), or with ``meta=False`` on
+    ``device``."""
     from transformers import AutoModelForCausalLM
 
-    config = causal_lm_config(
-        name, vocab_size=vocab_size, max_seq_len=max_seq_len, max_position_embeddings=max_position_embeddings
-    )
+    config = causal_lm_config(name, **config_args)
     with torch.device("meta" if meta else device), quiet_imports():
         return AutoModelForCausalLM.from_config(config)

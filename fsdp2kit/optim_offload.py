@@ -1,25 +1,6 @@
 """Optimizer-state offload: parameters and gradients stay on the GPU, AdamW's state and step live in
-pinned host memory, and the update runs on the CPU (`make_optimizer(..., offload=True)`).
-
-Why not torchao's ``CPUOffloadOptimizer`` (0.18): it starts each gradient's copy to the host from a
-``register_post_accumulate_grad_hook``, and FSDP2 assigns the reduce-scattered gradient to the
-sharded parameter itself, outside autograd's accumulation, so (as its code reads) the hook never
-fires and the offloaded parameters are never stepped; its state dict is keyed per inner optimizer,
-not by parameter, so DCP cannot reshard it. See docs/optimizers.md, Offload.
-
-What this one does, per step: every local gradient shard and parameter shard is copied to its
-pinned host buffer (one synchronisation for all of them), torch's single-tensor AdamW updates the
-host copy with the host state, and the result is copied back (asynchronously: the next step's
-copies into the same buffers are ordered after it on the same stream). The parameter travels both
-ways each step (3 x its bytes over PCIe) instead of keeping an fp32 master on the host, so a
-`Checkpointer.load` or any edit of the parameters between steps is seen. The copies are not
-overlapped with the backward yet: that needs a point after each FSDP unit's reduce-scatter, which
-FSDP2 does not expose as a hook.
-
-The state is AdamW's own (``step``, ``exp_avg``, ``exp_avg_sq``), held as DTensors with the
-parameters' placements whose local tensors are the pinned host buffers (as FSDP2's own CPU offload
-holds parameters): `get_optimizer_state_dict`, DCP and the Checkpointer save, load and reshard it
-as they do AdamW's, and a checkpoint moves between offloaded and on-device AdamW (same class name).
+pinned host memory, and the update runs on the CPU (`make_optimizer(..., offload=True)`). How it works,
+what it does not do yet, and why not torchao's ``CPUOffloadOptimizer``: docs/optimizers.md, "Offload".
 """
 
 from __future__ import annotations
@@ -28,11 +9,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from fsdp2kit._internal.dtensor import local_shard
+
 __all__ = ["OffloadedAdamW"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -45,27 +24,21 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 class OffloadedAdamW(torch.optim.AdamW):
-    """torch's AdamW (decoupled weight decay) with its state and update in pinned host memory.
-
-    ``pin`` defaults to whether the parameters are on an accelerator; `make_optimizer` builds it for
-    CUDA parameters only (on CPU there is nothing to offload). ``amsgrad``, ``foreach``, ``fused``,
-    ``capturable`` and ``differentiable`` are not offered.
+    """torch's AdamW (decoupled weight decay) with its state and update in host memory, pinned for parameters
+    on an accelerator. ``amsgrad``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are not offered.
     """
 
-    def __init__(self, params, *, lr: float, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, pin: bool | None = None):
+    def __init__(self, params, *, lr: float, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self._buffers: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                local = _local(p)
-                pinned = local.device.type != "cpu" if pin is None else pin
-
-                def host(pinned=pinned, local=local):
-                    return torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=pinned)
-
-                self._buffers[p] = (host(), host())  # the parameter's and the gradient's way through the host
+                local = local_shard(p)
+                pinned = local.device.type != "cpu"
+                host = [torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=pinned) for _ in range(4)]
+                self._buffers[p] = (host[0], host[1])  # the parameter's and the gradient's way through the host
                 # Made now, not at the first step: a checkpoint loads into them before any step.
-                self.state[p].update(step=torch.tensor(0.0), exp_avg=_like(p, host()), exp_avg_sq=_like(p, host()))
+                self.state[p].update(step=torch.tensor(0.0), exp_avg=_like(p, host[2]), exp_avg_sq=_like(p, host[3]))
 
     def load_state_dict(self, state_dict) -> None:
         # torch's load moves each state tensor to its parameter's device (the GPU); copy the loaded
@@ -75,8 +48,8 @@ class OffloadedAdamW(torch.optim.AdamW):
         with torch.no_grad():
             for p, (avg, avg_sq) in host.items():
                 state = self.state[p]
-                _local(avg).copy_(_local(state["exp_avg"]))
-                _local(avg_sq).copy_(_local(state["exp_avg_sq"]))
+                local_shard(avg).copy_(local_shard(state["exp_avg"]))
+                local_shard(avg_sq).copy_(local_shard(state["exp_avg_sq"]))
                 state.update(exp_avg=avg, exp_avg_sq=avg_sq, step=state["step"].to("cpu"))
 
     @torch.no_grad()
@@ -91,10 +64,10 @@ class OffloadedAdamW(torch.optim.AdamW):
                 if p.grad is None:
                     continue
                 param_buf, grad_buf = self._buffers[p]
-                param_buf.copy_(_local(p), non_blocking=True)
-                grad_buf.copy_(_local(p.grad), non_blocking=True)
+                param_buf.copy_(local_shard(p), non_blocking=True)
+                grad_buf.copy_(local_shard(p.grad), non_blocking=True)
                 todo.append((group, p))
-        devices = {_local(p).device for _, p in todo if _local(p).device.type == "cuda"}
+        devices = {local_shard(p).device for _, p in todo if local_shard(p).device.type == "cuda"}
         for device in devices:  # the host update reads what the device-to-host copies wrote
             torch.cuda.current_stream(device).synchronize()
         for group, p in todo:
@@ -103,8 +76,8 @@ class OffloadedAdamW(torch.optim.AdamW):
             adamw(
                 [param_buf],
                 [grad_buf],
-                [_local(state["exp_avg"])],
-                [_local(state["exp_avg_sq"])],
+                [local_shard(state["exp_avg"])],
+                [local_shard(state["exp_avg_sq"])],
                 [],
                 [state["step"]],
                 foreach=False,
@@ -116,5 +89,6 @@ class OffloadedAdamW(torch.optim.AdamW):
                 eps=group["eps"],
                 maximize=group["maximize"],
             )
-            _local(p).copy_(param_buf, non_blocking=True)
+            # asynchronous: the next step's copies into the same buffers are ordered after it on the same stream
+            local_shard(p).copy_(param_buf, non_blocking=True)
         return loss

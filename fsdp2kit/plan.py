@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp2kit._internal.dtensor import local_shard
 from fsdp2kit._internal.fmt import fmt_bytes, fmt_count
-from fsdp2kit.precision import PRECISIONS, Precision, dtype_name, resolve_precision
+from fsdp2kit.precision import PRECISIONS, Precision, dtype_name
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["ShardPlan", "UnitPlan"]
@@ -19,15 +20,7 @@ __all__ = ["ShardPlan", "UnitPlan"]
 def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) -> torch.Size:
     """The part of a parameter one TP rank holds, what FSDP shards; ``planned`` (by ``id(p)``) gives it for a
     model TP has not been applied to (`estimate_plan`)."""
-    from torch.distributed.tensor import DTensor
-
-    if planned is not None and id(p) in planned:
-        return planned[id(p)]
-    return p.to_local().shape if isinstance(p, DTensor) else p.shape
-
-
-def _sharded_numel(shape: torch.Size, shard: int) -> int:
-    return math.ceil(shape[0] / shard) * math.prod(shape[1:]) if len(shape) else 1
+    return planned[id(p)] if planned and id(p) in planned else local_shard(p).shape
 
 
 def _sharded_bytes(
@@ -43,7 +36,9 @@ def _sharded_bytes(
             parts = shard if attr in NF4_ROW_TENSORS else 1
             total += math.ceil(t.numel() / parts) * t.element_size()
         return total
-    return _sharded_numel(_tp_shape(p, tp_shapes), shard) * (dtype or p.dtype).itemsize
+    shape = _tp_shape(p, tp_shapes)
+    numel = math.ceil(shape[0] / shard) * math.prod(shape[1:]) if len(shape) else 1
+    return numel * (dtype or p.dtype).itemsize
 
 
 def _gathered_bytes(p: torch.Tensor, precision: Precision, tp_shapes: Mapping[int, torch.Size] | None) -> int:
@@ -61,7 +56,6 @@ class UnitPlan:
     n_params: int
     bytes_per_rank: int  # sharded parameters, trainable ones in their master dtype
     bytes_gathered: int  # unsharded parameters while the unit runs, in the compute dtype
-    trainable_numel_per_rank: int
     trainable_bytes_per_rank: int
     reshard_after_forward: bool | int
     modules: tuple[str, ...] = ()  # the fully_shard'ed modules' names ("" for the root)
@@ -81,37 +75,26 @@ class ShardPlan:
     master_numel: dict[str, int] = field(default_factory=dict)  # trainable elements by master dtype name
     cast_numel: dict[str, int] = field(default_factory=dict)  # of those, cast at sharding, by dtype as built
 
-    @classmethod
-    def unit(
-        cls,
+    def add_unit(
+        self,
         name: str,
         params: list[torch.nn.Parameter],
         shard: int,
-        precision: Precision | str | None,
         reshard_after_forward: bool | int,
         tp_shapes: Mapping[int, torch.Size] | None = None,
         modules: tuple[str, ...] = (),
-    ) -> UnitPlan:
-        prec = resolve_precision(precision)
-        per_rank = sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in params)
+    ) -> None:
+        """Append the unit that holds ``params``, and count its trainable parameters by master dtype (and
+        those that sharding casts, by their dtype as built)."""
+        prec = self.precision
+        sharded = [_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in params]
         gathered = sum(_gathered_bytes(p, prec, tp_shapes) for p in params)
-        trainable = [p for p in params if p.requires_grad]
-        return UnitPlan(
-            name=name,
-            n_params=sum(p.numel() for p in params),
-            bytes_per_rank=per_rank,
-            bytes_gathered=gathered,
-            trainable_numel_per_rank=sum(_sharded_numel(_tp_shape(p, tp_shapes), shard) for p in trainable),
-            trainable_bytes_per_rank=sum(_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in trainable),
-            reshard_after_forward=reshard_after_forward,
-            modules=modules,
-        )
-
-    def count_masters(self, params: list[torch.nn.Parameter]) -> None:
-        """Record the master dtype of every trainable parameter, and which ones sharding casts."""
+        trainable = sum(b for b, p in zip(sharded, params) if p.requires_grad)
+        n = sum(p.numel() for p in params)
+        self.units.append(UnitPlan(name, n, sum(sharded), gathered, trainable, reshard_after_forward, modules))
         for p in params:
             if p.requires_grad:
-                master = self.precision.master(p)
+                master = prec.master(p)
                 self.master_numel[dtype_name(master)] = self.master_numel.get(dtype_name(master), 0) + p.numel()
                 if master != p.dtype:
                     self.cast_numel[dtype_name(p.dtype)] = self.cast_numel.get(dtype_name(p.dtype), 0) + p.numel()
@@ -168,10 +151,6 @@ class ShardPlan:
         return 2 * self.grad_bytes_per_rank
 
     @property
-    def largest_gather_bytes(self) -> int:
-        return max((u.bytes_gathered for u in self.units), default=0)
-
-    @property
     def state_bytes_per_rank(self) -> int:
         """Parameters + gradients + Adam state per rank: the floor that activations come on top of."""
         return self.param_bytes_per_rank + self.grad_bytes_per_rank + self.adam_bytes_per_rank
@@ -182,7 +161,6 @@ class ShardPlan:
             f"ShardPlan: {len(self.units)} FSDP units over mesh ({mesh}), strategy {self.strategy}, "
             f"precision {self.mixed_precision}" + (", CPU offload" if self.cpu_offload else "")
         )
-        head += "\n" + self.precision_line
         rows = [("unit", "params", "per rank", "gathered", "reshard")]
         for u in self.units:
             reshard = {True: "yes", False: "no"}.get(u.reshard_after_forward, f"to {u.reshard_after_forward}")
@@ -191,15 +169,15 @@ class ShardPlan:
             )
         rows.append(("total", fmt_count(self.n_params), fmt_bytes(self.param_bytes_per_rank), "", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = [head]
-        for i, r in enumerate(rows):
-            if i == len(rows) - 1:
-                lines.append("  ".join("-" * w for w in widths))
-            lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        rows.insert(-1, tuple("-" * w for w in widths))
+        lines = [head, self.precision_line]
+        lines += [
+            "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows
+        ]
         lines.append(
             f"per rank: parameters {fmt_bytes(self.param_bytes_per_rank)}, "
             f"gradients {fmt_bytes(self.grad_bytes_per_rank)}, "
             f"Adam state {fmt_bytes(self.adam_bytes_per_rank)} (sum {fmt_bytes(self.state_bytes_per_rank)}); "
-            f"largest all-gather {fmt_bytes(self.largest_gather_bytes)}"
+            f"largest all-gather {fmt_bytes(max((u.bytes_gathered for u in self.units), default=0))}"
         )
         return "\n".join(lines)

@@ -12,14 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = [
-    "PRECISIONS",
-    "Precision",
-    "cast_masters",
-    "dtype_name",
-    "resolve_precision",
-    "warn_as_built",
-]
+__all__ = ["PRECISIONS", "Precision", "cast_masters", "dtype_name", "resolve_precision", "warn_as_built"]
 
 
 @dataclass(frozen=True)
@@ -78,20 +71,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     )
 
 
-def cast_masters(model: nn.Module, precision: Precision) -> int:
+def cast_masters(model: nn.Module, precision: Precision) -> None:
     """Cast the trainable floating-point parameters of a sharded model to the master dtype, in place, each rank
-    its own shard; returns how many. Through ``Module._apply``, whose FSDP2 override re-registers each shard
-    (as ``model.to(dtype)`` after ``fully_shard`` does)."""
-    master = precision.master_dtype
+    its own shard. Through ``Module._apply``, whose FSDP2 override re-registers each shard (as ``model.to(dtype)``
+    after ``fully_shard`` does)."""
     todo = {id(p) for p in model.parameters() if precision.master(p) != p.dtype}
-    if master is None or not todo:
-        return 0
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(master) if id(t) in todo else t
-
-    model._apply(cast)
-    return len(todo)
+    if todo:  # only when master_dtype is set: precision.master(p) is p.dtype otherwise
+        model._apply(lambda t: t.to(precision.master_dtype) if id(t) in todo else t)
 
 
 def warn_as_built(precision: Precision, params: Iterable[torch.Tensor]) -> None:

@@ -22,7 +22,6 @@ from fsdp2kit.preflight import (
     check_nf4_shards,
     check_not_sharded,
     check_optimizers_at_first_forward,
-    mark_frozen,
     mark_replaced,
 )
 from fsdp2kit.units import assign_units, dtype_subunits
@@ -120,16 +119,11 @@ def shard_model(
         reshard_after_forward: overrides the strategy for every unit: ``True`` / ``False``, or an int, the
             group size to reshard to after forward (e.g. GPUs per node). ``None`` keeps the strategy's
             default, under which the last block, where backward starts, does not reshard.
-        mixed_precision: ``"bf16"`` / ``"fp16"``: compute in that dtype, reduce gradients in fp32, fp32 master
-            weights whatever the dtype built or stored (frozen parameters keep theirs). ``"pure_bf16"``: bf16
-            parameters, gradients and optimizer state, on purpose. ``"fp32"``. ``None`` or a
-            ``MixedPrecisionPolicy``: parameters trained as built (a warning when trainable ones are 16-bit).
+        mixed_precision: ``"bf16"`` / ``"fp16"`` (that compute over fp32 master weights), ``"pure_bf16"``, ``"fp32"``,
+            or ``None`` / a ``MixedPrecisionPolicy`` (trained as built): docs/internals.md, fsdp2kit/precision.py.
             The plan's precision line names the master and optimizer-state dtypes (`fsdp2kit.precision`).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer
             step runs on CPU).
-
-    On any backend, an embedding unit that is one plain ``nn.Embedding`` is not all-gathered
-    again in backward (a lookup's gradient does not read the table); tied to a head, it is.
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
     optimizer built before is found at the model's first forward and raises on its first step).
@@ -161,7 +155,6 @@ def shard_model(
         # backward of a lookup scatters the output gradient by index: the table is not read
         table.set_unshard_in_backward(False)
 
-    mark_frozen(dict(model.named_parameters()))
     check_optimizers_at_first_forward(model, replaced.values())
     setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
     return layout.plan
@@ -226,9 +219,7 @@ def _layout(
             "data-parallel dimensions"
         )
     check_not_sharded(model)
-    found = find_blocks(model, blocks)
-    if any(b is model for b in found):
-        raise ValueError("the root module cannot be one of its own blocks")
+    found = find_blocks(model, blocks)  # children only: the root is never one of its own blocks
     groups, unit_of = assign_units(model, found)
 
     precision = resolve_precision(mixed_precision)
@@ -269,8 +260,6 @@ def _layout(
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
-        module_names = tuple(names[id(m)] for m in modules)
-        plan.units.append(ShardPlan.unit(label, params, shard_size, precision, reshard, tp_shapes, module_names))
-        plan.count_masters(params)
+        plan.add_unit(label, params, shard_size, reshard, tp_shapes, tuple(names[id(m)] for m in modules))
     lookups = [g[0] for g in groups if len(g) == 1 and type(g[0]) is nn.Embedding]
     return _Layout(resolved, found, units, lookups, precision, plan)

@@ -20,24 +20,20 @@ EXIT_PREEMPTED = 75
 
 def parse_signals(names: str | Iterable[str | int | signal.Signals]) -> list[signal.Signals]:
     """``"SIGTERM,SIGUSR1"`` (or ``"TERM, USR1"``, numbers, a list) -> signals; unknown names are a ValueError."""
-    items = names.split(",") if isinstance(names, str) else list(names)
     out = []
-    for item in items:
-        if isinstance(item, str):
-            name = item.strip().upper()
-            if not name:
-                continue
-            if name.isdigit():
-                item = int(name)
-            else:
-                name = name if name.startswith("SIG") else "SIG" + name
-                if not hasattr(signal.Signals, name):
-                    raise ValueError(f"unknown signal {item.strip()!r} (e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)")
-                item = signal.Signals[name]
+    for item in names.split(",") if isinstance(names, str) else names:
+        key = item.strip().upper() if isinstance(item, str) else item
+        if key == "":
+            continue
+        if isinstance(key, str) and not key.isdigit():
+            key = key if key.startswith("SIG") else "SIG" + key
+            if key not in signal.Signals.__members__:
+                raise ValueError(f"unknown signal {item.strip()!r} (e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)")
+            key = signal.Signals[key]
         try:
-            sig = signal.Signals(item)
+            sig = signal.Signals(int(key))
         except ValueError:
-            raise ValueError(f"unknown signal number {item!r}") from None
+            raise ValueError(f"unknown signal number {int(key)}") from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError(f"{sig.name} cannot be caught")
         out.append(sig)
@@ -45,35 +41,21 @@ def parse_signals(names: str | Iterable[str | int | signal.Signals]) -> list[sig
 
 
 class StopSignal:
-    """Catch stop signals on any rank; `should_stop` makes it every rank's decision at a step boundary.
-
-    ::
-
-        with fk.StopSignal() as stop:                    # SIGTERM, SIGUSR1 and SIGINT (Ctrl-C)
-            for step in ...:
-                train_one_step()
-                if stop.should_stop():                   # collective: one tiny all-reduce
-                    ck.save(step, model, optimizer=opt)  # every rank saves the same step
-                    sys.exit(fk.EXIT_PREEMPTED)
-
-    The handler only sets a flag (the current step finishes untouched); one all-reduce at the next boundary
-    makes every rank stop after the same step, whichever rank the scheduler signalled. After a first signal in
-    ``abort_on_repeat`` (a Ctrl-C), any stop signal more than ``repeat_after`` seconds later puts the previous
-    handlers back and raises `KeyboardInterrupt` (docs/long-runs.md, "Ctrl-C"). ``on_signal(sig)`` runs inside
-    the handler on the first signal (keep it to an ``os.write``). Create it in the main thread; `close` (or
-    the end of the ``with``) puts the previous handlers back.
+    """Catch stop signals on any rank (the handler only sets a flag); `should_stop` makes it every rank's decision
+    at a step boundary (README.md, "Long runs: ..."). After a first SIGINT (a Ctrl-C), any stop
+    signal more than ``repeat_after`` seconds later puts the previous handlers back and raises `KeyboardInterrupt`
+    (docs/long-runs.md, "Ctrl-C"). ``on_signal(sig)`` runs inside the handler on the first signal (keep it to an
+    ``os.write``). Create it in the main thread; `close` (or the end of the ``with``) puts the handlers back.
     """
 
     def __init__(
         self,
         signals: str | Iterable[str | int | signal.Signals] = "SIGTERM,SIGUSR1,SIGINT",
         *,
-        abort_on_repeat: str | Iterable[str | int | signal.Signals] = "SIGINT",
         repeat_after: float = 0.5,
         on_signal: Callable[[signal.Signals], None] | None = None,
     ):
         self.signals = parse_signals(signals)
-        self.abort_on_repeat = set(parse_signals(abort_on_repeat))
         self.repeat_after = repeat_after
         self.on_signal = on_signal
         self.received: signal.Signals | None = None
@@ -93,7 +75,7 @@ class StopSignal:
             self.received, self.received_at = sig, now
             if self.on_signal is not None:
                 self.on_signal(sig)
-        elif self.received in self.abort_on_repeat and now - self.received_at > self.repeat_after:
+        elif self.received == signal.SIGINT and now - self.received_at > self.repeat_after:
             self.close()
             raise KeyboardInterrupt(f"{sig.name} after {self.received.name}: aborted")
 
@@ -105,14 +87,11 @@ class StopSignal:
     def should_stop(self, device: torch.device | str = "cpu", group=None) -> bool:
         """Whether any rank has received a signal: the same answer on every rank. Collective: one all-reduce (MAX)
         of the highest rank that received one (plus one) and its signal, kept in `by_rank` and `agreed_signal`."""
-        if not dist.is_initialized():
-            self.by_rank = 0 if self.requested else None
-            self.agreed_signal = self.received
-            return self.requested
-        rank = dist.get_rank(group)
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
         mine = [rank + 1, int(self.received)] if self.requested else [0, 0]
         flag = torch.tensor(mine, dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         by, sig = flag.tolist()
         self.by_rank = by - 1 if by else None
         self.agreed_signal = signal.Signals(sig) if sig else None

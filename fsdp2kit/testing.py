@@ -11,19 +11,17 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fsdp2kit.dist import init_distributed
 
 __all__ = ["WorldError", "run_world"]
 
 
 class WorldError(RuntimeError):
     """One or more ranks raised, or the world did not finish before its deadline."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(
@@ -37,14 +35,9 @@ def _child(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    import torch
-    import torch.distributed as dist
-
     # Several ranks share few cores: one thread each, as torchrun does, or they fight.
     torch.set_num_threads(1)
     try:
-        from fsdp2kit.dist import init_distributed
-
         init_distributed(timeout=collective_timeout, device=device)
         results.put((rank, True, fn(*args)))
     except BaseException:
@@ -70,17 +63,16 @@ def run_world(
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"run_world: device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda":
-        import torch
-
-        if world_size > torch.cuda.device_count():
-            raise ValueError(
-                f"run_world: {world_size} ranks on device='cuda' need {world_size} GPUs, "
-                f"this machine has {torch.cuda.device_count()}"
-            )
+    if device == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"run_world: {world_size} ranks on device='cuda' need {world_size} GPUs, "
+            f"this machine has {torch.cuda.device_count()}"
+        )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     procs = [
         ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout, device), daemon=True)
         for r in range(world_size)

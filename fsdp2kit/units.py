@@ -18,45 +18,37 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
     block_ids = {id(b) for b in blocks}
     names = {id(m): n for n, m in model.named_modules()}
 
-    # Which block (or None for "outside every block") each module lives in.
-    owner_block: dict[int, nn.Module | None] = {}
+    # The name of the block each module lives in (None: outside every block).
+    home: dict[int, str | None] = {}
 
-    def visit(module: nn.Module, block: nn.Module | None) -> None:
-        owner_block[id(module)] = block
+    def visit(module: nn.Module, block: str | None) -> None:
+        home[id(module)] = block
         for child in module.children():
-            visit(child, child if id(child) in block_ids else block)
+            visit(child, names[id(child)] if id(child) in block_ids else block)
 
     visit(model, None)
 
     # Which modules register each parameter (a tied weight is registered by several).
-    owners: dict[int, list[nn.Module]] = {}
-    params: dict[int, nn.Parameter] = {}
+    owners: dict[int, list[nn.Module]] = defaultdict(list)
     for module in model.modules():
-        for _, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append(module)
-            params[id(p)] = p
+        for p in module.parameters(recurse=False):
+            owners[id(p)].append(module)
 
     unit_of: dict[int, str] = {}
     for pid, mods in owners.items():
-        homes = {id(owner_block[id(m)]) if owner_block[id(m)] is not None else None for m in mods}
-        if len(homes) > 1:
-            where = [
-                names[id(owner_block[id(m)])] if owner_block[id(m)] is not None else "(outside the blocks)"
-                for m in mods
-            ]
-            who = [names[id(m)] for m in mods]
+        if len({home[id(m)] for m in mods}) > 1:
+            where = [home[id(m)] or "(outside the blocks)" for m in mods]
             raise ValueError(
-                f"tied parameter shared by {who} would be split across FSDP units {where}; "
+                f"tied parameter shared by {[names[id(m)] for m in mods]} would be split across FSDP units {where}; "
                 "choose blocks that keep every user of a shared weight in one unit"
             )
-        block = owner_block[id(mods[0])]
-        unit_of[pid] = names[id(block)] if block is not None else ""
+        unit_of[pid] = home[id(mods[0])] or ""
 
     # Embedding groups: each nn.Embedding outside the blocks, with every module that shares a weight with it.
     groups: list[list[nn.Module]] = []
     grouped: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, nn.Embedding) or owner_block[id(module)] is not None or id(module) in grouped:
+        if not isinstance(module, nn.Embedding) or home[id(module)] is not None or id(module) in grouped:
             continue
         group = [module]
         for p in module.parameters(recurse=False):
