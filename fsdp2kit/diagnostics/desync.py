@@ -34,11 +34,11 @@ _POLL = 0.25  # seconds between the watcher's looks for a request for positions
 class DesyncError(RuntimeError):
     """Ranks are not at the same point of training (or one stopped answering); names the ones that diverged."""
 
-    def __init__(self, message: str, *, diverged: list[int], positions: dict[int, Position | None], gone: dict):
+    def __init__(self, message: str, *, diverged: list[int], positions: dict[int, Position | None], gone=None):
         super().__init__(message)
         self.diverged = diverged
         self.positions = positions
-        self.gone = gone  # {rank: how its process ended, in words}
+        self.gone: dict[int, str] = gone or {}  # how each gone rank's process ended, in words
 
 
 class RankMonitor(PositionTracker):
@@ -146,7 +146,8 @@ class RankMonitor(PositionTracker):
                 continue
             try:
                 d = json.loads(self._store.get(f"pos/{r}"))
-                out[r] = (Position.from_dict(d), d.get("at"))
+                at = d.pop("at")
+                out[r] = (Position(**{**d, "shape": tuple(d["shape"])}), at)
             except Exception:
                 out[r] = (None, None)
         return out
@@ -225,7 +226,6 @@ class RankMonitor(PositionTracker):
 
     # --- the background thread ---------------------------------------------------------------
     def _publish(self) -> None:
-        self._published = self.seq
         self._store.set(f"pos/{self.rank}", json.dumps({**asdict(self.position), "at": time.time()}))
 
     def _watch(self) -> None:
