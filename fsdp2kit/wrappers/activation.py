@@ -14,7 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrappers.forward import ORDER, check_unsharded, current_forward, set_forward
+from fsdp2kit.wrappers.forward import ORDER, BlockForward, check_unsharded, current_forward
 
 __all__ = [
     "AC_MODES",
@@ -106,11 +106,6 @@ def op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-def _op_contexts():
-    # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
-    return create_selective_checkpoint_contexts(op_policy({}))
-
-
 def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
     """``"full"`` -> ("full", 1); ``N`` -> ("every", N); ``"selective"``/``"op"`` -> (that mode, 1)."""
     if isinstance(mode, bool) or not isinstance(mode, (str, int)):
@@ -136,7 +131,10 @@ _RUN = {
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy),
     ),
-    "op": functools.partial(checkpoint, use_reentrant=False, context_fn=_op_contexts),
+    # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
+    "op": functools.partial(
+        checkpoint, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(op_policy({}))
+    ),
 }
 
 
@@ -149,13 +147,6 @@ def _checkpointed_forward(inner: Callable[..., Any], run: Callable[..., Any]) ->
         return run(inner, module, *args, **kwargs)
 
     return forward
-
-
-def _hf_checkpointing_layer(block: nn.Module) -> bool:
-    # Only look if transformers is already imported: importing it here would be slow and noisy.
-    layers = sys.modules.get("transformers.modeling_layers")
-    cls = getattr(layers, "GradientCheckpointingLayer", None)
-    return cls is not None and isinstance(block, cls)
 
 
 def apply_activation_checkpointing(
@@ -189,10 +180,12 @@ def apply_activation_checkpointing(
     # One checkpointed forward per distinct inner forward, shared by the blocks of a class (so
     # compile_blocks compiles it once).
     wrapped: dict[Callable[..., Any], Callable[..., Any]] = {}
+    # transformers' checkpointing layer, if transformers is imported (importing it here would be slow and noisy)
+    hf_layer = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", ())
     for index, block in enumerate(found):
         if index % every:
             continue
-        if _hf_checkpointing_layer(block):
+        if isinstance(block, hf_layer):
             # transformers' own switch: its forward calls this function when training, after
             # dropping cache arguments that a recompute would otherwise update a second time.
             block.gradient_checkpointing = True
@@ -201,6 +194,6 @@ def apply_activation_checkpointing(
             inner = current_forward(block)
             if inner not in wrapped:
                 wrapped[inner] = _checkpointed_forward(inner, run)
-            set_forward(block, wrapped[inner])
+            block.forward = BlockForward(block, wrapped[inner])
         setattr(block, CHECKPOINTED, label)
     return model

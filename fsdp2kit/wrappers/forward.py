@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.markers import TENSOR_PARALLEL
 
-__all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward", "set_forward"]
+__all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward"]
 
 ORDER = (
     "enable_float8 -> apply_tensor_parallel -> apply_activation_checkpointing -> compile_blocks -> shard_model "
@@ -52,10 +52,6 @@ def current_forward(module: nn.Module) -> Callable[..., Any]:
         f"{type(module).__name__}.forward was replaced by something fsdp2kit did not install ({installed!r}); "
         "apply fsdp2kit's wrappers to the unmodified model"
     )
-
-
-def set_forward(module: nn.Module, fn: Callable[..., Any]) -> None:
-    module.forward = BlockForward(module, fn)
 
 
 def check_unsharded(model: nn.Module, what: str, *, before_tp: bool = False) -> None:
