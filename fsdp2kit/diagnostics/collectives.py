@@ -137,13 +137,6 @@ class _Counter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _mesh_names(mesh: DeviceMesh | None) -> dict[str, str]:
-    if mesh is None:
-        return {}
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return {mesh.get_group(i).group_name: n for i, n in enumerate(names)}
-
-
 @contextlib.contextmanager
 def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCounts]:
     """Count the collectives this rank issues inside the block: kind, process group, bytes, dtype.
@@ -157,6 +150,9 @@ def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCoun
     else by the group's description (``"world"``: the default group). Every op inside pays a Python call:
     count a step, not a run.
     """
-    counts = CollectiveCounts()
-    with _Counter(counts, _mesh_names(mesh)):
+    counts, names = CollectiveCounts(), {}
+    if mesh is not None:
+        dims = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        names = {mesh.get_group(i).group_name: n for i, n in enumerate(dims)}
+    with _Counter(counts, names):
         yield counts
