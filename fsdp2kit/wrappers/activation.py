@@ -30,12 +30,12 @@ __all__ = [
 AC_MODES = ("full", "selective", "op")
 
 
-def _ops(*names: str) -> frozenset:
-    """aten overloads by name, skipping those this build does not have (e.g. cuDNN attention)."""
+def _ops(*names: str, namespace: str = "aten") -> frozenset:
+    """Op overloads by name, skipping those this build does not have (e.g. cuDNN attention)."""
     found = set()
     for name in names:
         packet, _, overload = name.partition(".")
-        op = getattr(torch.ops.aten, packet, None)
+        op = getattr(getattr(torch.ops, namespace), packet, None)
         if op is not None and hasattr(op, overload):
             found.add(getattr(op, overload))
     return frozenset(found)
@@ -65,26 +65,15 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _extra_save() -> list:
-    """Ops outside aten in torchtitan's list, where this build has them: a reduce-scatter's output
-    (tensor parallelism's, not recomputed as a second collective) and FlexAttention."""
-    out = []
-    c10d = getattr(torch.ops, "_c10d_functional", None)
-    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
-        out.append(c10d.reduce_scatter_tensor.default)
-    flex = getattr(torch._higher_order_ops, "flex_attention", None)
-    if flex is not None:
-        out.append(flex)
-    return out
-
-
 # The "op" policy is torchtitan's per-op selective AC (`_apply_op_sac` with llama3's `_op_sac_save_list`):
 # save attention's output and every other matmul's, recompute the rest. Its save list:
-# selective's without the batched matmuls, with linear and the math attention.
+# selective's without the batched matmuls, with linear and the math attention, and where this build has them,
+# a reduce-scatter's output (tensor parallelism's, not recomputed as a second collective) and FlexAttention.
 OP_SAVE: frozenset = (
     (SELECTIVE_SAVE - _ops("bmm.default", "baddbmm.default"))
     | _ops("linear.default", "_scaled_dot_product_attention_math.default")
-    | frozenset(_extra_save())
+    | _ops("reduce_scatter_tensor.default", namespace="_c10d_functional")
+    | frozenset(op for op in [getattr(torch._higher_order_ops, "flex_attention", None)] if op is not None)
 )
 
 # The matmuls it numbers (forward and recompute apart) to save the odd ones: torchtitan's mm and linear, and
