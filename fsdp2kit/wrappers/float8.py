@@ -33,11 +33,10 @@ class _RefreshScales:
         # Sharded weights only: a unit that was not resharded after its last forward (FSDP2 keeps
         # the last block gathered after a forward without backward) is skipped here and by
         # torchao, and its scale is refreshed once it is sharded again (its identity joins the key).
+        # None sharded (yet): Float8Linear computes each scale in its forward.
         weights = [layer.weight for layer in self.layers if isinstance(layer.weight, DTensor)]
-        if not weights:
-            return  # not sharded (yet): Float8Linear computes each scale in its forward
         versions = [(id(w), w._version) for w in weights]
-        if versions != self.versions:
+        if weights and versions != self.versions:
             precompute_float8_dynamic_scale_for_fsdp(module)
             self.versions = versions
 
