@@ -134,42 +134,38 @@ class RankMonitor(PositionTracker):
         except DesyncError:
             raise
         except Exception as e:
-            if self.active and _is_collective_failure(e):
+            # gloo reports a timeout or a lost peer as a plain RuntimeError
+            text = str(e).lower()
+            lost = isinstance(e, RuntimeError) and any(w in text for w in ("timed out", "timeout", "connection"))
+            if self.active and (isinstance(e, dist.DistError) or lost):
                 self._raise(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})", e)
             raise
 
-    def _published_positions(self) -> dict[int, tuple[Position | None, float | None]]:
-        out: dict[int, tuple[Position | None, float | None]] = {}
-        for r in range(self.world):
-            if r == self.rank:
-                out[r] = (self.position, time.time())
-                continue
-            try:
-                d = json.loads(self._store.get(f"pos/{r}"))
-                at = d.pop("at")
-                out[r] = (Position(**{**d, "shape": tuple(d["shape"])}), at)
-            except Exception:
-                out[r] = (None, None)
-        return out
+    def _published(self, r: int) -> tuple[Position | None, float | None]:
+        """Rank ``r``'s last published position and when it was published (this rank's: now)."""
+        if r == self.rank:
+            return self.position, time.time()
+        try:
+            d = json.loads(self._store.get(f"pos/{r}"))
+        except Exception:
+            return None, None
+        at = d.pop("at")
+        return Position(**{**d, "shape": tuple(d["shape"])}), at
 
-    def _ask_positions(self, wait: float, gone: dict[int, str]) -> set[int]:
-        """Ask every rank's thread for its position now; the ranks that answered within ``wait`` seconds.
-        Meanwhile (every 20 ms: a zombie names its signal only until the launcher reaps it) the others
-        are looked for among the exited processes, into ``gone``."""
+    def _ask_positions(self, wait: float) -> tuple[set[int], dict[int, str]]:
+        """Ask every rank's thread for its position now: the ranks that answered within ``wait`` seconds, and
+        those found among the exited processes (looked for at once, then every 20 ms: a zombie names its
+        signal only until the launcher reaps it)."""
         asked = self._store.add("ask", 1)
-        pending, answered = set(range(self.world)) - {self.rank} - set(gone), {self.rank}
-        deadline = time.monotonic() + wait
-        while pending and time.monotonic() < deadline:
-            for r in sorted(pending):
+        answered, gone, deadline = {self.rank}, {}, time.monotonic() + wait
+        while True:
+            gone.update(self._gone(sorted(set(range(self.world)) - answered - set(gone))))
+            for r in set(range(self.world)) - answered - set(gone):
                 if self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
-                    pending.discard(r)
                     answered.add(r)
-            found = self._gone(sorted(pending))
-            gone.update(found)
-            pending -= set(found)
-            if pending:
-                time.sleep(0.02)
-        return answered
+            if len(answered) + len(gone) == self.world or time.monotonic() > deadline:
+                return answered, gone
+            time.sleep(0.02)
 
     def _gone(self, ranks: list[int]) -> dict[int, str]:
         """The ranks among ``ranks`` whose process is known to have exited, with how, in words."""
@@ -189,11 +185,8 @@ class RankMonitor(PositionTracker):
     def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
         self._reported = True
         self._publish()
-        others = [r for r in range(self.world) if r != self.rank]
-        gone = self._gone(others)  # first: a zombie still tells how it ended, until the launcher reaps it
-        answered = self._ask_positions(wait=2.0, gone=gone)
-        gone.update(self._gone([r for r in others if r not in answered and r not in gone]))
-        published = self._published_positions()
+        answered, gone = self._ask_positions(wait=2.0)
+        published = {r: self._published(r) for r in range(self.world)}
         positions = {r: p for r, (p, _) in published.items()}
         # A gone rank is the one to name; else the counts or the minority (_blame): by the check's rows, all
         # of one moment, when there are some.
@@ -259,13 +252,6 @@ class RankMonitor(PositionTracker):
         if self._thread is not None:
             self._thread.join(timeout=self.heartbeat + 5)
         self.detach()
-
-
-def _is_collective_failure(e: BaseException) -> bool:
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text or "connection" in text)
 
 
 def _blame(positions: list[Position | None], micro_steps: int | None, keys: list | None = None) -> list[int]:
