@@ -24,9 +24,7 @@ class NonFiniteError(FloatingPointError):
 
 
 def _flag(t: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
-    if t is None:
-        return torch.zeros((), device=device)
-    t = torch.as_tensor(t, device=device)
+    t = torch.as_tensor(0.0 if t is None else t, device=device)
     return (~torch.isfinite(t.detach().float())).any().float()
 
 

@@ -57,7 +57,7 @@ def current_forward(module: nn.Module) -> Callable[..., Any]:
 def check_unsharded(model: nn.Module, what: str, *, before_tp: bool = False) -> None:
     """Raise if ``shard_model`` (or fully_shard) already ran (`apply_tensor_parallel`'s DTensors are fine);
     with ``before_tp``, also if `apply_tensor_parallel` did."""
-    sharded = isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())  # modules() includes the model
     tensor_parallel = getattr(model, TENSOR_PARALLEL, None) is not None
     if sharded or (not tensor_parallel and any(isinstance(p, DTensor) for p in model.parameters())):
         raise ValueError(
