@@ -97,13 +97,10 @@ def op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
 
 def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
     """``"full"`` -> ("full", 1); ``N`` -> ("every", N); ``"selective"``/``"op"`` -> (that mode, 1)."""
-    if isinstance(mode, bool) or not isinstance(mode, (str, int)):
-        raise ValueError(f"mode={mode!r}: expected 'full', 'selective', 'op' or a positive int N (every N-th block)")
-    if isinstance(mode, str):
-        key = mode.lower()
-        if key not in AC_MODES:
-            raise ValueError(f"mode={mode!r}: expected one of {list(AC_MODES)} or a positive int N (every N-th block)")
-        return key, 1
+    if isinstance(mode, str) and mode.lower() in AC_MODES:
+        return mode.lower(), 1
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise ValueError(f"mode={mode!r}: expected one of {list(AC_MODES)} or a positive int N (every N-th block)")
     if mode < 1:
         raise ValueError(f"mode={mode}: N checkpoints every N-th block and must be >= 1 (1 is the same as 'full')")
     return ("full", 1) if mode == 1 else ("every", mode)
