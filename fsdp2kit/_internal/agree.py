@@ -42,10 +42,9 @@ def agree(
         for message in [reply] if isinstance(reply, str) else reply or []:
             by_message.setdefault(message, []).append(r)
     if by_message:
-        world = len(replies)
         lines = []
         for message, ranks in by_message.items():
-            every = len(ranks) == world and world > 1
+            every = len(ranks) == len(replies) > 1
             who = "every rank" if every else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
             lines.append(f"[{who}] {message}")
         raise error_type(f"{what}:\n  " + "\n  ".join(lines))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -28,17 +29,12 @@ def local_index(t: torch.Tensor) -> tuple[slice, ...]:
 def model_meshes(model: nn.Module) -> list:
     """The meshes of a model's DTensor parameters, the largest first (with TP, norms live on the
     data-parallel mesh and split weights on the whole one: the first then spans every rank)."""
-    found = []
-    for p in model.parameters():
-        if isinstance(p, DTensor) and all(p.device_mesh is not m for m in found):
-            found.append(p.device_mesh)
-    return sorted(found, key=lambda m: -m.size())
+    found = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    return sorted(found.values(), key=lambda m: -m.size())
 
 
 def fsdp_units(model: nn.Module, caller: str) -> list:
     """The model's ``fully_shard`` modules; ``ValueError`` naming ``caller`` when it has none."""
-    from torch.distributed.fsdp import FSDPModule
-
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(f"{caller}: {type(model).__name__} has no FSDP units; call shard_model first")
@@ -47,8 +43,6 @@ def fsdp_units(model: nn.Module, caller: str) -> list:
 
 def reshard_all(model: nn.Module) -> None:
     """Make sure the sharded parameters are the registered ones (after a forward, they may not be)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -78,14 +79,6 @@ class CollectiveCounts:
         """``{group: {kind: bytes}}``."""
         return {g: {k: row["bytes"] for k, row in kinds.items()} for g, kinds in self.summary().items()}
 
-    def counts(self) -> dict[str, dict[str, int]]:
-        """``{group: {kind: calls}}``."""
-        return {g: {k: row["count"] for k, row in kinds.items()} for g, kinds in self.summary().items()}
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.events)
-
     def summary(self) -> dict[str, dict[str, dict]]:
         """``{group: {kind: {"count", "bytes", "dtypes", "ranks"}}}``, JSON-ready (what the recipe logs)."""
         out: dict[str, dict[str, dict]] = {}
@@ -116,17 +109,6 @@ class _Counter(TorchDispatchMode):
         self.counts = counts
         self.names = names  # process group name -> mesh dimension name
 
-    def _group(self, value) -> dist.ProcessGroup | None:
-        if isinstance(value, str):
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            return _resolve_process_group(value)
-        if isinstance(value, dist.ProcessGroup):
-            return value
-        if isinstance(value, torch.ScriptObject):
-            return dist.ProcessGroup.unbox(value)
-        return None
-
     def _record(self, func, args, kwargs) -> None:
         table = _NAMESPACES.get(func.namespace)
         entry = table.get(func._schema.name.partition("::")[2]) if table else None
@@ -134,9 +116,8 @@ class _Counter(TorchDispatchMode):
             return
         kind, buffer = entry
         bound = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
-        group = self._group(bound.get("process_group", bound.get("group_name")))
-        if group is None:
-            return
+        group = bound.get("process_group", bound.get("group_name"))  # c10d's boxed group, or a functional's name
+        group = _resolve_process_group(group) if isinstance(group, str) else dist.ProcessGroup.unbox(group)
         tensors = [t for t in tree_leaves(bound[buffer]) if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if func.namespace != "c10d" and kind == "all_gather":
@@ -156,13 +137,6 @@ class _Counter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _mesh_names(mesh: DeviceMesh | None) -> dict[str, str]:
-    if mesh is None:
-        return {}
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return {mesh.get_group(i).group_name: n for i, n in enumerate(names)}
-
-
 @contextlib.contextmanager
 def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCounts]:
     """Count the collectives this rank issues inside the block: kind, process group, bytes, dtype.
@@ -176,6 +150,9 @@ def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCoun
     else by the group's description (``"world"``: the default group). Every op inside pays a Python call:
     count a step, not a run.
     """
-    counts = CollectiveCounts()
-    with _Counter(counts, _mesh_names(mesh)):
+    counts, names = CollectiveCounts(), {}
+    if mesh is not None:
+        dims = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        names = {mesh.get_group(i).group_name: n for i, n in enumerate(dims)}
+    with _Counter(counts, names):
         yield counts

@@ -34,45 +34,23 @@ _POLL = 0.25  # seconds between the watcher's looks for a request for positions
 class DesyncError(RuntimeError):
     """Ranks are not at the same point of training (or one stopped answering); names the ones that diverged."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        diverged: list[int],
-        positions: dict[int, Position | None],
-        gone: dict[int, str] | None = None,
-    ):
+    def __init__(self, message: str, *, diverged: list[int], positions: dict[int, Position | None], gone=None):
         super().__init__(message)
         self.diverged = diverged
         self.positions = positions
-        self.gone = gone or {}
-        """The ranks whose process has exited (or stopped answering), each with what is known, in words."""
+        self.gone: dict[int, str] = gone or {}  # how each gone rank's process ended, in words
 
 
 class RankMonitor(PositionTracker):
     """Track this rank's position, compare it with the other ranks' at cheap checks, report hangs.
 
-    ::
-
-        mon = fk.RankMonitor(model, micro_steps=grad_accum, check_every=10, timeout=60)
-        for step in range(start, steps):
-            mon.step(step)
-            with mon.guard():                          # a collective timeout -> DesyncError
-                for i in range(grad_accum):
-                    batch = next(batches)
-                    mon.micro_step(i, batch)           # compared across ranks on checked steps
-                    ...forward, backward...
-                mon.step_end()                         # compared across ranks on checked steps
-                mon.phase("optimizer"); optimizer.step()
-        mon.close()
-
-    The position is kept by hooks (`PositionTracker`); a thread publishes it in the c10d store every
-    ``heartbeat`` seconds and answers requests for it. Every ``check_every`` steps, micro-step starts and the
-    step end are compared across ranks (one all-gather on a gloo group of its own, timeout ``timeout``); a
-    mismatch, a timeout, or a collective failing inside `guard` raises a `DesyncError` that lists every rank's
-    position and names the ranks that diverged or are gone. Why each piece: docs/long-runs.md.
-
-    Collective to create (it makes the gloo group): every rank, same order. With no process
+    Per step: `step`, then inside `guard` one `micro_step` per micro-batch and `step_end`; `close` at the end
+    (README.md, section Long runs, has the loop). Hooks keep the position (`PositionTracker`); a thread
+    publishes it in the c10d store every ``heartbeat`` seconds and answers requests for it. Every
+    ``check_every`` steps, micro-step starts and the step end are compared across ranks (one all-gather on a
+    gloo group of its own, timeout ``timeout``); a mismatch, a timeout, or a collective failing inside
+    `guard` raises a `DesyncError` that lists every rank's position and names the ranks that diverged or are
+    gone. Why each piece: docs/long-runs.md. Creating it is collective (the gloo group); with no process
     group (or one rank), only the tracking is done.
     """
 
@@ -156,41 +134,38 @@ class RankMonitor(PositionTracker):
         except DesyncError:
             raise
         except Exception as e:
-            if self.active and _is_collective_failure(e):
+            # gloo reports a timeout or a lost peer as a plain RuntimeError
+            text = str(e).lower()
+            lost = isinstance(e, RuntimeError) and any(w in text for w in ("timed out", "timeout", "connection"))
+            if self.active and (isinstance(e, dist.DistError) or lost):
                 self._raise(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})", e)
             raise
 
-    def _published_positions(self) -> dict[int, tuple[Position | None, float | None]]:
-        out: dict[int, tuple[Position | None, float | None]] = {}
-        for r in range(self.world):
-            if r == self.rank:
-                out[r] = (self.position, time.time())
-                continue
-            try:
-                d = json.loads(self._store.get(f"pos/{r}"))
-                out[r] = (Position.from_dict(d), d.get("at"))
-            except Exception:
-                out[r] = (None, None)
-        return out
+    def _published(self, r: int) -> tuple[Position | None, float | None]:
+        """Rank ``r``'s last published position and when it was published (this rank's: now)."""
+        if r == self.rank:
+            return self.position, time.time()
+        try:
+            d = json.loads(self._store.get(f"pos/{r}"))
+        except Exception:
+            return None, None
+        at = d.pop("at")
+        return Position(**{**d, "shape": tuple(d["shape"])}), at
 
-    def _ask_positions(self, wait: float, gone: dict[int, str]) -> set[int]:
-        """Ask every rank's thread for its position now; the ranks that answered within ``wait`` seconds.
-        Meanwhile (every 20 ms: a zombie names its signal only until the launcher reaps it) the others
-        are looked for among the exited processes, into ``gone``."""
+    def _ask_positions(self, wait: float) -> tuple[set[int], dict[int, str]]:
+        """Ask every rank's thread for its position now: the ranks that answered within ``wait`` seconds, and
+        those found among the exited processes (looked for at once, then every 20 ms: a zombie names its
+        signal only until the launcher reaps it)."""
         asked = self._store.add("ask", 1)
-        pending, answered = set(range(self.world)) - {self.rank} - set(gone), {self.rank}
-        deadline = time.monotonic() + wait
-        while pending and time.monotonic() < deadline:
-            for r in sorted(pending):
+        answered, gone, deadline = {self.rank}, {}, time.monotonic() + wait
+        while True:
+            gone.update(self._gone(sorted(set(range(self.world)) - answered - set(gone))))
+            for r in set(range(self.world)) - answered - set(gone):
                 if self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
-                    pending.discard(r)
                     answered.add(r)
-            found = self._gone(sorted(pending))
-            gone.update(found)
-            pending -= set(found)
-            if pending:
-                time.sleep(0.02)
-        return answered
+            if len(answered) + len(gone) == self.world or time.monotonic() > deadline:
+                return answered, gone
+            time.sleep(0.02)
 
     def _gone(self, ranks: list[int]) -> dict[int, str]:
         """The ranks among ``ranks`` whose process is known to have exited, with how, in words."""
@@ -210,14 +185,15 @@ class RankMonitor(PositionTracker):
     def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
         self._reported = True
         self._publish()
-        others = [r for r in range(self.world) if r != self.rank]
-        gone = self._gone(others)  # first: a zombie still tells how it ended, until the launcher reaps it
-        answered = self._ask_positions(wait=2.0, gone=gone)
-        gone.update(self._gone([r for r in others if r not in answered and r not in gone]))
-        published = self._published_positions()
+        answered, gone = self._ask_positions(wait=2.0)
+        published = {r: self._published(r) for r in range(self.world)}
         positions = {r: p for r, (p, _) in published.items()}
-        # A gone rank is the one to name; else the counts or the minority (_diverged, _blame).
-        diverged = sorted(gone) or (_diverged(rows, self.micro_steps) if rows else _blame(positions, self.micro_steps))
+        # A gone rank is the one to name; else the counts or the minority (_blame): by the check's rows, all
+        # of one moment, when there are some.
+        checked = [
+            Position(s, m, n, last, "check" if k == _MICRO else "step end") for k, s, m, n, last, *_ in rows or ()
+        ]
+        diverged = sorted(gone) or _blame(checked or list(positions.values()), self.micro_steps, rows)
         lines = [f"rank {self.rank}: {what} at step {self.position.step}."]
         lines += [f"Rank {r} is gone: {how}." for r, how in sorted(gone.items())]
         lines.append(
@@ -228,20 +204,14 @@ class RankMonitor(PositionTracker):
         lines.append("Where each rank is:")
         now = time.time()
         for r, (p, at) in published.items():
+            where = "no position published" if p is None else p.describe(self.micro_steps)
             if r in gone or r not in answered:
+                last = "it published no position" if p is None else f"its last position, published {now - at:.1f} s"
                 state = "gone" if r in gone else "no answer to a request for positions"
-                last = (
-                    "it published no position"
-                    if p is None
-                    else f"its last position, published {now - at:.1f} s before: {p.describe(self.micro_steps)}"
-                )
-                where = f"{state}; {last}"
-                age = ""
-            else:
-                where = "no position published" if p is None else p.describe(self.micro_steps)
-                age = "" if p is None else f"  ({now - p.since:.1f} s in this phase)"
-            mark = "  <- diverged" if r in diverged else ""
-            lines.append(f"  rank {r}: {where}{age}{mark}")
+                where = f"{state}; {last}" + ("" if p is None else f" before: {where}")
+            elif p is not None:
+                where += f"  ({now - p.since:.1f} s in this phase)"
+            lines.append(f"  rank {r}: {where}{'  <- diverged' if r in diverged else ''}")
         message = "\n".join(lines)
         with contextlib.suppress(Exception):
             self._store.set("report", message)
@@ -249,7 +219,6 @@ class RankMonitor(PositionTracker):
 
     # --- the background thread ---------------------------------------------------------------
     def _publish(self) -> None:
-        self._published = self.seq
         self._store.set(f"pos/{self.rank}", json.dumps({**asdict(self.position), "at": time.time()}))
 
     def _watch(self) -> None:
@@ -285,45 +254,20 @@ class RankMonitor(PositionTracker):
         self.detach()
 
 
-def _is_collective_failure(e: BaseException) -> bool:
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text or "connection" in text)
+def _blame(positions: list[Position | None], micro_steps: int | None, keys: list | None = None) -> list[int]:
+    """The ranks to blame: those with no position or whose own counts contradict the loop, else the minority
+    of ``keys`` (the check's rows), or of the positions' steps and counts (a timeout)."""
+    bad = [r for r, p in enumerate(positions) if p is None or _contradicts(p, micro_steps)]
+    return bad or _minority(keys or [(p.step, p.micro_count, p.phase == "check") for p in positions])
 
 
-def _diverged(rows: list[tuple], micro_steps: int | None) -> list[int]:
-    """The ranks to blame when the check rows differ: self-contradicting counts first, else the minority."""
-    bad = [
-        r
-        for r, (kind, _step, micro, count, last, *_) in enumerate(rows)
-        if _contradicts(kind, micro, count, micro_steps) or _contradicts(_END, 0, last, micro_steps)
-    ]
-    return bad or _minority(rows)
+def _contradicts(p: Position, micro_steps: int | None) -> bool:
+    # `micro_count` includes the current micro-step, so index i is the (i+1)-th of the step.
+    def wrong(count: int) -> bool:
+        return bool(micro_steps) and count >= 0 and count != micro_steps
 
-
-def _blame(positions: dict[int, Position | None], micro_steps: int | None) -> list[int]:
-    """The ranks to blame from published positions alone (a timeout: nobody can compare rows)."""
-    bad = []
-    for r, p in positions.items():
-        ended = p is not None and p.phase == "step end"
-        if (
-            p is None
-            or (ended and _contradicts(_END, p.micro, p.micro_count, micro_steps))
-            or (p.micro >= 0 and _contradicts(_MICRO, p.micro, p.micro_count, micro_steps))
-            or _contradicts(_END, 0, p.last_count, micro_steps)
-        ):
-            bad.append(r)
-    if bad:
-        return bad
-    return _minority([(p.step, p.micro_count, p.phase == "check") for p in positions.values()])
-
-
-def _contradicts(kind: int, micro: int, count: int, micro_steps: int | None) -> bool:
-    # `count` includes the current micro-step, so index i is the (i+1)-th of the step.
-    if kind == _MICRO:
-        return count != micro + 1
-    return bool(micro_steps) and count >= 0 and count != micro_steps
+    ended = p.phase == "step end"
+    return (p.micro >= 0 and p.micro_count != p.micro + 1) or (ended and wrong(p.micro_count)) or wrong(p.last_count)
 
 
 def _minority(rows: list) -> list[int]:
@@ -348,11 +292,7 @@ def _process_end(pid: int) -> str | None:
         return None
     if fields[0] != "Z":
         return None
-    if len(fields) > 49 and fields[49].lstrip("-").isdigit():
-        code = int(fields[49])
-        if code & 0x7F:
-            sig = code & 0x7F
-            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
-            return f"was killed by {name}"
-        return f"has exited with status {code >> 8}"
-    return "has exited"
+    code = int(fields[49])  # a wait status: the signal in the low 7 bits, else the exit status above them
+    if sig := code & 0x7F:
+        return f"was killed by {signal.Signals(sig).name if sig in set(signal.Signals) else f'signal {sig}'}"
+    return f"has exited with status {code >> 8}"

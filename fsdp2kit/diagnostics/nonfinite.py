@@ -24,16 +24,12 @@ class NonFiniteError(FloatingPointError):
 
 
 def _flag(t: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
-    if t is None:
-        return torch.zeros((), device=device)
-    t = torch.as_tensor(t, device=device)
+    t = torch.as_tensor(0.0 if t is None else t, device=device)
     return (~torch.isfinite(t.detach().float())).any().float()
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return local_shard(p).device
-    return torch.device("cpu")
+    return next((local_shard(p).device for p in model.parameters()), torch.device("cpu"))
 
 
 @torch.no_grad()
@@ -43,10 +39,9 @@ def nonfinite_modules(model: nn.Module) -> list[str]:
     names, flags = [], []
     device = _device_of(model)
     for name, module in model.named_modules():
-        grads = [local_shard(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
         names.append(name or "<root>")
-        bad = [(~torch.isfinite(g)).any().to(device) for g in grads if g.numel()]
-        flags.append(torch.stack(bad).any().float() if bad else torch.zeros((), device=device))
+        bad = [_flag(local_shard(p.grad), device) for p in module.parameters(recurse=False) if p.grad is not None]
+        flags.append(torch.stack(bad).amax() if bad else torch.zeros((), device=device))
     flag = torch.stack(flags)  # named_modules always has the root: never empty
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -61,14 +56,11 @@ def check_finite(
     grad_norm: torch.Tensor | float | None = None,
     on_nonfinite: str = "raise",
 ) -> bool:
-    """Whether this step's loss and gradient norm are finite on every rank; the same answer everywhere.
-
-    Call it on every rank after ``backward`` (and `clip_grad_norm_`) and before ``optimizer.step()``. ``loss``
-    is this rank's loss, ``grad_norm`` the global norm; one all-reduce of two flags decides for all ranks.
-    When something is not finite: ``on_nonfinite="raise"`` raises `NonFiniteError` naming the step, the ranks
-    whose loss was not finite and the first module in backward order with a non-finite gradient (two more
-    all-reduces, paid only then); ``"skip"`` sets the gradients to None and returns False, so the caller skips
-    ``optimizer.step()``. Why: docs/long-runs.md.
+    """Whether this step's loss (this rank's) and gradient norm (the global one) are finite on every rank; the
+    same answer everywhere, from one all-reduce. Call it on every rank after ``backward`` (and `clip_grad_norm_`)
+    and before ``optimizer.step()``. If not: ``on_nonfinite="raise"`` raises `NonFiniteError` naming the step,
+    the ranks whose loss was not finite and the first module in backward order with a non-finite gradient;
+    ``"skip"`` sets the gradients to None and returns False. Why: docs/long-runs.md.
     """
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")

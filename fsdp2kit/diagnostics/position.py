@@ -11,25 +11,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from fsdp2kit._internal.dtensor import fsdp_units
+
 __all__ = ["PHASES", "Position", "PositionTracker"]
 
-# The phases a rank can be in. All-gather and reduce-scatter are FSDP's collectives around a
-# unit's compute; the others are set by the training loop (`PositionTracker.phase`).
-PHASES = (
-    "start",
-    "data",
-    "all-gather",
-    "forward",
-    "backward all-gather",
-    "backward",
-    "reduce-scatter",
-    "optimizer",
-    "check",
-    "checkpoint",
-    "eval",
-    "step end",
-)
-_UNIT_PHASES = PHASES[2:7]  # the hooks' phases, from all-gather to reduce-scatter: they name the unit
+# The phases a rank can be in. The unit phases are marked by hooks around FSDP's collectives and a unit's
+# compute (they name the unit); the others are set by the training loop (`PositionTracker.phase`).
+_UNIT_PHASES = ("all-gather", "forward", "backward all-gather", "backward", "reduce-scatter")
+PHASES = ("start", "data", *_UNIT_PHASES, "optimizer", "check", "checkpoint", "eval", "step end")
 
 
 @dataclass
@@ -57,12 +46,6 @@ class Position:
             last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
         return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
 
-    @classmethod
-    def from_dict(cls, d: dict) -> Position:
-        d = dict(d)
-        d["shape"] = tuple(d.get("shape", ()))
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
 
 class PositionTracker:
     """Keeps `position` current: the loop calls `step`/`micro_step`/`phase`, hooks on the FSDP units mark
@@ -71,8 +54,6 @@ class PositionTracker:
 
     def __init__(self, model: nn.Module | None = None):
         self.position = Position(since=time.time())
-        self.seq = 0
-        """Bumped on every change, so a reader can tell a stale position from a fresh one."""
         self._handles: list[RemovableHandle] = []
         if model is not None:
             self.attach(model)
@@ -99,16 +80,14 @@ class PositionTracker:
     def _set(self, phase: str, unit: str) -> None:
         p = self.position
         p.phase, p.unit, p.since = phase, unit, time.time()
-        self.seq += 1
 
     # --- hooks --------------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
         """Hook every FSDP unit of ``model`` (call after ``shard_model``); `detach` removes the hooks."""
-        units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-        if not units:
-            raise ValueError(f"{type(model).__name__} has no FSDP units: attach the tracker after shard_model")
-        for name, module in units:
-            self._hook(name, module)
+        fsdp_units(model, type(self).__name__)  # a clear error when there are none
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                self._hook(name, module)
 
     def detach(self) -> None:
         for h in self._handles:
@@ -117,28 +96,19 @@ class PositionTracker:
 
     def _hook(self, name: str, module: nn.Module) -> None:
         def mark_grad(tensors, phase: str) -> None:
-            t = _first_grad_tensor(tensors)
-            if t is not None:
+            grads = (t for t in tree_leaves(tensors) if isinstance(t, torch.Tensor) and t.requires_grad)
+            if torch.is_grad_enabled() and (t := next(grads, None)) is not None:
                 t.register_hook(lambda grad: self._set(phase, name))
-
-        def before_fsdp(mod, args):
-            # prepend=True and registered after fully_shard: runs before FSDP's own pre-forward hook.
-            self._set("all-gather", name)
 
         def after_fsdp(mod, args):
             self._set("forward", name)
             mark_grad(args, "reduce-scatter")  # the unit's backward is done when its input's gradient is
 
         self._handles += [
-            module.register_forward_pre_hook(before_fsdp, prepend=True),
+            # prepend=True and registered after fully_shard: runs before FSDP's own pre-forward hook.
+            module.register_forward_pre_hook(lambda mod, args: self._set("all-gather", name), prepend=True),
             module.register_forward_pre_hook(after_fsdp),
             # Runs before FSDP's post-forward, so its gradient hook is registered (and runs) first.
             module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward all-gather"), prepend=True),
             module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward")),
         ]
-
-
-def _first_grad_tensor(out) -> torch.Tensor | None:
-    if not torch.is_grad_enabled():
-        return None
-    return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)

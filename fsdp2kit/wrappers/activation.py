@@ -14,7 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrappers.forward import ORDER, check_unsharded, current_forward, set_forward
+from fsdp2kit.wrappers.forward import ORDER, BlockForward, check_unsharded, current_forward
 
 __all__ = [
     "AC_MODES",
@@ -30,12 +30,12 @@ __all__ = [
 AC_MODES = ("full", "selective", "op")
 
 
-def _ops(*names: str) -> frozenset:
-    """aten overloads by name, skipping those this build does not have (e.g. cuDNN attention)."""
+def _ops(*names: str, namespace: str = "aten") -> frozenset:
+    """Op overloads by name, skipping those this build does not have (e.g. cuDNN attention)."""
     found = set()
     for name in names:
         packet, _, overload = name.partition(".")
-        op = getattr(torch.ops.aten, packet, None)
+        op = getattr(getattr(torch.ops, namespace), packet, None)
         if op is not None and hasattr(op, overload):
             found.add(getattr(op, overload))
     return frozenset(found)
@@ -65,26 +65,15 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _extra_save() -> list:
-    """Ops outside aten in torchtitan's list, where this build has them: a reduce-scatter's output
-    (tensor parallelism's, not recomputed as a second collective) and FlexAttention."""
-    out = []
-    c10d = getattr(torch.ops, "_c10d_functional", None)
-    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
-        out.append(c10d.reduce_scatter_tensor.default)
-    flex = getattr(torch._higher_order_ops, "flex_attention", None)
-    if flex is not None:
-        out.append(flex)
-    return out
-
-
 # The "op" policy is torchtitan's per-op selective AC (`_apply_op_sac` with llama3's `_op_sac_save_list`):
 # save attention's output and every other matmul's, recompute the rest. Its save list:
-# selective's without the batched matmuls, with linear and the math attention.
+# selective's without the batched matmuls, with linear and the math attention, and where this build has them,
+# a reduce-scatter's output (tensor parallelism's, not recomputed as a second collective) and FlexAttention.
 OP_SAVE: frozenset = (
     (SELECTIVE_SAVE - _ops("bmm.default", "baddbmm.default"))
     | _ops("linear.default", "_scaled_dot_product_attention_math.default")
-    | frozenset(_extra_save())
+    | _ops("reduce_scatter_tensor.default", namespace="_c10d_functional")
+    | frozenset(op for op in [getattr(torch._higher_order_ops, "flex_attention", None)] if op is not None)
 )
 
 # The matmuls it numbers (forward and recompute apart) to save the odd ones: torchtitan's mm and linear, and
@@ -106,20 +95,12 @@ def op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
-def _op_contexts():
-    # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
-    return create_selective_checkpoint_contexts(op_policy({}))
-
-
 def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
     """``"full"`` -> ("full", 1); ``N`` -> ("every", N); ``"selective"``/``"op"`` -> (that mode, 1)."""
-    if isinstance(mode, bool) or not isinstance(mode, (str, int)):
-        raise ValueError(f"mode={mode!r}: expected 'full', 'selective', 'op' or a positive int N (every N-th block)")
-    if isinstance(mode, str):
-        key = mode.lower()
-        if key not in AC_MODES:
-            raise ValueError(f"mode={mode!r}: expected one of {list(AC_MODES)} or a positive int N (every N-th block)")
-        return key, 1
+    if isinstance(mode, str) and mode.lower() in AC_MODES:
+        return mode.lower(), 1
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise ValueError(f"mode={mode!r}: expected one of {list(AC_MODES)} or a positive int N (every N-th block)")
     if mode < 1:
         raise ValueError(f"mode={mode}: N checkpoints every N-th block and must be >= 1 (1 is the same as 'full')")
     return ("full", 1) if mode == 1 else ("every", mode)
@@ -136,7 +117,10 @@ _RUN = {
         use_reentrant=False,
         context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy),
     ),
-    "op": functools.partial(checkpoint, use_reentrant=False, context_fn=_op_contexts),
+    # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
+    "op": functools.partial(
+        checkpoint, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(op_policy({}))
+    ),
 }
 
 
@@ -149,13 +133,6 @@ def _checkpointed_forward(inner: Callable[..., Any], run: Callable[..., Any]) ->
         return run(inner, module, *args, **kwargs)
 
     return forward
-
-
-def _hf_checkpointing_layer(block: nn.Module) -> bool:
-    # Only look if transformers is already imported: importing it here would be slow and noisy.
-    layers = sys.modules.get("transformers.modeling_layers")
-    cls = getattr(layers, "GradientCheckpointingLayer", None)
-    return cls is not None and isinstance(block, cls)
 
 
 def apply_activation_checkpointing(
@@ -189,10 +166,12 @@ def apply_activation_checkpointing(
     # One checkpointed forward per distinct inner forward, shared by the blocks of a class (so
     # compile_blocks compiles it once).
     wrapped: dict[Callable[..., Any], Callable[..., Any]] = {}
+    # transformers' checkpointing layer, if transformers is imported (importing it here would be slow and noisy)
+    hf_layer = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", ())
     for index, block in enumerate(found):
         if index % every:
             continue
-        if _hf_checkpointing_layer(block):
+        if isinstance(block, hf_layer):
             # transformers' own switch: its forward calls this function when training, after
             # dropping cache arguments that a recompute would otherwise update a second time.
             block.gradient_checkpointing = True
@@ -201,6 +180,6 @@ def apply_activation_checkpointing(
             inner = current_forward(block)
             if inner not in wrapped:
                 wrapped[inner] = _checkpointed_forward(inner, run)
-            set_forward(block, wrapped[inner])
+            block.forward = BlockForward(block, wrapped[inner])
         setattr(block, CHECKPOINTED, label)
     return model

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map_only
 
 from fsdp2kit._internal.markers import COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrappers.forward import check_unsharded, current_forward, set_forward
+from fsdp2kit.wrappers.forward import BlockForward, check_unsharded, current_forward
 
 __all__ = ["compile_blocks", "wait_async_inputs"]
 
@@ -33,19 +33,13 @@ class _WaitKeepGrad(torch.autograd.Function):
         return grad
 
 
-def _wait(t: AsyncCollectiveTensor) -> torch.Tensor:
-    if t.requires_grad and torch.is_grad_enabled():
-        return _WaitKeepGrad.apply(t)
-    return t.trigger_wait()
-
-
 def wait_async_inputs(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(module, *args, **kwargs)`` with every top-level ``AsyncCollectiveTensor`` argument waited for
     first, keeping its gradient: AOTAutograd drops it otherwise (pytorch/pytorch#179849; docs/internals.md,
     section wait_async_inputs)."""
 
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = tree_map_only(AsyncCollectiveTensor, _wait, (args, kwargs))
+        args, kwargs = tree_map_only(AsyncCollectiveTensor, _WaitKeepGrad.apply, (args, kwargs))
         return fn(module, *args, **kwargs)
 
     run.__qualname__ = f"wait_async_inputs({getattr(fn, '__qualname__', fn)})"
@@ -82,6 +76,6 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
         fn = current_forward(block)
         if fn not in compiled:
             compiled[fn] = wait_async_inputs(torch.compile(fn, **compile_kwargs))
-        set_forward(block, compiled[fn])
+        block.forward = BlockForward(block, compiled[fn])
         setattr(block, COMPILED, True)
     return model

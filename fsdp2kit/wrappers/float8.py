@@ -13,16 +13,9 @@ from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks, shared_parameters
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
-__all__ = ["enable_float8", "float8_eligible"]
+__all__ = ["enable_float8"]
 
 _MULTIPLE = 16  # torch._scaled_mm needs both matmul dimensions divisible by 16
-
-
-def float8_eligible(linear: nn.Module) -> bool:
-    """Whether torchao's float8 matmul accepts this Linear's shape."""
-    return (
-        isinstance(linear, nn.Linear) and linear.in_features % _MULTIPLE == 0 and linear.out_features % _MULTIPLE == 0
-    )
 
 
 class _RefreshScales:
@@ -40,11 +33,10 @@ class _RefreshScales:
         # Sharded weights only: a unit that was not resharded after its last forward (FSDP2 keeps
         # the last block gathered after a forward without backward) is skipped here and by
         # torchao, and its scale is refreshed once it is sharded again (its identity joins the key).
+        # None sharded (yet): Float8Linear computes each scale in its forward.
         weights = [layer.weight for layer in self.layers if isinstance(layer.weight, DTensor)]
-        if not weights:
-            return  # not sharded (yet): Float8Linear computes each scale in its forward
         versions = [(id(w), w._version) for w in weights]
-        if versions != self.versions:
+        if weights and versions != self.versions:
             precompute_float8_dynamic_scale_for_fsdp(module)
             self.versions = versions
 
@@ -103,7 +95,8 @@ def enable_float8(
             if not isinstance(module, nn.Linear):
                 continue
             name = names[id(module)]
-            if not float8_eligible(module) or any(id(p) in tied for p in module.parameters(recurse=False)):
+            eligible = module.in_features % _MULTIPLE == 0 and module.out_features % _MULTIPLE == 0
+            if not eligible or any(id(p) in tied for p in module.parameters(recurse=False)):
                 skipped.append(name)
             elif filter_fn is None or filter_fn(module, name):
                 chosen.add(id(module))
@@ -120,10 +113,9 @@ def enable_float8(
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: id(m) in chosen, config=config)
-    for m in model.modules():
-        if isinstance(m, Float8Linear):
-            m.register_forward_pre_hook(_check_tokens)
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for layer in layers:
+        layer.register_forward_pre_hook(_check_tokens)
     if fsdp_all_gather:
-        layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
         model.register_forward_pre_hook(_RefreshScales(layers))
     return model

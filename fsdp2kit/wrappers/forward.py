@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.markers import TENSOR_PARALLEL
 
-__all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward", "set_forward"]
+__all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward"]
 
 ORDER = (
     "enable_float8 -> apply_tensor_parallel -> apply_activation_checkpointing -> compile_blocks -> shard_model "
@@ -54,14 +54,10 @@ def current_forward(module: nn.Module) -> Callable[..., Any]:
     )
 
 
-def set_forward(module: nn.Module, fn: Callable[..., Any]) -> None:
-    module.forward = BlockForward(module, fn)
-
-
 def check_unsharded(model: nn.Module, what: str, *, before_tp: bool = False) -> None:
     """Raise if ``shard_model`` (or fully_shard) already ran (`apply_tensor_parallel`'s DTensors are fine);
     with ``before_tp``, also if `apply_tensor_parallel` did."""
-    sharded = isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())  # modules() includes the model
     tensor_parallel = getattr(model, TENSOR_PARALLEL, None) is not None
     if sharded or (not tensor_parallel and any(isinstance(p, DTensor) for p in model.parameters())):
         raise ValueError(

@@ -12,14 +12,6 @@ from fsdp2kit.wrappers.forward import ORDER
 __all__ = ["set_prefetch"]
 
 
-def _depth(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r}: expected an int >= 0 (how many blocks ahead to prefetch)")
-    if value < 0:
-        raise ValueError(f"{name}={value}: expected an int >= 0 (how many blocks ahead to prefetch; 0 turns it off)")
-    return value
-
-
 def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Module:
     """Prefetch the all-gathers of the next ``forward`` blocks in forward and the previous ``backward`` blocks
     in backward; returns ``model``. Call it after `shard_model`; calling it again replaces the setting.
@@ -27,7 +19,9 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Mo
     ``backward=1`` is FSDP2's implicit default made explicit; ``0`` returns to FSDP2's default in that
     direction. Only the blocks prefetch each other; the embedding and root units keep FSDP2's default.
     """
-    forward, backward = _depth("forward", forward), _depth("backward", backward)
+    for name, value in (("forward", forward), ("backward", backward)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected an int >= 0 (how many blocks ahead to prefetch; 0: off)")
     blocks = getattr(model, BLOCK_ORDER, None)
     if blocks is None:
         raise ValueError(
