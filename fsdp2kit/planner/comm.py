@@ -153,7 +153,12 @@ def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
 
 
 def comm_of_plan(
-    model: nn.Module, plan: ShardPlan, *, micro_batches: int = 1, accumulation: str = "regather"
+    model: nn.Module,
+    plan: ShardPlan,
+    *,
+    micro_batches: int = 1,
+    accumulation: str = "regather",
+    replicate_adapters: bool = False,
 ) -> CommPlan:
     """The FSDP collectives of one optimizer step of ``model`` sharded as ``plan`` says.
 
@@ -173,6 +178,8 @@ def comm_of_plan(
             on the last micro-batch, holding unsharded gradients until then),
             ``"keep_gathered_defer_all_reduce"`` (HSDP: gather once, all-reduce once),
             ``"keep_gathered_no_sync"`` (gather once, reduce once: the fewest bytes, the most memory).
+        replicate_adapters: the trainable parameters are left out of the units, whole on every rank
+            (`fsdp2kit.shard_model`'s option): one all-reduce a step per data-parallel group and dtype.
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: expected a positive int")
@@ -198,7 +205,9 @@ def comm_of_plan(
     deferred = many and accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce")
     held = 0
     units = []
+    kept = {id(p): p for p in model.parameters() if p.requires_grad} if replicate_adapters else {}
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):
+        params = [p for p in params if id(p) not in kept]
         colls: list[Collective] = []
         if keep:
             held += sum(_gathered_bytes(p, shard, _compute_dtype(p, plan)) for p in params)
@@ -228,6 +237,21 @@ def comm_of_plan(
             if deferred:
                 held += rs_in // shard
         units.append(UnitComm(up.name, tuple(colls)))
+    if kept:  # fsdp2kit/replicated.py: summed over the shard group, then the replicate one, once a step
+        by_dtype: dict[torch.dtype, int] = defaultdict(int)
+        for p in kept.values():
+            by_dtype[plan.precision.master(p)] += p.numel() * plan.precision.master(p).itemsize
+        groups = [("shard", shard), ("replicate", replicate)] if not replicate_only else [("shard", replicate)]
+        colls = [
+            Collective("all_reduce", g, n, _dtype_name(dt), 1, "backward")
+            for dt, n in by_dtype.items()
+            for g, size in groups
+            if size > 1
+        ]
+        units.append(UnitComm("(replicated adapters)", tuple(colls)))
+        for g, size in groups:
+            if size > 1:
+                group_sizes[g] = size
     return CommPlan(units, accumulation, micro_batches, group_sizes, held)
 
 
@@ -245,6 +269,7 @@ def plan_comm(
     lora_targets: str | tuple[str, ...] = "all-linear",
     micro_batches: int = 1,
     accumulation: str = "regather",
+    replicate_adapters: bool = False,
 ) -> CommPlan:
     """Predict every FSDP collective of one optimizer step: `comm_of_plan` of the model as the run trains it.
 
@@ -278,7 +303,9 @@ def plan_comm(
         reshard_after_forward=reshard_after_forward,
         mixed_precision=mixed_precision,
     )
-    return comm_of_plan(model, plan, micro_batches=micro_batches, accumulation=accumulation)
+    return comm_of_plan(
+        model, plan, micro_batches=micro_batches, accumulation=accumulation, replicate_adapters=replicate_adapters
+    )
 
 
 def comm_of_settings(model: nn.Module, s, *, accumulation: str | None = None, cache: dict | None = None) -> CommPlan:
