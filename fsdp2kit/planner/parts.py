@@ -74,10 +74,13 @@ def _is_lookup(model: nn.Module, names: list[str]) -> bool:
         return False
 
 
-def units_for(model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None = None) -> list[tuple[list[str], Unit]]:
+def units_for(
+    model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None = None, replicated: set[int] = frozenset()
+) -> list[tuple[list[str], Unit]]:
     """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group),
     in the plan's precision: gathered and unsharded gradients in the compute dtype, the reduce-scatter
-    in the reduce dtype, sharded gradients in the master dtype."""
+    in the reduce dtype, sharded gradients in the master dtype. A ``replicated`` parameter (by id) is
+    neither gathered nor reduced: its whole gradient stays as ``.grad`` (counted as sharded)."""
     shard = plan.mesh_shape[-1]
     precision = plan.precision
     out = []
@@ -85,6 +88,9 @@ def units_for(model: nn.Module, plan: ShardPlan, *, trainable: set[int] | None =
         gathered = grads = rs_in = rs_out = sharded = 0
         for p in params:
             master = precision.master(p)
+            if id(p) in replicated:
+                sharded += p.numel() * master.itemsize
+                continue
             cdt = (precision.policy.param_dtype if p.is_floating_point() else None) or master
             padded = _padded(p.shape, shard)
             gathered += _gathered_bytes(p, shard, cdt)
