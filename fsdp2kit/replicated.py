@@ -53,22 +53,40 @@ class _Replicated:
 
     def all_reduce(self) -> None:
         self.queued = False
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self.params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for ps in by_dtype.values():  # one bucket per dtype: one call per group
-            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        for ts in _by_dtype([p.grad for p in self.params if p.grad is not None]):  # one call per group and dtype
+            flat = torch.cat([t.reshape(-1) for t in ts])
             for group in reversed(self.groups):
                 dist.all_reduce(flat, group=group)  # SUM then divide: gloo has no AVG
             flat.div_(self.world)
-            for p, g in zip(ps, flat.split([p.numel() for p in ps])):
-                p.grad.copy_(g.view_as(p.grad))
+            _copy_back(ts, flat)
+
+    def broadcast(self) -> None:
+        """Every rank starts from the values of the mesh's first rank (as DDP does), whatever each built."""
+        for ts in _by_dtype([p.detach() for p in self.params]):
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            for group in reversed(self.groups):
+                dist.broadcast(flat, group=group, group_src=0)
+            _copy_back(ts, flat)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return list(out.values())
+
+
+def _copy_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
 
 
 def replicate_trainable(model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Average ``params``' gradients over ``mesh`` (the data-parallel mesh) at the end of each synced backward."""
+    """Start ``params`` from the first rank's values and average their gradients over ``mesh`` (the
+    data-parallel mesh) at the end of each synced backward."""
     state = _Replicated(params, mesh)
+    if not any(p.is_meta for p in params):  # on the meta device: materialize draws them alike on every rank
+        state.broadcast()
     for p in params:
         p.register_post_accumulate_grad_hook(state.hook)
     setattr(model, _STATE, state)

@@ -42,6 +42,7 @@ import torch.nn as nn
 from fsdp2kit.accumulation import ACCUMULATION as _POLICIES
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.parts import _gathered_bytes, _is_lookup, _padded, unit_params
+from fsdp2kit.replicated import check_replicable
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["ACCUMULATION", "Collective", "CommPlan", "UnitComm", "comm_of_plan", "comm_of_settings", "plan_comm"]
@@ -179,7 +180,8 @@ def comm_of_plan(
             ``"keep_gathered_defer_all_reduce"`` (HSDP: gather once, all-reduce once),
             ``"keep_gathered_no_sync"`` (gather once, reduce once: the fewest bytes, the most memory).
         replicate_adapters: the trainable parameters are left out of the units, whole on every rank
-            (`fsdp2kit.shard_model`'s option): one all-reduce a step per data-parallel group and dtype.
+            (`fsdp2kit.shard_model`'s option): one all-reduce a step per data-parallel group and dtype,
+            counted with the root unit (they follow its backward).
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: expected a positive int")
@@ -205,7 +207,7 @@ def comm_of_plan(
     deferred = many and accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce")
     held = 0
     units = []
-    kept = {id(p): p for p in model.parameters() if p.requires_grad} if replicate_adapters else {}
+    kept = {id(p): p for p in check_replicable(model)} if replicate_adapters else {}
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):
         params = [p for p in params if id(p) not in kept]
         colls: list[Collective] = []
@@ -248,7 +250,8 @@ def comm_of_plan(
             for g, size in groups
             if size > 1
         ]
-        units.append(UnitComm("(replicated adapters)", tuple(colls)))
+        # issued after the root's backward (the callback at its end): counted with the root unit, the last
+        units[-1] = UnitComm(units[-1].name, units[-1].collectives + tuple(colls))
         for g, size in groups:
             if size > 1:
                 group_sizes[g] = size
@@ -320,4 +323,10 @@ def comm_of_settings(model: nn.Module, s, *, accumulation: str | None = None, ca
     prec = resolve_precision(s.mixed_precision)
     model = _as_trained(model, s, prec.compute_dtype, {} if cache is None else cache)
     plan = estimate_plan(model, shard=s.shard * s.cp, replicate=s.replicate, strategy=s.strategy, mixed_precision=prec)
-    return comm_of_plan(model, plan, micro_batches=s.grad_accum, accumulation=accumulation or s.accumulation)
+    return comm_of_plan(
+        model,
+        plan,
+        micro_batches=s.grad_accum,
+        accumulation=accumulation or s.accumulation,
+        replicate_adapters=s.replicate_adapters,
+    )

@@ -273,6 +273,9 @@ def run_replicated(case: Case) -> dict:
         accumulation=case.accumulation,
         replicate_adapters=True,
     )
+    if rank == 1:  # built differently on another rank: shard_model starts every rank from rank 0's adapters
+        with torch.no_grad():
+            next(p for p in model.parameters() if p.requires_grad).add_(1.0)
     shard(case, model, replicate_adapters=True)
     whole = all(not isinstance(p, DTensor) for p in model.parameters() if p.requires_grad)
     opt, ref_opt = _optimizer(model), _optimizer(ref)
