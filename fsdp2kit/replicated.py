@@ -44,15 +44,15 @@ class _Replicated:
         self.groups = [mesh.get_group(i) for i in range(mesh.ndim) if mesh.size(i) > 1]
         self.world = mesh.size()
         self.sync = True
-        self.queued = False
+        self.queued = -1  # the backward (graph task) whose callback is queued: a failed one never runs it
 
     def hook(self, _: torch.Tensor) -> None:
-        if self.sync and not self.queued:  # once per backward, after every gradient is accumulated
-            self.queued = True
+        task = torch._C._current_graph_task_id()
+        if self.sync and task != self.queued:  # once per backward, after every gradient is accumulated
+            self.queued = task
             torch.autograd.Variable._execution_engine.queue_callback(self.all_reduce)
 
     def all_reduce(self) -> None:
-        self.queued = False
         for ts in _by_dtype([p.grad for p in self.params if p.grad is not None]):  # one call per group and dtype
             flat = torch.cat([t.reshape(-1) for t in ts])
             for group in reversed(self.groups):
@@ -104,8 +104,3 @@ def paused(model: nn.Module, pause: bool = True) -> Iterator[None]:
         yield
     finally:
         state.sync = True
-
-
-def replicated_params(model: nn.Module) -> list[nn.Parameter]:
-    state = getattr(model, _STATE, None)
-    return [] if state is None else state.params

@@ -34,7 +34,11 @@ CASES: dict[str, list[Case]] = {
     ],
     # Mesh coverage beyond what test_parity checks for plain models: make test-all.
     "3-slow": [Case("lora"), Case("export")],  # every tensor sharded unevenly (hidden 40, vocab 96)
-    "4-slow": [Case("lora", shard=2, replicate=2), Case("qlora", shard=2, replicate=2)],
+    "4-slow": [
+        Case("lora", shard=2, replicate=2),
+        Case("qlora", shard=2, replicate=2),
+        Case("replicated", shard=2, replicate=2, accumulation="keep_gathered_defer_all_reduce", steps=2),
+    ],
 }
 
 _results: dict[str, list[list[dict]]] = {}
