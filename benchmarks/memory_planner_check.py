@@ -186,7 +186,7 @@ def measure_world(configs: list[dict]) -> list[dict]:
             fk.apply_context_parallel(model, mesh)
         if c["ac"] is not None:
             fk.apply_activation_checkpointing(model, mode=c["ac"])
-        fk.shard_model(model, mesh, mixed_precision=c["mp"])
+        fk.shard_model(model, mesh, mixed_precision=c["mp"], replicate_adapters=c.get("replicated", False))
         if c.get("prefetch", 0):
             fk.set_prefetch(model, forward=c["prefetch"], backward=c["prefetch"])
         if c.get("optimizer", "adamw") == "sgd":
@@ -240,6 +240,7 @@ def predict(c: dict):
         optimizer=c.get("optimizer", "adamw"),
         grad_accum=c.get("accum", 1),
         accumulation=c.get("policy", "regather"),
+        replicate_adapters=c.get("replicated", False),
     )
 
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit._internal.dtensor import fsdp_units
+from fsdp2kit.replicated import paused
 
 __all__ = ["ACCUMULATION", "accumulate", "check_accumulation"]
 
@@ -113,7 +114,8 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
     every policy (tests/dist/test_parity.py). Each setting changed goes back to FSDP2's default
     when the block exits, so do not nest it in `fsdp2kit.no_sync` or under settings of your own
     (``keep_gathered``'s reshard-after-forward goes back when the last micro-batch's block exits,
-    or any block that raises).
+    or any block that raises). Replicated adapters (``shard_model(..., replicate_adapters=True)``)
+    are all-reduced once, on the last micro-batch, under every policy.
     """
     check_accumulation(policy)
     if isinstance(n_micro, bool) or not isinstance(n_micro, int) or n_micro < 1:
@@ -140,7 +142,8 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
                 m.set_requires_all_reduce(False, recurse=False)
             if keep:
                 m.set_reshard_after_backward(last, recurse=False)
-        yield
+        with paused(model, not last):
+            yield
         ok = True
     finally:
         for m in modules:

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.dtensor import fsdp_units
+from fsdp2kit.replicated import paused
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
@@ -58,7 +59,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     for m in modules:
         m.set_requires_gradient_sync(False, recurse=False)
     try:
-        yield
+        with paused(model):  # replicated adapters (shard_model(..., replicate_adapters=True)) too
+            yield
     finally:
         for m in modules:
             m.set_requires_gradient_sync(True, recurse=False)

@@ -24,6 +24,7 @@ from fsdp2kit.preflight import (
     check_optimizers_at_first_forward,
     mark_replaced,
 )
+from fsdp2kit.replicated import check_replicable, replicate_trainable
 from fsdp2kit.units import assign_units, dtype_subunits
 
 __all__ = ["STRATEGIES", "Strategy", "estimate_plan", "resolve_strategy", "shard_model"]
@@ -104,6 +105,7 @@ def shard_model(
     reshard_after_forward: bool | int | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
+    replicate_adapters: bool = False,
 ) -> ShardPlan:
     """Shard ``model`` in place with FSDP2 over ``mesh`` and return its `ShardPlan`.
 
@@ -124,6 +126,9 @@ def shard_model(
             The plan's precision line names the master and optimizer-state dtypes (`fsdp2kit.precision`).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer
             step runs on CPU).
+        replicate_adapters: LoRA / QLoRA: keep the trainable parameters whole on every rank (left out of
+            ``fully_shard``), their gradients averaged over the data-parallel ranks once a step; the frozen
+            base stays sharded (docs/accumulation.md).
 
     Build the optimizer after this call: it must see the sharded DTensor parameters (an
     optimizer built before is found at the model's first forward and raises on its first step).
@@ -139,7 +144,9 @@ def shard_model(
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     fsdp_mesh = _replicate_mesh(dp_mesh) if layout.strategy.replicate_only else dp_mesh
-    replaced = dict(model.named_parameters())
+    kept = set(check_replicable(model, cpu_offload)) if replicate_adapters else set()
+    kept_names = {n for n, p in model.named_parameters() if p in kept}
+    replaced = {n: p for n, p in model.named_parameters() if p not in kept}
     mark_replaced(replaced)
     for _, modules, reshard in layout.units:
         fully_shard(
@@ -148,9 +155,12 @@ def shard_model(
             reshard_after_forward=reshard,
             mp_policy=layout.precision.policy,
             offload_policy=offload,
+            ignored_params=kept or None,
         )
     warn_as_built(layout.precision, model.parameters())
     cast_masters(model, layout.precision)  # before any mark: it swaps parameter contents
+    if kept:
+        replicate_trainable(model, [p for n, p in model.named_parameters() if n in kept_names], dp_mesh)
     for table in layout.lookups:
         # backward of a lookup scatters the output gradient by index: the table is not read
         table.set_unshard_in_backward(False)

@@ -108,6 +108,8 @@ def check_before_start(cfg: Config) -> None:
             check_source(f, role)  # exists and is of a type the data layer reads: before any process group
     if cfg.data.tokenizer and not cfg.train.plan_only and not Path(cfg.data.tokenizer).is_dir():
         raise DataError(f"data.tokenizer = {cfg.data.tokenizer!r}: no such directory (a local Hugging Face tokenizer)")
+    if lora.replicate_adapters and lora.r == 0:
+        raise ConfigError("lora.replicate_adapters = true replicates LoRA adapters: set lora.r (> 0) too")
     if lora.r > 0 and lora.targets != "all-linear":
         # The targets against the model's Linear names, on the meta device (no memory, no data yet):
         # a typo here must not wait for the data to be tokenized.
@@ -232,7 +234,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # 4. shard, then fill the shards
     plan = fk.shard_model(
-        model, mesh, strategy=p.strategy, mixed_precision=p.mixed_precision, cpu_offload=p.cpu_offload
+        model,
+        mesh,
+        strategy=p.strategy,
+        mixed_precision=p.mixed_precision,
+        cpu_offload=p.cpu_offload,
+        replicate_adapters=lora.replicate_adapters,
     )
     if info.is_main:
         if cfg.log.verbose:

@@ -33,7 +33,7 @@ def parse_targets(text: str | None) -> str | tuple[str, ...]:
 
 # Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
 _STEP_FLAGS = ("ac", "optimizer", "optimizer_offload", "prefetch", "device", "gpu_memory", "json")
-_STEP_FLAGS += ("grad_accum", "accumulation", "packed")
+_STEP_FLAGS += ("grad_accum", "accumulation", "packed", "replicate_adapters")
 
 
 def add_plan(subparsers) -> None:
@@ -81,6 +81,12 @@ def add_plan(subparsers) -> None:
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--lora", type=int, default=None, metavar="R", help="train rank-R LoRA adapters (peft)")
     p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights in the blocks (QLoRA)")
+    p.add_argument(
+        "--replicate-adapters",
+        action="store_true",
+        help="with --lora: adapters whole on every rank, all-reduced once a step; the base sharded "
+        "(shard_model(..., replicate_adapters=True), the recipe's [lora] replicate_adapters)",
+    )
     p.add_argument(
         "--lora-targets",
         default=None,
@@ -214,6 +220,7 @@ def run_plan(args) -> int:
         lora_targets=targets,
         grad_accum=1 if args.grad_accum is None else args.grad_accum,
         accumulation=args.accumulation or "regather",
+        replicate_adapters=args.replicate_adapters,
     )
     if args.packed and settings.cp == 1:
         raise ValueError("--packed adds the document mask of context parallelism: give --cp C (C > 1) too")

@@ -23,6 +23,7 @@ from fsdp2kit.planner.report import PART_NAMES, MemoryPlan
 from fsdp2kit.planner.timeline import replay
 from fsdp2kit.planner.trace import record_step
 from fsdp2kit.precision import resolve_precision
+from fsdp2kit.replicated import check_replicable
 from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
@@ -55,6 +56,7 @@ class Settings:
     packed: bool = False  # rows of several documents: under cp, a document mask (seq x seq a row)
     optimizer_offload: bool = False  # optimizer state (and its step) in host memory; parameters stay on the device
     accumulation: str = "regather"  # how the micro-batches communicate (fsdp2kit.accumulate): what they hold
+    replicate_adapters: bool = False  # LoRA: trainable parameters whole on every rank (shard_model's option)
 
     def check(self) -> None:
         for name in ("shard", "replicate", "tp", "cp", "batch", "seq", "grad_accum"):
@@ -175,6 +177,7 @@ def plan_memory(
     name: str = "",
     grad_accum: int = 1,
     accumulation: str = "regather",
+    replicate_adapters: bool = False,
 ) -> MemoryPlan:
     """Predict the per-rank peak memory of one steady-state training step, its parts, and when it happens.
 
@@ -209,6 +212,8 @@ def plan_memory(
         gpu_memory: bytes per device; the plan then says whether it fits and by how much.
         grad_accum, accumulation: micro-batches a step and the `fsdp2kit.accumulate` policy they run
             under; the peak adds what the policy holds between them (docs/accumulation.md, "Memory").
+        replicate_adapters: the trainable parameters (LoRA adapters) whole on every rank, with their
+            gradients and optimizer state, as `fsdp2kit.shard_model(..., replicate_adapters=True)` keeps them.
 
     A ``seq`` longer than the model's ``max_position_embeddings`` is planned, with a note saying so.
     """
@@ -242,6 +247,7 @@ def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module,
 def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
     model, plan = trained_plan(model, s, cache)
+    kept = {id(p) for p in check_replicable(model, s.cpu_offload)} if s.replicate_adapters else set()
     prec = plan.precision
     compute = prec.compute_dtype
     shard_size = plan.mesh_shape[-1]
@@ -259,12 +265,15 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             activation_checkpointing=s.activation_checkpointing,
             cp=s.cp,
         )
-    units = units_for(model, plan)
+    units = units_for(model, plan, replicated=kept)
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
     position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
     final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))
 
-    def run(us, rec=cache[key]):
+    # The replicated gradients' flat copy, all-reduced at the end of the (last) backward (fsdp2kit/replicated.py).
+    flat = sum(n * dt.itemsize for n, dt, _ in rank_shards(model, 1, prec)) if kept else 0
+
+    def run(us, rec=cache[key], flat=flat):
         return replay(
             rec,
             us,
@@ -274,6 +283,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             prefetch=s.prefetch,
             clone_reduce_input=gloo,
             final_order=final_order,
+            final_transient=flat,
         )
 
     step = run(units)
@@ -283,8 +293,9 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         rec = cache[key]
         summed = dataclasses.replace(rec, events=[(*e[:2], 0) if e[0] == "grad" else e for e in rec.events])
         micro = []
-        for us, extra, in_place in micro_batch_units(units, s.accumulation, s.grad_accum, scale):
-            r, held = run(us, summed if in_place else rec), sum(extra.values())
+        variants = micro_batch_units(units, s.accumulation, s.grad_accum, scale, bool(kept))
+        for i, (us, extra, in_place) in enumerate(variants):
+            r, held = run(us, summed if in_place else rec, flat if i == len(variants) - 1 else 0), sum(extra.values())
             parts = {k: v + extra.get(k, 0) for k, v in r.parts.items()}
             micro.append((r.peak + held, r.phase, parts, r.forward_peak + held, r.backward_peak + held))
         top = max(micro, key=lambda t: t[0])
@@ -299,7 +310,10 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 
     params = plan.param_bytes_per_rank
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")
-    shards = rank_shards(model, shard_size, prec)
+    shards = rank_shards(model, 1 if kept else shard_size, prec)
+    if kept:  # the plan counts them sharded
+        params += sum(n * dt.itemsize for n, dt, _ in shards)
+        params -= sum(n * dt.itemsize for n, dt, _ in rank_shards(model, shard_size, prec))
     opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
     trainable = sum(n * dt.itemsize for n, dt, _ in shards)
     grads = step.grads_sharded

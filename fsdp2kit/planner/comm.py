@@ -14,6 +14,7 @@ import torch.nn as nn
 from fsdp2kit.accumulation import ACCUMULATION as _POLICIES
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.parts import _gathered_bytes, _is_lookup, _padded, compute_dtype, unit_params
+from fsdp2kit.replicated import check_replicable
 from fsdp2kit.weights.nf4 import NF4_ROW_TENSORS, is_nf4
 
 __all__ = ["ACCUMULATION", "Collective", "CommPlan", "UnitComm", "comm_of_plan", "comm_of_settings", "plan_comm"]
@@ -108,12 +109,19 @@ def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
 
 
 def comm_of_plan(
-    model: nn.Module, plan: ShardPlan, *, micro_batches: int = 1, accumulation: str = "regather"
+    model: nn.Module,
+    plan: ShardPlan,
+    *,
+    micro_batches: int = 1,
+    accumulation: str = "regather",
+    replicate_adapters: bool = False,
 ) -> CommPlan:
     """The FSDP collectives of one optimizer step of ``model`` (as it trains: a peft model with its adapters, under
     TP one TP rank's slices, `fsdp2kit.planner.adapt`) sharded as ``plan`` (its `ShardPlan`) says, for
     ``micro_batches`` forward + backward passes under an `fsdp2kit.accumulate` policy (docs/accumulation.md).
-    Needs no process group; nothing is allocated."""
+    ``replicate_adapters``: the trainable parameters are whole on every rank (`fsdp2kit.shard_model`'s option),
+    one all-reduce a step per data-parallel group and dtype, counted with the root unit. Needs no process
+    group; nothing is allocated."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: expected a positive int")
     fwd, bwd, n_rs, n_ar = _counts(accumulation, micro_batches)
@@ -134,7 +142,9 @@ def comm_of_plan(
     deferred = many and accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce")
     held = 0
     units = []
+    kept = {id(p): p for p in check_replicable(model)} if replicate_adapters else {}
     for (unit_names, params), up in zip(unit_params(model, plan), plan.units):
+        params = [p for p in params if id(p) not in kept]
         colls: list[Collective] = []
         gathered = sum(_gathered_bytes(p, shard, compute_dtype(p, plan.precision)) for p in params)
         held += gathered if keep else 0
@@ -161,6 +171,22 @@ def comm_of_plan(
             if deferred:
                 held += rs_in // shard
         units.append(UnitComm(up.name, tuple(colls)))
+    if kept:  # fsdp2kit/replicated.py: summed over the shard group, then the replicate one, once a step
+        by_dtype: dict[torch.dtype, int] = defaultdict(int)
+        for p in kept.values():
+            by_dtype[plan.precision.master(p)] += p.numel() * plan.precision.master(p).itemsize
+        groups = [("shard", shard), (ar_group, replicate)]  # NO_SHARD: shard is 1 and ar_group "shard"
+        colls = [
+            Collective("all_reduce", g, n, _dtype_name(dt), 1, "backward")
+            for dt, n in by_dtype.items()
+            for g, size in groups
+            if size > 1
+        ]
+        # issued after the root's backward (the callback at its end): counted with the root unit, the last
+        units[-1] = UnitComm(units[-1].name, units[-1].collectives + tuple(colls))
+        for g, size in groups:
+            if size > 1:
+                group_sizes[g] = size
     return CommPlan(units, accumulation, micro_batches, group_sizes, held)
 
 
@@ -178,6 +204,7 @@ def plan_comm(
     lora_targets: str | tuple[str, ...] = "all-linear",
     micro_batches: int = 1,
     accumulation: str = "regather",
+    replicate_adapters: bool = False,
 ) -> CommPlan:
     """Predict every FSDP collective of one optimizer step: `comm_of_plan` of the model as the run trains it (the
     arguments as for `fsdp2kit.plan_memory` / `fsdp2kit.shard_model`; ``model`` is not changed, and may be on the
@@ -201,7 +228,9 @@ def plan_comm(
         reshard_after_forward=reshard_after_forward,
         mixed_precision=mixed_precision,
     )
-    return comm_of_plan(model, plan, micro_batches=micro_batches, accumulation=accumulation)
+    return comm_of_plan(
+        model, plan, micro_batches=micro_batches, accumulation=accumulation, replicate_adapters=replicate_adapters
+    )
 
 
 def comm_of_settings(model: nn.Module, s, *, accumulation: str | None = None, cache: dict | None = None) -> CommPlan:
@@ -210,4 +239,10 @@ def comm_of_settings(model: nn.Module, s, *, accumulation: str | None = None, ca
     from fsdp2kit.planner.api import trained_plan
 
     model, plan = trained_plan(model, s, {} if cache is None else cache)
-    return comm_of_plan(model, plan, micro_batches=s.grad_accum, accumulation=accumulation or s.accumulation)
+    return comm_of_plan(
+        model,
+        plan,
+        micro_batches=s.grad_accum,
+        accumulation=accumulation or s.accumulation,
+        replicate_adapters=s.replicate_adapters,
+    )

@@ -14,7 +14,7 @@ __all__ = ["micro_batch_units"]
 
 
 def micro_batch_units(
-    units: list[Unit], policy: str, m: int, grad_scale: float
+    units: list[Unit], policy: str, m: int, grad_scale: float, replicated: bool = False
 ) -> list[tuple[list[Unit], dict[str, int], bool]]:
     """For each distinct micro-batch of ``m`` under ``policy``: its units, ``{part: bytes}`` held all through
     it, and whether its new gradients add in place into held ones (autograd's, not new memory).
@@ -22,7 +22,8 @@ def micro_batch_units(
     ``grad_scale``: reduce-dtype bytes of an unsharded gradient per compute-dtype byte (no_sync keeps
     the gradients in the reduce dtype; in place when it is 1). A unit marked unsharded, or with live
     gradients, at the start frees its held bytes when the replay reshards or reduces it: the bytes
-    added here cancel that.
+    added here cancel that. ``replicated``: the trainable parameters are whole on every rank (units_for's
+    ``replicated``), their ``.grad`` added to in place from the second micro-batch on.
     """
     keep = policy.startswith("keep_gathered")
     no_sync = policy.endswith("no_sync")
@@ -56,7 +57,7 @@ def micro_batch_units(
                 r.sharded_grads = 0
                 extra["grads"] += u.sharded_grads
             us.append(r)
-        variant = (us, extra, no_sync and grad_scale == 1 and not first)
+        variant = (us, extra, (replicated or (no_sync and grad_scale == 1)) and not first)
         if variant not in out:
             out.append(variant)
     return out

@@ -74,16 +74,20 @@ def compute_dtype(p: torch.Tensor, precision) -> torch.dtype:
     return (precision.policy.param_dtype if p.is_floating_point() else None) or precision.master(p)
 
 
-def units_for(model: nn.Module, plan: ShardPlan) -> list[Unit]:
+def units_for(model: nn.Module, plan: ShardPlan, *, replicated: set[int] = frozenset()) -> list[Unit]:
     """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group),
     in the plan's precision: gathered and unsharded gradients in the compute dtype, the reduce-scatter
-    in the reduce dtype, sharded gradients in the master dtype."""
+    in the reduce dtype, sharded gradients in the master dtype. A ``replicated`` parameter (by id) is
+    neither gathered nor reduced: its whole gradient stays as ``.grad`` (counted as sharded)."""
     shard = plan.mesh_shape[-1]
     precision = plan.precision
     out = []
     for (names, params), up in zip(unit_params(model, plan), plan.units):
         gathered = grads = rs_in = rs_out = sharded = 0
         for p in params:
+            if id(p) in replicated:
+                sharded += p.numel() * precision.master(p).itemsize
+                continue
             cdt = compute_dtype(p, precision)
             padded = _padded(p.shape, shard)
             gathered += _gathered_bytes(p, shard, cdt)

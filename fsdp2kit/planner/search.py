@@ -36,6 +36,7 @@ RECIPE_OPTIONS = {
     "lora": "lora.r",
     "qlora": "lora.qlora",
     "accumulation": "train.accumulation",
+    "replicate_adapters": "lora.replicate_adapters",
 }
 
 

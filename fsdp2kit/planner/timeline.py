@@ -238,9 +238,11 @@ def replay(
     prefetch: int,
     clone_reduce_input: bool = False,
     final_order: list[str] | None = None,
+    final_transient: int = 0,
 ) -> Replayed:
     """Run the recorded step's events through `FsdpTimeline` for ``units`` (fresh copies are used);
-    ``final_order`` names one module of each unit, in the order FSDP2's final callback visits them."""
+    ``final_order`` names one module of each unit, in the order FSDP2's final callback visits them;
+    ``final_transient``: bytes allocated for a moment after it (replicated gradients' flat all-reduce)."""
     units = [copy.copy(u) for u in units]
     index_of = {n: i for i, names in enumerate(unit_names) for n in names}
     blocks = [index_of[n] for n in block_names]
@@ -311,6 +313,8 @@ def replay(
             elif kind == "post_backward":
                 done.update(unit_names[unit])
             check(getattr(tl, kind)(*([] if unit is None else [unit, *e[2:]])) or [])
+            if kind == "end_backward" and final_transient:
+                check([tl.extra()._replace(clone=final_transient)])
     out.grads_sharded = tl.grads_sharded
     out.max_gathered, out.max_buffers = tl.max_gathered, tl.max_buffers
     return out

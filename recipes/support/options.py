@@ -152,6 +152,9 @@ class LoraConfig:
     dropout: float = opt(0.0, "dropout on the adapters' input")
     targets: str = opt("all-linear", "comma-separated Linear module names to adapt, or all-linear", check=_targets)
     qlora: bool = opt(False, "quantize the frozen base's block weights to 4-bit NF4 (QLoRA)")
+    replicate_adapters: bool = opt(
+        False, "keep the adapters whole on every rank, all-reduced once a step; the base sharded (docs/accumulation.md)"
+    )
 
 
 @dataclass

@@ -48,6 +48,7 @@ def memory_plan(model: nn.Module, cfg: Config, *, shard: int, replicate: int, de
             name=cfg.model.name,
             grad_accum=cfg.train.grad_accum,
             accumulation=cfg.train.accumulation,
+            replicate_adapters=cfg.lora.replicate_adapters,
             **lora,
         )
     except Exception as e:

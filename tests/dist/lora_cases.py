@@ -28,12 +28,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @dataclass(frozen=True)
 class Case:
     kind: str  # "lora" | "frozen" | "mixed" | "qlora" | "export[-qlora]" | "load" | "ckpt" | "offline[-qlora]"
+    # | "replicated" (replicate_adapters=True, 4 micro-batches under fk.accumulate(accumulation))
     wrappers: bool = False  # full activation checkpointing before sharding, prefetch 1/1 after
     shard: int = -1
     replicate: int = 1
     mixed_precision: str | None = None
     base_dtype: str = "float32"
     steps: int = 3
+    accumulation: str = "regather"
     tmp: str = ""
 
     @property
@@ -249,8 +251,88 @@ def run_qlora(case: Case) -> dict:
     return out
 
 
+ACCUM = 4
+
+
+def run_replicated(case: Case) -> dict:
+    """replicate_adapters=True: 4 micro-batches a step against one process on the concatenated batch, the
+    first step's collectives counted; then a checkpoint reloaded into sharded adapters, and the exports."""
+    from torch.distributed.tensor import DTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = peft_llama()
+    model, sharded = copy.deepcopy(ref), copy.deepcopy(ref)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    mesh = _mesh(case)
+    plan = fk.plan_comm(
+        model,
+        shard=mesh.shape[-1],
+        replicate=mesh.shape[0] if mesh.ndim == 2 else 1,
+        micro_batches=ACCUM,
+        accumulation=case.accumulation,
+        replicate_adapters=True,
+    )
+    if rank == 1:  # built differently on another rank: shard_model starts every rank from rank 0's adapters
+        with torch.no_grad():
+            next(p for p in model.parameters() if p.requires_grad).add_(1.0)
+    shard(case, model, replicate_adapters=True)
+    whole = all(not isinstance(p, DTensor) for p in model.parameters() if p.requires_grad)
+    opt, ref_opt = _optimizer(model), _optimizer(ref)
+    gen = torch.Generator().manual_seed(1234)
+    losses, ref_losses, counted = [], [], []
+    for step in range(case.steps):
+        counting = fk.count_collectives(mesh) if step == 0 else contextlib.nullcontext()
+        total, ref_total = torch.zeros(()), 0.0
+        with counting as counts:
+            for micro in range(ACCUM):
+                tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=gen)
+                with fk.accumulate(model, case.accumulation, micro, ACCUM):
+                    loss = lm_loss(model, tokens[rank * BATCH : (rank + 1) * BATCH]) / ACCUM
+                    loss.backward()
+                total += loss.detach()
+                ref_loss = lm_loss(ref, tokens) / ACCUM
+                ref_loss.backward()
+                ref_total += ref_loss.item()
+        if counts is not None:
+            counted = counted_calls(counts)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        ref_losses.append(ref_total)
+    out = _compare(model, ref, before)
+    out.update(label=case.label, losses=losses, ref_losses=ref_losses, whole=whole)
+    out.update(counted=counted, predicted=predicted_calls(plan))
+    # A checkpoint of replicated adapters reloads into adapters sharded as usual (and back), and exports
+    # the same PEFT adapter files as a sharded run holding the same values.
+    root = Path(case.tmp) / f"replicated-w{world}"
+    fk.Checkpointer(root / "ckpt").save(case.steps, model, optimizer=opt)
+    fk.shard_model(sharded, mesh)
+    sharded_opt = _optimizer(sharded)
+    out["step"] = fk.Checkpointer(root / "ckpt").load(sharded, optimizer=sharded_opt)
+    out["reload_diff"] = max(
+        (gather_full(a).detach() - gather_full(b).detach()).abs().max().item()
+        for (_, a), (_, b) in zip(model.named_parameters(), sharded.named_parameters())
+    )
+    fk.export_hf(model, root / "replicated")
+    fk.export_hf(sharded, root / "sharded")
+    if rank == 0:  # and read back by one process (world 1): the offline export of the checkpoint
+        torch.manual_seed(0)
+        tiny_llama().save_pretrained(root / "base")
+        fk.dcp_to_hf(root / "ckpt", root / "offline", base=root / "base")
+        a, b, c = _files(root / "replicated"), _files(root / "sharded"), _files(root / "offline")
+        out["export_keys"] = len(a) if a.keys() == b.keys() == c.keys() else -1
+        out["export_unequal"] = sorted(
+            k for k in a.keys() & b.keys() & c.keys() if not (torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]))
+        )
+    return out
+
+
 def run_cases(cases: list[Case]) -> list[dict]:
     runs = {"qlora": run_qlora, "export": run_export, "export-qlora": run_export, "load": run_load, "ckpt": run_ckpt}
+    runs["replicated"] = run_replicated
     runs.update({"offline": run_offline, "offline-qlora": run_offline})
     return [runs.get(c.kind, run_lora)(c) for c in cases]
 

@@ -24,6 +24,7 @@ CASES: dict[str, list[Case]] = {
         Case("ckpt"),
         Case("offline"),
         Case("offline-qlora"),
+        Case("replicated", accumulation="keep_gathered", steps=2),  # LoRA adapters replicated, 4 micro-batches
     ],
     "2-slow": [
         Case("mixed"),  # fp64 adapters and fp32 norms trainable in the same blocks
@@ -33,7 +34,11 @@ CASES: dict[str, list[Case]] = {
     ],
     # Mesh coverage beyond what test_parity checks for plain models: make test-all.
     "3-slow": [Case("lora"), Case("export")],  # every tensor sharded unevenly (hidden 40, vocab 96)
-    "4-slow": [Case("lora", shard=2, replicate=2), Case("qlora", shard=2, replicate=2)],
+    "4-slow": [
+        Case("lora", shard=2, replicate=2),
+        Case("qlora", shard=2, replicate=2),
+        Case("replicated", shard=2, replicate=2, accumulation="keep_gathered_defer_all_reduce", steps=2),
+    ],
 }
 
 _results: dict[str, list[list[dict]]] = {}
@@ -115,6 +120,14 @@ def test_lora(key: str, index: int, tmp_root: str) -> None:
         assert res["same_adapters"], "adapters not restored"
         assert res["losses"][0] == pytest.approx(res["losses"][1], rel=1e-6)
         assert res["after_step_diff"] < 1e-6, "optimizer state not restored: the next step differs"
+    elif case.kind == "replicated":
+        assert res["whole"], "replicate_adapters=True left an adapter sharded"
+        assert not res["frozen_changed"]
+        assert res["worst_rel"] < RTOL, f"{res['label']}: {res['worst_param']} differs by {res['worst_rel']:.2e}"
+        assert res["losses"] == pytest.approx(res["ref_losses"], rel=RTOL)
+        assert res["step"] == case.steps and res["reload_diff"] == 0.0, "checkpoint not reloaded into sharded adapters"
+        if "export_keys" in res:
+            assert res["export_keys"] == 6 * len(TARGETS) and not res["export_unequal"], res["export_unequal"]
     elif case.kind.startswith("offline"):
         assert res["no_base_status"] == 1, "an adapters-only checkpoint exported without --base must fail"
         assert res["adapter_status"] == 0

@@ -62,12 +62,16 @@ def _accum(policy: str, **kw) -> dict:
     return {**case, "accum": 4, "policy": policy, **kw}
 
 
+# LoRA with replicated adapters (shard_model(..., replicate_adapters=True)): whole adapters, gradients and
+# AdamW state on each rank, the .grad added to in place, the flat all-reduce at the end of the last backward.
 ACCUM = [
     _accum("keep_gathered"),
     _accum("keep_gathered_defer_all_reduce"),
     _accum("no_sync", ac="full", mp=None),
+    _accum("keep_gathered", mp=None, lora=4, replicated=True),
 ]
 ACCUM_SLOW = [_accum(a) for a in ACCUMULATION if a not in ("keep_gathered", "keep_gathered_defer_all_reduce")]
+ACCUM_SLOW.append(_accum("regather", ac="full", mp=None, lora=4, replicated=True))
 
 
 def _near(predicted: int, measured: int, what: str, rel: float = 0.02) -> None:

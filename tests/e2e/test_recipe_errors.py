@@ -107,6 +107,11 @@ CASES = [
         "'v_proj'] (targets match a module name or its last parts, e.g. 'q_proj' or 'self_attn.q_proj')",
     ),
     (
+        "lora-replicate-without-r",
+        ["--lora.replicate_adapters", "true"],
+        "config error: lora.replicate_adapters = true replicates LoRA adapters: set lora.r (> 0) too",
+    ),
+    (
         "seq-len-over-positions",
         ["--model.name", "{w}/pos256", "--data.seq_len", "512"],
         "config error: data.seq_len 512 exceeds the model's max_position_embeddings 256 ({w}/pos256): lower "

@@ -13,9 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# replicated: the adapters whole on every rank, 2 micro-batches a step under keep_gathered (docs/accumulation.md)
+REPLICATED = ["--lora.replicate_adapters", "true", "--train.grad_accum", "2", "--train.accumulation", "keep_gathered"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_lora_recipe_trains_and_resumes(tmp_path):
+@pytest.mark.parametrize("extra", [[], REPLICATED], ids=["sharded", "replicated"])
+def test_lora_recipe_trains_and_resumes(tmp_path, extra):
     def run(steps: int) -> str:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -23,7 +28,7 @@ def test_lora_recipe_trains_and_resumes(tmp_path):
             "--data.seq_len", "64", "--log.progress", "false", "--log.every", "5", "--train.steps", str(steps),
             "--checkpoint.every", "10", "--checkpoint.dir", str(tmp_path / "ckpt"), "--log.jsonl", "",
             "--parallel.mixed_precision", "bf16", "--lora.r", "8", "--lora.alpha", "16",
-            "--lora.targets", "q_proj,v_proj,down_proj",
+            "--lora.targets", "q_proj,v_proj,down_proj", *extra,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)

@@ -31,6 +31,7 @@ FLAGS = {
     "--lora": (["8"], CHANGES, CHANGES),
     "--qlora": ([], "qlora=True needs a LoRA rank", "qlora=True needs a LoRA rank"),
     "--lora-targets": (["q_proj,v_proj"], "needs a LoRA rank", "needs a LoRA rank"),
+    "--replicate-adapters": ([], "--replicate-adapters: only a training step's", "expected a LoRA / QLoRA model"),
     "--batch": (["4"], "needs both --batch and --seq", CHANGES),
     "--seq": (["128"], "needs both --batch and --seq", CHANGES),
     "--ac": (["full"], "--ac: only a training step's memory plan uses it", CHANGES),
@@ -48,6 +49,7 @@ COMBINATIONS = [
     ({"--lora": ["8"]}, "--lora-targets", ["q_proj,v_proj"], CHANGES),
     ({"--lora": ["8"], "model": ["bench-256x4"]}, "--qlora", [], CHANGES),  # demo's weights split into no NF4 groups
     ({"--lora": ["8"]}, "--tp", ["2"], "lora=8 with tp=2"),
+    ({"--lora": ["8"], "--batch": ["2"], "--seq": ["64"]}, "--replicate-adapters", [], CHANGES),
     ({"--lora": ["8"]}, "--lora-targets", ["qkv"], "LoRA targets ['qkv'] match no nn.Linear"),
     ({}, "--cp", ["8"], "cp=8 ranks splits the attention heads: 4 heads and 4 KV heads must both divide by 8"),
     ({"--cpu-offload": [], "--batch": ["2"], "--seq": ["64"]}, "--optimizer-offload", [], "cpu_offload already keeps"),

@@ -145,3 +145,23 @@ def test_the_planner_picks_the_fewest_bytes_that_fit(capsys) -> None:
     assert out["config"]["accumulation"] == lowest and out["accumulation_policies"] == rows
     assert main(args[:-1]) == 0
     assert f"{lowest} (no memory budget (--gpu-memory or --gpu): the lowest peak)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_replicated_adapters_all_reduce_once_a_step() -> None:
+    from fsdp2kit.planner.adapt import lora_model
+
+    model = build("llama")
+    peft = lora_model(model, r=4, qlora=False, targets="all-linear", compute_dtype=None)
+    adapters = sum(p.numel() for p in peft.parameters() if p.requires_grad) * 4  # fp32
+    kw = dict(shard=2, replicate=2, lora=4, micro_batches=4, accumulation="keep_gathered")
+    plan, sharded = plan_comm(model, replicate_adapters=True, **kw), plan_comm(model, **kw)
+    units = len(plan.units)
+    # nothing reduce-scattered: one all-reduce of the whole adapters over each group, after the root's backward
+    assert plan.counts() == {"shard": {"all_gather": units, "all_reduce": 1}, "replicate": {"all_reduce": 1}}
+    assert plan.by_group()["replicate"]["all_reduce"] == plan.by_group()["shard"]["all_reduce"] == adapters
+    assert plan.units[-1].collectives[-1].kind == "all_reduce"
+    frozen_gathers = sum(c.total for u in plan.units for c in u.collectives if c.kind == "all_gather")
+    assert frozen_gathers < sharded.by_group()["shard"]["all_gather"]  # the adapters are not gathered
+    with pytest.raises(ValueError, match="expected a LoRA / QLoRA model"):
+        plan_comm(model, shard=2, replicate_adapters=True)  # everything trainable: no frozen base

@@ -96,3 +96,17 @@ def test_optimizer_with_frozen_parameters(mesh):
     with pytest.raises(RuntimeError, match=r"holds the frozen parameter 'base_model.model.model.embed_tokens.weight'"):
         opt.step()
     torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]).step()  # the right way
+
+
+def test_replicate_adapters_refusals(mesh):
+    with pytest.raises(ValueError, match=r"has 0 trainable of .*expected a LoRA / QLoRA model"):
+        fk.shard_model(tiny_llama().requires_grad_(False), mesh, replicate_adapters=True)
+    with pytest.raises(ValueError, match=r"has (\d+) trainable of \1 parameters"):
+        fk.shard_model(tiny_llama(), mesh, replicate_adapters=True)
+    with pytest.raises(ValueError, match=r"cpu_offload=True: replicated adapters stay on the device"):
+        fk.shard_model(
+            fk.apply_lora(tiny_llama(), r=4, targets=TARGETS), mesh, replicate_adapters=True, cpu_offload=True
+        )
+    model = fk.apply_lora(tiny_llama(), r=4, targets=TARGETS)
+    fk.shard_model(model, mesh, replicate_adapters=True)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,106 @@
+"""Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`): left out
+of ``fully_shard``, their gradients averaged over the data-parallel ranks at the end of a synced backward.
+
+Why and what it costs: docs/accumulation.md, "LoRA: adapters replicated".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["check_replicable", "paused", "replicate_trainable"]
+
+_STATE = "_fsdp2kit_replicated"
+
+
+def check_replicable(model: nn.Module, cpu_offload: bool = False) -> list[nn.Parameter]:
+    """The trainable parameters to replicate: there must be some, beside a frozen base, and none a DTensor."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable or len(trainable) == len(params):
+        raise ValueError(
+            "replicate_adapters=True keeps the trainable adapters whole and shards the frozen base: "
+            f"{type(model).__name__} has {len(trainable)} trainable of {len(params)} parameters "
+            "(expected a LoRA / QLoRA model: some frozen, some trainable)"
+        )
+    if cpu_offload:
+        raise ValueError("replicate_adapters=True with cpu_offload=True: replicated adapters stay on the device")
+    if any(isinstance(p, DTensor) for p in trainable):
+        raise ValueError("replicate_adapters=True: the trainable parameters are already DTensors (tensor parallel)")
+    return trainable
+
+
+class _Replicated:
+    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+        self.params = params
+        # one rank a dimension sends nothing; the innermost ("shard") goes first (reversed below)
+        self.groups = [mesh.get_group(i) for i in range(mesh.ndim) if mesh.size(i) > 1]
+        self.world = mesh.size()
+        self.sync = True
+        self.queued = -1  # the backward (graph task) whose callback is queued: a failed one never runs it
+
+    def hook(self, _: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self.sync and task != self.queued:  # once per backward, after every gradient is accumulated
+            self.queued = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.all_reduce)
+
+    def all_reduce(self) -> None:
+        for ts in _by_dtype([p.grad for p in self.params if p.grad is not None]):  # one call per group and dtype
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            for group in reversed(self.groups):
+                dist.all_reduce(flat, group=group)  # SUM then divide: gloo has no AVG
+            flat.div_(self.world)
+            _copy_back(ts, flat)
+
+    def broadcast(self) -> None:
+        """Every rank starts from the values of the mesh's first rank (as DDP does), whatever each built."""
+        for ts in _by_dtype([p.detach() for p in self.params]):
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            for group in reversed(self.groups):
+                dist.broadcast(flat, group=group, group_src=0)
+            _copy_back(ts, flat)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return list(out.values())
+
+
+def _copy_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def replicate_trainable(model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Start ``params`` from the first rank's values and average their gradients over ``mesh`` (the
+    data-parallel mesh) at the end of each synced backward."""
+    state = _Replicated(params, mesh)
+    if not any(p.is_meta for p in params):  # on the meta device: materialize draws them alike on every rank
+        state.broadcast()
+    for p in params:
+        p.register_post_accumulate_grad_hook(state.hook)
+    setattr(model, _STATE, state)
+
+
+@contextlib.contextmanager
+def paused(model: nn.Module, pause: bool = True) -> Iterator[None]:
+    """No all-reduce of the replicated gradients inside (they accumulate in ``.grad``); nothing without them."""
+    state = getattr(model, _STATE, None)
+    if state is None or not pause:
+        yield
+        return
+    state.sync = False
+    try:
+        yield
+    finally:
+        state.sync = True
