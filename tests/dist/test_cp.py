@@ -87,6 +87,16 @@ def test_cp_ring_glue(world4, parity_table) -> None:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("which", ["all_to_all", "ring"])
+def test_cp_bytes_are_the_step_time_models(world4, which: str) -> None:
+    """The cp group's bytes in one step, counted, equal the step-time model's (planner/steptime.py): Ulysses'
+    all-to-alls; torch's ring's k/v all-gathers and dk/dv rotations (its CUDA kernel stood in for on CPU)."""
+    for r in world4:
+        got = r["counted"][["all_to_all", "ring"].index(which)]
+        assert got["counted"] == got["predicted"], got
+
+
+@pytest.mark.timeout(400)
 def test_cp_errors(world4) -> None:
     errors = world4[0]["errors"]
     assert "4 heads and 2 KV heads must both divide by 4" in errors["heads"]
