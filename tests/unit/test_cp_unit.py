@@ -74,6 +74,19 @@ def test_recipe_refuses_a_seq_len_cp_cannot_split() -> None:
         check_before_start(cfg)
 
 
+def test_recipe_refuses_what_the_ring_cannot_run() -> None:
+    from train import check_before_start
+
+    from support.config import parse_config
+    from support.errors import ConfigError
+    from support.options import Config
+
+    ring = ["--parallel.cp", "2", "--parallel.cp_style", "ring", "--data.seq_len", "192"]
+    for extra, message in (([], "got packed rows"), (["--data.packing", "false"], "64 x cp = 128 tokens, got 192")):
+        with pytest.raises(ConfigError, match=message):
+            check_before_start(parse_config(Config, ring + extra, prog="train.py"))
+
+
 def test_ring_refuses_what_it_cannot_run_before_any_collective() -> None:
     from fsdp2kit.parallel.context_parallel import _ring
 
