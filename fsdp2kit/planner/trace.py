@@ -173,6 +173,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp):
+        inputs = (q, k, v)  # what fsdp2kit's _Ring saves; torch's ring works on contiguous copies of k and v
+        k, v = k.contiguous(), v.contiguous()
         every = out = lse = None  # the rotater's gathered k and v; the merger's output and log-sum-exp
         for i in range(cp):
             if i < cp - 1:  # k and v concatenated at every step but the last, all-gathered at the first
@@ -190,13 +192,14 @@ class _RingAttention(torch.autograd.Function):
                 lse = lse - F.logsigmoid(lse - l32)
             del o32, l32
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse.squeeze(-1))
+        ctx.save_for_backward(*inputs, out, lse.squeeze(-1))
         ctx.cp = cp
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
+        grad, k, v = grad.contiguous(), k.contiguous(), v.contiguous()  # _Ring's and torch's ring's copies
         seed = torch.empty((), dtype=torch.long, device=q.device)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         every = sent = arrived = None  # gathered k and v; the dk, dv sent (torch's next_grad_kv) and arriving
