@@ -62,7 +62,7 @@ def add_plan(subparsers) -> None:
         "--cp",
         type=int,
         default=1,
-        help="context-parallel ranks a sequence is split over (all-to-all style, the recipe's [parallel] cp): "
+        help="context-parallel ranks a sequence is split over (the recipe's [parallel] cp; the style: --cp-style): "
         "FSDP shards over shard x cp ranks; each rank holds seq/cp tokens (GPUs: replicate x shard x cp x tp)",
     )
     p.add_argument(

@@ -123,8 +123,8 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)", minimum=1)
     cp: int = opt(
         1,
-        "context-parallel ranks: each sequence split over them, all-to-all attention (long sequences; data.seq_len "
-        "must divide by 2 x cp, heads and KV heads by cp; 1: off)",
+        "context-parallel ranks: each sequence split over them, attention as cp_style says (long sequences; "
+        "data.seq_len must divide by 2 x cp, with all_to_all heads and KV heads by cp; 1: off)",
         minimum=1,
     )
     cp_style: str = opt(
