@@ -39,6 +39,7 @@ from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.diagnostics import RankMonitor, check_finite
 from fsdp2kit.mfu import peak_flops, transformer_flops_per_token
 from fsdp2kit.models import build_causal_lm
+from fsdp2kit.parallel.context_parallel import RING_PACKED, check_ring_seq
 from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.planner.api import plan_shards
 from fsdp2kit.weights.adapters import peft_init_fn
@@ -96,6 +97,10 @@ def check_before_start(cfg: Config) -> None:
         raise ConfigError(problem)
     try:
         check_seq(f"data.seq_len {cfg.data.seq_len} with parallel.cp {p.cp}", cfg.data.seq_len, p.cp)
+        if p.cp > 1 and p.cp_style == "ring":  # what the ring refuses at its first forward, before any process
+            if cfg.data.packing:
+                raise ValueError(f"parallel.cp_style = 'ring' with data.packing = true: {RING_PACKED}")
+            check_ring_seq(cfg.data.seq_len, p.cp)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     try:
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                 replicate=p.replicate,
                 tp=p.tp,
                 cp=p.cp,
+                cp_style=p.cp_style,
                 strategy=p.strategy,
                 mixed_precision=p.mixed_precision,
                 cpu_offload=p.cpu_offload,
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     split = None
     if p.cp > 1:
         try:
-            fk.apply_context_parallel(model, mesh)  # all-to-all attention over the sequence's chunks
+            fk.apply_context_parallel(model, mesh, style=p.cp_style)
         except ValueError as e:  # heads that do not divide by cp, an unsupported attention kernel
             raise ConfigError(f"[parallel] cp = {p.cp}: {e}") from e
 

@@ -60,8 +60,15 @@ def add_plan(subparsers) -> None:
         "--cp",
         type=int,
         default=1,
-        help="context-parallel ranks a sequence is split over (all-to-all style, the recipe's [parallel] cp): "
+        help="context-parallel ranks a sequence is split over (the recipe's [parallel] cp; the style: --cp-style): "
         "FSDP shards over shard x cp ranks; each rank holds seq/cp tokens (GPUs: replicate x shard x cp x tp)",
+    )
+    p.add_argument(
+        "--cp-style",
+        choices=("all_to_all", "ring"),
+        default=None,
+        help="with --cp: fsdp2kit.apply_context_parallel's style (the recipe's [parallel] cp_style): all_to_all "
+        "(Ulysses, the default) or ring (CUDA; torch's ring attention: no packed rows, seq a multiple of 64 x cp)",
     )
     p.add_argument(
         "--packed",
@@ -161,6 +168,8 @@ def run_plan(args) -> int:
     from fsdp2kit.models import build_causal_lm
 
     targets = parse_targets(args.lora_targets)
+    if args.cp_style is not None and args.cp == 1:
+        raise ValueError("--cp-style chooses how context parallelism attends: give --cp C (C > 1) too")
     memory = args.batch is not None or args.seq is not None
     if memory and (args.batch is None or args.seq is None):
         raise ValueError("a memory plan needs both --batch and --seq")
@@ -181,6 +190,7 @@ def run_plan(args) -> int:
             replicate=args.replicate,
             tp=args.tp,
             cp=args.cp,
+            cp_style=args.cp_style or "all_to_all",
             strategy=args.strategy,
             mixed_precision=args.mixed_precision,
             cpu_offload=args.cpu_offload,
@@ -206,6 +216,7 @@ def run_plan(args) -> int:
         replicate=args.replicate,
         tp=args.tp,
         cp=args.cp,
+        cp_style=args.cp_style or "all_to_all",
         packed=args.packed,
         activation_checkpointing=parse_ac(args.ac),
         mixed_precision=args.mixed_precision,

@@ -22,7 +22,7 @@ from fsdp2kit._internal.markers import CONTEXT_PARALLEL, TENSOR_PARALLEL
 from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh, document_mask
 from fsdp2kit.wrappers.forward import check_unsharded
 
-__all__ = ["STYLES", "apply_context_parallel"]
+__all__ = ["RING_PACKED", "STYLES", "apply_context_parallel", "check_ring_seq"]
 
 STYLES = ("all_to_all", "ring")
 KERNELS = ("sdpa", "eager")  # the inner kernels run on each rank's heads over the whole sequence
@@ -83,11 +83,12 @@ class _Positions:
         self.positions = self.mask = None
         self.none = False  # one document a row under the kernel's causal flag: no mask
 
-    def get(self, position_ids: torch.Tensor, gather: Callable, build: Callable):
+    def get(self, position_ids: torch.Tensor, batch: int, gather: Callable, build: Callable):
         if torch.compiler.is_compiling():
             return build(gather())
-        key = (weakref.ref(position_ids), position_ids._version)
-        if self.key is None or self.key[0]() is not position_ids or self.key[1] != key[1]:
+        # the batch too: one (1, seq) position_ids tensor serves batches of any size, and the mask has their rows
+        key = (weakref.ref(position_ids), position_ids._version, batch)
+        if self.key is None or self.key[0]() is not position_ids or self.key[1:] != key[1:]:
             self.key, self.positions, self.mask, self.none = key, gather(), None, False
         mask = None if self.none or self.mask is None else self.mask()
         if mask is None and not self.none:
@@ -156,7 +157,7 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         _check_call(attention_mask, position_ids, kwargs)
         causal = getattr(module, "is_causal", True)
         batch, dtype = query.shape[0], query.dtype
-        mask = cache.get(position_ids, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
+        mask = cache.get(position_ids, batch, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
         nat, lay = natural.to(query.device), layout.to(query.device)
         q = _reorder(_seq_to_heads(query, cp, group), nat, dim=2)
         # k and v travel in one exchange (two all-to-alls in, one out), each KV head's k and v side by side
@@ -208,10 +209,7 @@ def _ring(group: DeviceMesh, cp: int) -> Callable:
 
     def one_document(every: torch.Tensor) -> None:
         if bool((every[:, 1:] != every[:, :-1] + 1).any()):
-            raise ValueError(
-                "style='ring' got packed rows (positions restart inside a row): torch's ring attention masks "
-                "causally over the whole row, so documents would attend to each other; use style='all_to_all'"
-            )
+            raise ValueError(RING_PACKED)
 
     def attention(module, query, key, value, attention_mask, *, position_ids=None, scaling=None, **kwargs):
         _check_call(attention_mask, position_ids, kwargs)
@@ -223,19 +221,32 @@ def _ring(group: DeviceMesh, cp: int) -> Callable:
         if unused:
             raise ValueError(f"style='ring' has no {' or '.join(unused)} (torch's ring kernel takes neither); "
                              "use style='all_to_all'")  # fmt: skip
-        if query.shape[2] % 64 and query.device.type != "cpu":  # (on CPU only a stood-in kernel runs: tests)
-            # each rank's two chunks must be multiples of 32 tokens: the memory-efficient CUDA kernel pads its
-            # log-sum-exp to 32, and torch's ring merges blocks by it. Same shapes on every rank: all raise.
-            raise ValueError(
-                f"style='ring' needs the sequence to divide by 64 x cp = {64 * cp} tokens, got "
-                f"{query.shape[2] * cp}; pad the rows (or use style='all_to_all')"
-            )
-        cache.get(position_ids, lambda: gather(position_ids, query.shape[0]), one_document)
+        if query.device.type != "cpu":  # (on CPU only a stood-in kernel runs: tests)
+            check_ring_seq(query.shape[2] * cp, cp)  # same shapes on every rank: all raise
+        batch = query.shape[0]
+        cache.get(position_ids, batch, lambda: gather(position_ids, batch), one_document)
         groups = query.shape[1] // key.shape[1]  # GQA: the kernel wants as many k/v heads as q heads
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
         return _Ring.apply(query, k, v, scaling, group).transpose(1, 2).contiguous(), None
 
     return attention
+
+
+RING_PACKED = (
+    "style='ring' got packed rows (positions restart inside a row): torch's ring attention masks "
+    "causally over the whole row, so documents would attend to each other; use style='all_to_all'"
+)
+
+
+def check_ring_seq(seq: int, cp: int) -> None:
+    """``ValueError`` unless a ``seq``-token row splits for the ring (the planner checks with this too): each
+    rank's two chunks must be multiples of 32 tokens, as the memory-efficient CUDA kernel pads its log-sum-exp
+    to 32 and torch's ring merges blocks by it."""
+    if seq % (64 * cp):
+        raise ValueError(
+            f"style='ring' needs the sequence to divide by 64 x cp = {64 * cp} tokens, got {seq}; "
+            "pad the rows (or use style='all_to_all')"
+        )
 
 
 def check_heads(cp: int, heads: int, kv_heads: int, tp: int = 1) -> None:

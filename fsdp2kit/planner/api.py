@@ -13,7 +13,7 @@ import torch.nn as nn
 from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.models import max_positions
-from fsdp2kit.parallel.context_parallel import check_heads
+from fsdp2kit.parallel.context_parallel import RING_PACKED, STYLES, check_heads, check_ring_seq
 from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, tp_local_model
@@ -52,7 +52,8 @@ class Settings:
     qlora: bool = False
     lora_targets: str | tuple[str, ...] = "all-linear"  # or module names, as fsdp2kit.apply_lora takes them
     grad_accum: int = 1  # micro-batches a step
-    cp: int = 1  # context-parallel ranks a sequence is split over (all-to-all style); FSDP shards over shard x cp
+    cp: int = 1  # context-parallel ranks a sequence is split over; FSDP shards over shard x cp
+    cp_style: str = "all_to_all"  # fsdp2kit.apply_context_parallel's style: "all_to_all" (Ulysses) or "ring"
     packed: bool = False  # rows of several documents: under cp, a document mask (seq x seq a row)
     optimizer_offload: bool = False  # optimizer state (and its step) in host memory; parameters stay on the device
     accumulation: str = "regather"  # how the micro-batches communicate (fsdp2kit.accumulate): what they hold
@@ -64,6 +65,14 @@ class Settings:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected a positive int")
         check_seq(f"context parallelism: seq={self.seq}", self.seq, self.cp)
+        if self.cp_style not in STYLES:
+            raise ValueError(f"cp_style={self.cp_style!r}: expected one of {STYLES}")
+        if self.cp > 1 and self.cp_style == "ring":  # what apply_context_parallel's ring refuses, in its words
+            if self.device == "cpu":
+                raise ValueError("style='ring' runs on CUDA only (torch's ring attention over its CUDA kernels)")
+            if self.packed:
+                raise ValueError(RING_PACKED)
+            check_ring_seq(self.seq, self.cp)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch!r}: expected an int >= 0 (0: FSDP2's implicit prefetch)")
         if self.device not in ("cuda", "cpu"):
@@ -87,12 +96,13 @@ class Settings:
         check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
 
 
-def check_cp_heads(model: nn.Module, cp: int, tp: int = 1) -> None:
+def check_cp_heads(model: nn.Module, cp: int, tp: int = 1, style: str = "all_to_all") -> None:
     """The heads check `fsdp2kit.apply_context_parallel` makes before any collective, on the model's
-    config (one TP rank's heads with ``tp``); a model without one is checked when its attention is traced."""
+    config (one TP rank's heads with ``tp``); a model without one is checked when its attention is traced.
+    The ring splits no heads: none."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
-    if cp == 1 or not isinstance(heads, int):
+    if cp == 1 or style == "ring" or not isinstance(heads, int):
         return
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     check_heads(cp, heads // tp, kv_heads // tp, tp)
@@ -123,6 +133,7 @@ def plan_shards(
     replicate: int = 1,
     tp: int = 1,
     cp: int = 1,
+    cp_style: str = "all_to_all",
     strategy: str | None = None,
     mixed_precision: str | None = None,
     cpu_offload: bool = False,
@@ -136,7 +147,7 @@ def plan_shards(
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r}: expected a positive int")
     check_lora(lora, qlora, lora_targets, tp)
-    check_cp_heads(model, cp, tp)
+    check_cp_heads(model, cp, tp, cp_style)
     if lora is not None:
         compute = resolve_precision(mixed_precision).compute_dtype
         model = lora_model(model, r=lora, qlora=qlora, targets=lora_targets, compute_dtype=compute)
@@ -160,6 +171,7 @@ def plan_memory(
     replicate: int = 1,
     tp: int = 1,
     cp: int = 1,
+    cp_style: str = "all_to_all",
     packed: bool = False,
     activation_checkpointing: str | int | None = None,
     mixed_precision: str | None = None,
@@ -192,8 +204,10 @@ def plan_memory(
     Args:
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
         tp: tensor-parallel degree: the model's own plan, traced on one TP rank's slices.
-        cp: context-parallel degree, all-to-all style (`fsdp2kit.apply_context_parallel`): parameters,
-            gradients and optimizer state sharded over ``shard * cp`` ranks; ``cp`` divides ``seq`` and the heads.
+        cp: context-parallel degree (`fsdp2kit.apply_context_parallel`): parameters, gradients and optimizer
+            state sharded over ``shard * cp`` ranks; ``cp`` divides ``seq`` (and, all-to-all, the heads).
+        cp_style: ``"all_to_all"`` or ``"ring"`` (CUDA; torch's ring, its buffers as torch allocates them:
+            planner/trace.py); each refused where `fsdp2kit.apply_context_parallel` refuses it.
         packed: rows hold several documents: under ``cp`` the attention gets a document mask.
         activation_checkpointing: None, ``"full"``, ``"selective"``, ``"op"`` or N, as
             `fsdp2kit.apply_activation_checkpointing` does them; or a function ``apply(model)`` that
@@ -232,7 +246,7 @@ def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module,
     s.check()
     prec = resolve_precision(s.mixed_precision)
     model = _as_trained(model, s, prec.compute_dtype, cache)
-    check_cp_heads(model, s.cp, s.tp)
+    check_cp_heads(model, s.cp, s.tp, s.cp_style)
     plan = estimate_plan(
         model,
         shard=s.shard * s.cp,  # the context-parallel ranks share the parameter shards
@@ -254,7 +268,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     unit_names = [list(u.modules) for u in plan.units]
     names_of = {id(m): n for n, m in model.named_modules()}
     block_names = [names_of[id(b)] for b in find_blocks(model)]
-    key = (id(model), s.batch, s.seq, s.cp, s.activation_checkpointing, compute)
+    key = (id(model), s.batch, s.seq, s.cp, s.cp_style, s.activation_checkpointing, compute)
     if key not in cache:
         cache[key] = record_step(
             model,
@@ -264,6 +278,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             compute_dtype=compute,
             activation_checkpointing=s.activation_checkpointing,
             cp=s.cp,
+            cp_style=s.cp_style,
         )
     units = units_for(model, plan, replicated=kept)
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
@@ -362,9 +377,14 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             "positions); the recipe refuses it unless [model] max_position_embeddings raises the limit"
         )
     if s.cp > 1:
+        how = (
+            f"attention runs over all {s.seq} for 1/{s.cp} of the heads"
+            if s.cp_style == "all_to_all"
+            else f"k and v go round the {s.cp} ranks (torch's ring, its default all-gather rotation)"
+        )
         notes.append(
-            f"context parallelism cp={s.cp} (all-to-all style): each rank holds {s.seq // s.cp} tokens of every "
-            f"sequence; attention runs over all {s.seq} for 1/{s.cp} of the heads; parameters, gradients and "
+            f"context parallelism cp={s.cp} ({s.cp_style.replace('_', '-')} style): each rank holds "
+            f"{s.seq // s.cp} tokens of every sequence; {how}; parameters, gradients and "
             f"optimizer state are sharded over shard x cp = {s.shard * s.cp} ranks"
         )
     if s.optimizer not in ("adamw", "sgd", "adamw_bf16sr") and s.device == "cuda":

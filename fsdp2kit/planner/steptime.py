@@ -193,7 +193,7 @@ def predict_step(
         replicate_adapters=s.replicate_adapters,
     )
     itemsize = (compute or next(model.parameters()).dtype).itemsize
-    acts = activation_collectives(model, unit_names, s, itemsize)
+    acts = activation_collectives(model, unit_names, s, itemsize, trained=trained)
     memory_plan = memory_plan or plan_settings(model, s, cache)
 
     rate = hw.bf16_flops * hw.efficiency
@@ -220,6 +220,8 @@ def predict_step(
         if n > in_node:
             bw = min(bw, hw.network_bytes_per_s / max(1, per_node // in_node))
         byte_s, lat, wire = 1.0 / bw, hw.latency_s * (n - 1), (n - 1) / n
+        if c.kind == "permute":  # the whole buffer to the next rank (the ring's rotation)
+            return c.nbytes * byte_s + lat
         if c.kind == "all_reduce":  # ring: a reduce-scatter then an all-gather
             return c.nbytes * 2 * wire * byte_s + 2 * lat
         return c.nbytes * wire * byte_s + lat
@@ -285,11 +287,15 @@ def predict_step(
     )
 
 
-def activation_collectives(model: nn.Module, unit_names: list[list[str]], s, itemsize: int) -> list[list[tuple]]:
-    """Per unit, one micro-batch's collectives on activations, ``(phase, kind, group, bytes)``: tensor parallelism's
-    from the model's own plan (a rowwise or vocabulary-parallel module all-reduces its output in forward, a
-    colwise one its input's gradient in backward, a gathered head all-gathers its output) and context
-    parallelism's (all-to-all style: q, k, v and the output of each block's attention, in forward and backward)."""
+def activation_collectives(
+    model: nn.Module, unit_names: list[list[str]], s, itemsize: int, trained: nn.Module | None = None
+) -> list[list[tuple]]:
+    """Per unit, one micro-batch's collectives on activations, ``(phase, kind, group, bytes)``, bytes as
+    `fsdp2kit.count_collectives` counts them: tensor parallelism's from the model's own plan (a rowwise or
+    vocabulary-parallel module all-reduces its output in forward, a colwise one its input's gradient in backward,
+    a gathered head all-gathers its output) and context parallelism's, by ``s.cp_style`` (docs/step_time.md).
+    ``unit_names`` name ``trained``'s modules (the model as trained: a LoRA model's blocks are under its peft
+    wrapper's names), ``model`` itself if not given."""
     from fsdp2kit.blocks import find_blocks
     from fsdp2kit.parallel.tensor_parallel import _pattern, model_tp_plan
 
@@ -301,9 +307,7 @@ def activation_collectives(model: nn.Module, unit_names: list[list[str]], s, ite
         return out[next(i for n, i in owners if not n or name == n or name.startswith(n + "."))]
 
     styles = [(_pattern(k), v) for k, v in model_tp_plan(model).items()] if s.tp > 1 else []
-    blocks = {id(b) for b in find_blocks(model)} if s.cp > 1 else set()
-    config = getattr(model, "config", None)
-    for name, mod in model.named_modules():
+    for name, mod in model.named_modules() if styles else ():
         style = next((v for pat, v in styles if isinstance(v, str) and pat.fullmatch(name)), "")
         if "rowwise" in style:
             width = mod.embedding_dim if isinstance(mod, nn.Embedding) else mod.out_features
@@ -312,11 +316,25 @@ def activation_collectives(model: nn.Module, unit_names: list[list[str]], s, ite
             unit_of(name).append(("backward", "all_reduce", "tp", tokens * mod.in_features * itemsize))
             if "gather" in style:
                 unit_of(name).append(("forward", "all_gather", "tp", tokens * mod.out_features * itemsize))
-        if id(mod) in blocks:
-            heads = config.num_attention_heads
-            kv = getattr(config, "num_key_value_heads", None) or heads
-            dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-            for width in (heads, 2 * kv, heads):  # q; k and v in one exchange; the output (parallel/context_parallel)
-                nbytes = tokens * width // s.tp * dim * itemsize
-                unit_of(name).extend([(phase, "all_to_all", "cp", nbytes) for phase in ("forward", "backward")])
+    if s.cp == 1:
+        return out
+    config = getattr(model, "config", None)
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    trained = model if trained is None else trained
+    names_of = {id(m): n for n, m in trained.named_modules()}
+    for block in find_blocks(trained):
+        unit = unit_of(names_of[id(block)])
+        if s.cp_style == "ring":
+            # torch's ring (planner/trace.py, _RingAttention): k and v, repeated to the query heads, all-gathered in
+            # forward and again in backward; dk and dv, in fp32, sent on to the next rank cp times
+            kv_elements = 2 * tokens * heads // s.tp * dim
+            gathered = s.cp * kv_elements * itemsize
+            unit.extend([(phase, "all_gather", "cp", gathered) for phase in ("forward", "backward")])
+            unit.extend([("backward", "permute", "cp", kv_elements * 4)] * s.cp)
+            continue
+        for width in (heads, 2 * kv, heads):  # q; k and v in one exchange; the output (parallel/context_parallel)
+            nbytes = tokens * width // s.tp * dim * itemsize
+            unit.extend([(phase, "all_to_all", "cp", nbytes) for phase in ("forward", "backward")])
     return out

@@ -153,8 +153,92 @@ def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
     return _HeadsToSeq.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp)
 
 
+def _half_added(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """torch's ring's ``_partial_update(t, new, dim=2, n_chunks=2, idx=0, add=True)``: a new tensor."""
+    head, tail = t.chunk(2, dim=2)
+    head += new
+    return torch.cat([head, tail], dim=2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention as `fsdp2kit.apply_context_parallel`'s ring style runs it on a rank (parallel/context_parallel.py,
+    ``_Ring``), on meta tensors: the buffers torch's ring allocates, in its order, as
+    torch/distributed/tensor/experimental/_context_parallel/_attention.py (torch 2.13) has them.
+    ``_templated_ring_attention``: k and v concatenated and all-gathered once (``_AllGatherRotater``, the default
+    rotation: every rank's k and v held at once), each block's output and log-sum-exp merged in fp32
+    (``_SDPAMerger``, ``convert_to_f32``). ``_templated_ring_attention_backward``: k and v all-gathered again; dq,
+    dk, dv accumulated in fp32; dk and dv sent on round the ring after every block (``_AllToAllRotater``, cp
+    hops: they end at their owner). Traced as the last cp rank: after the first block each step runs its whole q
+    against half a k/v block (the load balance's ``i <= rank``), the largest outputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp):
+        inputs = (q, k, v)  # what fsdp2kit's _Ring saves; torch's ring works on contiguous copies of k and v
+        k, v = k.contiguous(), v.contiguous()
+        every = out = lse = None  # the rotater's gathered k and v; the merger's output and log-sum-exp
+        for i in range(cp):
+            if i < cp - 1:  # k and v concatenated at every step but the last, all-gathered at the first
+                sent = torch.cat([k.flatten(), v.flatten()])
+                every = sent.new_empty(cp * sent.numel()) if every is None else every
+                del sent
+            kb, vb = (k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0])  # views of `every`
+            # the block's output stays referenced until the next block's, as torch's loop variable
+            o, o_lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, kb, vb, None, True, 0.0, i == 0)[:2]
+            o32, l32 = o.float(), o_lse.unsqueeze(-1)
+            if out is None:
+                out, lse = o32, l32
+            else:
+                out = out - torch.sigmoid(l32 - lse) * (out - o32)
+                lse = lse - F.logsigmoid(lse - l32)
+            del o32, l32
+        out = out.to(q.dtype)
+        ctx.save_for_backward(*inputs, out, lse.squeeze(-1))
+        ctx.cp = cp
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad, k, v = grad.contiguous(), k.contiguous(), v.contiguous()  # _Ring's and torch's ring's copies
+        seed = torch.empty((), dtype=torch.long, device=q.device)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        every = sent = arrived = None  # gathered k and v; the dk, dv sent (torch's next_grad_kv) and arriving
+        for i in range(ctx.cp):
+            if i < ctx.cp - 1:
+                kv = torch.cat([k.flatten(), v.flatten()])
+                every = kv.new_empty(ctx.cp * kv.numel()) if every is None else every
+                del kv
+            kb, vb = (k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0])
+            dq_, dk_, dv_ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                grad, q, kb, vb, None, out, lse, seed, seed, 0.0, (True, True, True, False), i == 0
+            )[:3]
+            if i == 0:
+                dk += dk_
+                dv += dv_
+            else:  # the dk, dv that arrived (the one sent is freed), this block's added to their first half
+                sent = arrived
+                dk, dv = sent[: k.numel()].view(k.shape), sent[k.numel() :].view(v.shape)
+                dk, dv = _half_added(dk, dk_), _half_added(dv, dv_)
+            sent = torch.cat([dk.flatten(), dv.flatten()])
+            arrived = torch.empty_like(sent)  # permute_tensor's output: the previous rank's dk, dv
+            dq += dq_
+        home = arrived.to(k.dtype)
+        return dq.to(q.dtype), home[: k.numel()].view(k.shape), home[k.numel() :].view(v.shape), None
+
+
 def _fused_sdpa(
-    sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, cp: int = 1
+    sdpa,
+    q,
+    k,
+    v,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    cp: int = 1,
+    style: str = "all_to_all",
 ):
     if q.device.type != "meta":
         return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -165,6 +249,10 @@ def _fused_sdpa(
         )
         return out
 
+    if cp > 1 and style == "ring":
+        groups = q.shape[1] // k.shape[1]  # GQA: k and v repeated to the query heads first, as the ring style does
+        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
+        return _RingAttention.apply(q, k, v, cp)
     if cp > 1:
         # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every
         # head (docs/memory_planner.md, "Context parallelism").
@@ -179,7 +267,7 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 
 @contextlib.contextmanager
-def _as_a_real_step(cp: int = 1):
+def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
     """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How"), diverted for
     this thread only (`divert`; not a TorchFunctionMode: none is active while backward recomputes checkpointed
     blocks): transformers' tracing guesses (a seq x seq mask, packed positions) say no, as for plain causal
@@ -193,7 +281,8 @@ def _as_a_real_step(cp: int = 1):
         moe = sys.modules.get("transformers.integrations.moe")
         if hasattr(moe, "_can_use_grouped_mm"):
             stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
-        stack.enter_context(divert(F, "scaled_dot_product_attention", functools.partial(_fused_sdpa, cp=cp)))
+        sdpa = functools.partial(_fused_sdpa, cp=cp, style=style)
+        stack.enter_context(divert(F, "scaled_dot_product_attention", sdpa))
         yield
 
 
@@ -254,12 +343,13 @@ def record_step(
     activation_checkpointing: str | int | None,
     truncate: bool = True,
     cp: int = 1,
+    cp_style: str = "all_to_all",
 ) -> Recording:
     """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
 
     Events name units by their index in ``unit_names`` (each unit's module names, children first). ``seq``
     is the tokens a rank holds: with ``cp > 1``, its share of a ``seq * cp``-token sequence, attention run
-    as `fsdp2kit.apply_context_parallel`'s all-to-all style does."""
+    as `fsdp2kit.apply_context_parallel`'s ``cp_style`` does."""
     clone, modules, kept_names, repeat = step_model(
         model, compute_dtype, activation_checkpointing, _LEAD if truncate else None
     )
@@ -360,7 +450,7 @@ def record_step(
     events.append(("ops", live.live, live.live))
     run["level"] = run["high"] = live.live
     try:
-        with _as_a_real_step(cp), live:
+        with _as_a_real_step(cp, cp_style), live:
             # The batch is counted too: a real loop holds it for the whole step.
             ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
             labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")

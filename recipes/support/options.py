@@ -10,6 +10,7 @@ import torch
 from fsdp2kit.accumulation import ACCUMULATION
 from fsdp2kit.diagnostics import ON_NONFINITE
 from fsdp2kit.optim import OPTIMIZERS
+from fsdp2kit.parallel.context_parallel import STYLES as CP_STYLES
 from fsdp2kit.precision import PRECISIONS
 from fsdp2kit.shard import STRATEGIES
 from fsdp2kit.stop import parse_signals
@@ -122,9 +123,15 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel ranks, the innermost mesh dim (e.g. GPUs per node; 1: off)", minimum=1)
     cp: int = opt(
         1,
-        "context-parallel ranks: each sequence split over them, all-to-all attention (long sequences; data.seq_len "
-        "must divide by 2 x cp, heads and KV heads by cp; 1: off)",
+        "context-parallel ranks: each sequence split over them, attention as cp_style says (long sequences; "
+        "data.seq_len must divide by 2 x cp, with all_to_all heads and KV heads by cp; 1: off)",
         minimum=1,
+    )
+    cp_style: str = opt(
+        "all_to_all",
+        "with cp > 1: all_to_all (Ulysses: CPU and CUDA, packed rows kept apart) | ring (CUDA only, torch's ring "
+        "attention: data.packing false, data.seq_len a multiple of 64 x cp; any number of heads)",
+        choices=CP_STYLES,
     )
     strategy: str | None = opt(
         None, "FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2", choices=tuple(STRATEGIES)

@@ -34,6 +34,7 @@ def memory_plan(model: nn.Module, cfg: Config, *, shard: int, replicate: int, de
             replicate=replicate,
             tp=p.tp,
             cp=p.cp,
+            cp_style=p.cp_style,
             packed=cfg.data.packing,  # under cp, packed rows add a document mask
             batch=cfg.data.batch_size,
             seq=cfg.data.seq_len,

@@ -9,6 +9,7 @@ document's last token ignored, so any attention across documents (on any rank) s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 from dataclasses import dataclass
@@ -273,10 +274,56 @@ def run_world4(cases: list[CPCase], work: str) -> dict:
         "checkpoint": run_checkpoint(work),
         # GQA: k and v repeated to the query heads for the kernel
         "ring": run_ring_emulated(CPCase(model="qwen3", kernel="sdpa", shard=2, packed=False, style="ring")),
+        "counted": [run_counted(c) for c in COUNTED],
     }
 
 
+COUNTED = [
+    CPCase(model="llama", kernel="sdpa", shard=2),
+    CPCase(model="llama", kernel="sdpa", shard=2, ac="full"),
+    CPCase(model="qwen3", kernel="sdpa", shard=2, packed=False, style="ring"),
+]
+
+
+def run_counted(case: CPCase) -> dict:
+    """One step's collectives on the cp group, as `fk.count_collectives` counts them (the positions' int64
+    all-gather left out), beside the step-time model's prediction for the same step (bytes by kind; with full
+    checkpointing the recompute repeats the forward ones, as planner/steptime.py's _predict counts them)."""
+    from fsdp2kit.planner.api import Settings
+    from fsdp2kit.planner.steptime import activation_collectives
+
+    mesh = fk.make_mesh(shard=case.shard, cp=case.cp)
+    model = build(case.model, case.kernel)
+    names = [[f"model.layers.{i}"] for i in range(model.config.num_hidden_layers)] + [[""]]
+    # not Settings.check(): the ring's 64 x cp tokens are the CUDA kernel's, stood in for here
+    s = Settings(shard=case.shard, batch=BATCH, seq=SEQ, cp=case.cp, cp_style=case.style)
+    predicted: dict[str, int] = {}
+    for phase, kind, _, nbytes in (c for unit in activation_collectives(model, names, s, 4) for c in unit):
+        kind = "all_to_all" if kind == "permute" else kind  # torch's permute_tensor is an all_to_all_single
+        times = 2 if phase == "forward" and case.ac == "full" else 1
+        predicted[kind] = predicted.get(kind, 0) + times * nbytes
+    with ring_on_cpu() if case.style == "ring" else contextlib.nullcontext():
+        fk.apply_context_parallel(model, mesh, style=case.style)
+        if case.ac:
+            fk.apply_activation_checkpointing(model, mode=case.ac)
+        fk.shard_model(model, mesh)
+        batch = fk.split_for_context_parallel(packed_rows(BATCH, torch.Generator().manual_seed(7), case.packed), mesh)
+        with fk.count_collectives(mesh) as counts:
+            loss_sum(model, batch).backward()
+    counted: dict[str, int] = {}
+    for e in counts.events:
+        if e.group == "cp" and e.dtype != "int64":
+            counted[e.kind] = counted.get(e.kind, 0) + e.nbytes
+    return {"label": case.label, "counted": counted, "predicted": predicted}
+
+
 def run_ring_emulated(case: CPCase) -> dict:
+    with ring_on_cpu():
+        return run_parity(case)
+
+
+@contextlib.contextmanager
+def ring_on_cpu():
     """style="ring" on CPU ranks: fsdp2kit's glue around torch's ring driver, with the CUDA kernel the ring calls
     (memory-efficient attention, forward and backward) stood in for by the CPU flash ops (the same outputs and
     gradients); the refusal of CPU meshes bypassed for this call only. The kernels themselves: tests/cuda."""
@@ -309,4 +356,4 @@ def run_ring_emulated(case: CPCase) -> dict:
         return sub
 
     with mock.patch.object(ring, "aten", kernels), mock.patch.object(cpmod, "cp_mesh", on_cuda):
-        return run_parity(case)
+        yield

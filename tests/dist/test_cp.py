@@ -11,7 +11,7 @@ Per-block compile and cp 4 run in a slow spawn (make test-all).
 from __future__ import annotations
 
 import pytest
-from cp_cases import CPCase, run_world4
+from cp_cases import COUNTED, CPCase, run_world4
 
 from fsdp2kit.testing import run_world
 
@@ -84,6 +84,17 @@ def test_cp_bf16(world4, parity_table) -> None:
 def test_cp_ring_glue(world4, parity_table) -> None:
     """style="ring" around torch's ring driver, its CUDA kernel stood in for by the CPU flash ops (cp_cases)."""
     _check([r["ring"] for r in world4], 4, parity_table)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("index", range(len(COUNTED)), ids=[c.label for c in COUNTED])
+def test_cp_bytes_are_the_step_time_models(world4, index: int) -> None:
+    """The cp group's bytes in one step, counted, equal the step-time model's (planner/steptime.py): Ulysses'
+    all-to-alls (repeated by full checkpointing's recompute); torch's ring's k/v all-gathers and dk/dv rotations
+    (its CUDA kernel stood in for on CPU)."""
+    for r in world4:
+        got = r["counted"][index]
+        assert got["counted"] == got["predicted"] and got["counted"], got
 
 
 @pytest.mark.timeout(400)

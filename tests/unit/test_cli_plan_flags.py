@@ -25,6 +25,7 @@ FLAGS = {
     "--tp": (["2"], CHANGES, CHANGES),
     "--cp": (["2"], CHANGES, CHANGES),
     "--packed": ([], "--packed: only a training step's", "--packed adds the document mask"),
+    "--cp-style": (["ring"], "--cp-style chooses how", "--cp-style chooses how"),
     "--strategy": (["SHARD_GRAD_OP"], CHANGES, CHANGES),
     "--mixed-precision": (["bf16"], CHANGES, CHANGES),
     "--cpu-offload": ([], CHANGES, CHANGES),
@@ -54,6 +55,12 @@ COMBINATIONS = [
     ({}, "--cp", ["8"], "cp=8 ranks splits the attention heads: 4 heads and 4 KV heads must both divide by 8"),
     ({"--cpu-offload": [], "--batch": ["2"], "--seq": ["64"]}, "--optimizer-offload", [], "cpu_offload already keeps"),
     ({"--cp": ["2"], "--batch": ["2"], "--seq": ["64"]}, "--packed", [], CHANGES),
+    # the ring splits no heads: cp 8 of 4 heads plans
+    ({"--cp": ["8"], "--batch": ["1"], "--seq": ["512"]}, "--cp-style", ["ring"], CHANGES),
+    ({"--cp": ["2"], "--batch": ["2"], "--seq": ["128"]}, "--cp-style", ["ring"], CHANGES),
+    ({"--cp": ["2"], "--batch": ["2"], "--seq": ["64"]}, "--cp-style", ["ring"], "divide by 64 x cp = 128 tokens"),
+    ({"--cp": ["2"], "--batch": ["2"], "--seq": ["128"], "--packed": []}, "--cp-style", ["ring"], "got packed rows"),
+    ({"--cp": ["2"], "--batch": ["2"], "--seq": ["128"], "--device": ["cpu"]}, "--cp-style", ["ring"], "CUDA only"),
     ({"--grad-accum": ["4"], "--batch": ["2"], "--seq": ["64"]}, "--accumulation", ["keep_gathered"], CHANGES),
     ({"--grad-accum": ["4"], "--batch": ["2"], "--seq": ["64"]}, "--accumulation", ["defer_all_reduce"], "HSDP mesh"),
 ]

@@ -74,6 +74,19 @@ def test_recipe_refuses_a_seq_len_cp_cannot_split() -> None:
         check_before_start(cfg)
 
 
+def test_recipe_refuses_what_the_ring_cannot_run() -> None:
+    from train import check_before_start
+
+    from support.config import parse_config
+    from support.errors import ConfigError
+    from support.options import Config
+
+    ring = ["--parallel.cp", "2", "--parallel.cp_style", "ring", "--data.seq_len", "192"]
+    for extra, message in (([], "got packed rows"), (["--data.packing", "false"], "64 x cp = 128 tokens, got 192")):
+        with pytest.raises(ConfigError, match=message):
+            check_before_start(parse_config(Config, ring + extra, prog="train.py"))
+
+
 def test_ring_refuses_what_it_cannot_run_before_any_collective() -> None:
     from fsdp2kit.parallel.context_parallel import _ring
 
@@ -88,3 +101,14 @@ def test_ring_refuses_what_it_cannot_run_before_any_collective() -> None:
     meta = torch.zeros(1, 4, 96, 8, device="meta")  # not CPU: the CUDA kernel's 32-token padding applies
     with pytest.raises(ValueError, match=r"divide by 64 x cp = 128 tokens, got 192"):
         ring(module, meta, meta, meta, None, position_ids=pos)
+
+
+def test_mask_cache_is_per_batch_size() -> None:
+    # One (1, seq) position_ids tensor broadcast over batches of 2, then 3 rows: the second mask has 3 rows
+    from fsdp2kit.parallel.context_parallel import _Positions
+
+    cache = _Positions()
+    pos = torch.tensor([[0, 1, 0, 1]])
+    masks = [cache.get(pos, b, lambda b=b: pos.expand(b, -1), document_mask) for b in (2, 3, 3)]
+    assert [m.shape[0] for m in masks] == [2, 3, 3]
+    assert masks[2] is masks[1]  # the same batch again: the cached mask

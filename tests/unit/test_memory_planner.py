@@ -94,6 +94,11 @@ def test_plan_parts_add_up_and_knobs_move_the_peak():
         (dict(cp=4), "over cp=4 ranks splits the attention heads: 4 heads and 2 KV heads must both divide by 4"),
         (dict(cp=3, seq=12), "over cp=3 ranks splits the attention heads: 4 heads and 2 KV heads"),
         (dict(cp=2, seq=10), "context parallelism: seq=10 does not divide into 2 x cp = 4 equal chunks"),
+        (dict(cp=2, cp_style="ulysses"), "cp_style='ulysses': expected one of ('all_to_all', 'ring')"),
+        # the ring's refusals, in the library's words (parallel/context_parallel.py)
+        (dict(cp=2, seq=64, cp_style="ring"), "style='ring' needs the sequence to divide by 64 x cp = 128 tokens"),
+        (dict(cp=2, seq=128, cp_style="ring", packed=True), "style='ring' got packed rows"),
+        (dict(cp=2, seq=128, cp_style="ring", device="cpu"), "style='ring' runs on CUDA only"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
@@ -357,3 +362,26 @@ def test_search_splits_a_long_sequence_and_cli_takes_cp(capsys):
     assert data["peak_bytes"] == api.peak_bytes
     code, _, err = _cli(capsys, "demo", "--shard", "2", "--cp", "3", "--batch", "1", "--seq", "66")
     assert code == 1 and "over cp=3 ranks splits the attention heads: 4 heads and 4 KV heads" in err
+
+
+@pytest.mark.timeout(60)
+def test_ring_trace_allocates_as_torchs_ring():
+    """The ring style's trace (planner/trace.py, after torch's _templated_ring_attention on its default all-gather
+    rotation): every cp rank's k and v block is held at once, in forward and again in backward, so each rank more
+    adds one block to both peaks; backward keeps q, k, v, the output and the fp32 log-sum-exp."""
+    from fsdp2kit.planner.live import LiveBytes
+    from fsdp2kit.planner.trace import _RingAttention
+
+    def step(cp: int) -> tuple[int, int, int]:
+        with LiveBytes(incremental=True) as live:
+            q, k, v = (torch.empty(1, 4, 64, 16, device="meta", dtype=torch.bfloat16).requires_grad_() for _ in "qkv")
+            out = _RingAttention.apply(q, k, v, cp)
+            forward, saved = live.peak, live.live
+            out.backward(torch.empty_like(out))
+            return forward, saved, live.peak
+
+    block = 2 * 4 * 64 * 16 * 2  # k and v of one rank, bf16
+    runs = {cp: step(cp) for cp in (2, 3, 4, 8)}
+    for cp, (forward, saved, backward) in runs.items():
+        assert forward - runs[2][0] == backward - runs[2][2] == (cp - 2) * block
+        assert saved == 4 * block // 2 + 4 * 64 * 4  # q, k, v, out; the log-sum-exp (64 tokens: no padding)

@@ -220,8 +220,13 @@ def test_tp_cp_and_offload_are_in_the_step(demo):
     kv = q * c.num_key_value_heads // c.num_attention_heads * 2
     assert sorted(cp[0]) == sorted([(p, "all_to_all", "cp", n) for p in ("forward", "backward") for n in (q, kv, q)])
     assert cp[-1] == []
+    # ring (torch's, planner/trace.py): k and v all-gathered in forward and backward, dk and dv (fp32) sent on cp times
+    ring = activation_collectives(demo, names, _settings(cp=2, cp_style="ring"), 2)
+    kv = 2 * q // 2  # k and v (repeated to the query heads) in elements
+    gathered = [(p, "all_gather", "cp", 2 * kv * 2) for p in ("forward", "backward")]
+    assert sorted(ring[0]) == sorted(gathered + [("backward", "permute", "cp", kv * 4)] * 2)
     h100, cache = load_hardware("h100"), {}
-    for kw in (dict(tp=2), dict(cp=2)):
+    for kw in (dict(tp=2), dict(cp=2), dict(cp=2, cp_style="ring")):
         base = predict_step(demo, _settings(**kw), h100, cache=cache)
         slow = predict_step(demo, _settings(**kw), dataclasses.replace(h100, nvlink_bytes_per_s=1e9), cache=cache)
         assert slow.exposed_comm_s > base.exposed_comm_s and slow.comm_bytes == base.comm_bytes
@@ -240,3 +245,22 @@ def test_tp_cp_and_offload_are_in_the_step(demo):
         assert plan.trainable_param_bytes == trainable and (trainable < plan.param_bytes) == bool(kw)
         assert plan.host_bytes == plan.optimizer_bytes + 2 * trainable
         assert st.optimizer_s == pytest.approx(3 * trainable / h100.host_bytes_per_s)
+
+
+def test_cp_collectives_of_a_lora_model_are_its_blocks(demo, monkeypatch):
+    """With LoRA the trained model is peft's wrapper: each block's cp all-to-alls are its unit's, not the root's."""
+    from fsdp2kit.planner import steptime
+
+    seen = []
+
+    def record(model, unit_names, *args, **kwargs):
+        seen.append((unit_names, real(model, unit_names, *args, **kwargs)))
+        return seen[-1][1]
+
+    real = steptime.activation_collectives
+    monkeypatch.setattr(steptime, "activation_collectives", record)
+    predict_step(demo, _settings(cp=2, lora=8), load_hardware("h100"))
+    names, acts = seen[0]
+    per_unit = {" + ".join(n): len(a) for n, a in zip(names, acts) if a}
+    blocks = [f"base_model.model.model.layers.{i}" for i in range(demo.config.num_hidden_layers)]
+    assert per_unit == dict.fromkeys(blocks, 6), per_unit  # q, k and v, out; forward and backward
