@@ -129,12 +129,13 @@ def test_planner_sizes_state_and_step_as_the_optimizer_does(world2):
 
 
 def test_offloaded_adamw_steps_and_checkpoints_like_adamw(world2):
-    """OffloadedAdamW on CPU ranks (its CUDA placement: tests/cuda): the same update as torch's AdamW
-    (both single-tensor on CPU: bitwise), and its checkpoint continues exactly in either optimizer."""
+    """OffloadedAdamW on CPU ranks (its CUDA placement: tests/cuda): the same update as torch's AdamW up to
+    fp32 rounding (its host step is torch's fused kernel, torch's AdamW on CPU the single-tensor one: a few
+    ulps of O(1) parameters, 2.4e-7 measured), and its checkpoint continues in either optimizer."""
     for r in world2:
         o = r["offloaded"]
-        assert o["param_diff"] == 0.0 and o["state_device"] == "cpu", o
-        assert o["into_adamw_2x1"] == 0.0 and o["into_offloaded"] == 0.0, o
+        assert o["param_diff"] <= 1e-6 and o["state_device"] == "cpu", o
+        assert o["into_adamw_2x1"] <= 1e-6 and o["into_offloaded"] == 0.0, o
 
 
 def _state_agrees(a: dict, b: dict, quantized: bool) -> tuple[bool, str]:
