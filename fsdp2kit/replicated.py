@@ -7,6 +7,7 @@ Why and what it costs: docs/accumulation.md, "LoRA: adapters replicated".
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -40,8 +41,8 @@ def check_replicable(model: nn.Module, cpu_offload: bool = False) -> list[nn.Par
 class _Replicated:
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
         self.params = params
-        # one rank a dimension sends nothing; the innermost ("shard") goes first (reversed below)
-        self.groups = [mesh.get_group(i) for i in range(mesh.ndim) if mesh.size(i) > 1]
+        # one rank a dimension sends nothing; the innermost ("shard") goes first
+        self.groups = [mesh.get_group(i) for i in reversed(range(mesh.ndim)) if mesh.size(i) > 1]
         self.world = mesh.size()
         self.sync = True
         self.queued = -1  # the backward (graph task) whose callback is queued: a failed one never runs it
@@ -53,19 +54,24 @@ class _Replicated:
             torch.autograd.Variable._execution_engine.queue_callback(self.all_reduce)
 
     def all_reduce(self) -> None:
-        for ts in _by_dtype([p.grad for p in self.params if p.grad is not None]):  # one call per group and dtype
-            flat = torch.cat([t.reshape(-1) for t in ts])
-            for group in reversed(self.groups):
-                dist.all_reduce(flat, group=group)  # SUM then divide: gloo has no AVG
-            flat.div_(self.world)
-            _copy_back(ts, flat)
+        for p in self.params:  # the same layout on every rank: an adapter this rank's batch missed adds zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # a SUM divided by the world: gloo has no AVG
+        self._flat_over_groups([p.grad for p in self.params], dist.all_reduce, divide=self.world)
 
     def broadcast(self) -> None:
         """Every rank starts from the values of the mesh's first rank (as DDP does), whatever each built."""
-        for ts in _by_dtype([p.detach() for p in self.params]):
+        self._flat_over_groups([p.detach() for p in self.params], functools.partial(dist.broadcast, group_src=0))
+
+    def _flat_over_groups(self, tensors: list[torch.Tensor], op, divide: int = 1) -> None:
+        """``op`` on one flat copy per dtype over each group in turn, divided by ``divide``, copied back."""
+        for ts in _by_dtype(tensors):
             flat = torch.cat([t.reshape(-1) for t in ts])
-            for group in reversed(self.groups):
-                dist.broadcast(flat, group=group, group_src=0)
+            for group in self.groups:
+                op(flat, group=group)
+            if divide != 1:
+                flat.div_(divide)
             _copy_back(ts, flat)
 
 

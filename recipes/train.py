@@ -115,6 +115,10 @@ def check_before_start(cfg: Config) -> None:
         raise DataError(f"data.tokenizer = {cfg.data.tokenizer!r}: no such directory (a local Hugging Face tokenizer)")
     if lora.replicate_adapters and lora.r == 0:
         raise ConfigError("lora.replicate_adapters = true replicates LoRA adapters: set lora.r (> 0) too")
+    if lora.replicate_adapters and p.cpu_offload:
+        raise ConfigError(
+            "lora.replicate_adapters = true with parallel.cpu_offload = true: replicated adapters stay on the device"
+        )
     if lora.r > 0 and lora.targets != "all-linear":
         # The targets against the model's Linear names, on the meta device (no memory, no data yet):
         # a typo here must not wait for the data to be tokenized.

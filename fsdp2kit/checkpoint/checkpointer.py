@@ -32,7 +32,7 @@ from fsdp2kit.weights.adapters import peft_description
 
 # torch < 2.13's DefaultStager closes its copier after every stage, so a second stage of any
 # non-tensor state fails (KeyError: <class 'type'>): there, one stager per save.
-_STAGER_REUSABLE = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+_STAGER_REUSABLE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 class _PendingSave(NamedTuple):
@@ -221,7 +221,10 @@ class Checkpointer:
 
     def _stage(self, state: dict) -> dict:
         """The state copied into CPU buffers that DCP's stager keeps between saves."""
-        if self._stager is None or not _STAGER_REUSABLE:
+        if self._stager is not None and not _STAGER_REUSABLE:
+            self._stager.close()  # the last save's write is over (_finish_pending)
+            self._stager = None
+        if self._stager is None:
             # Pinned buffers and non-blocking copies on CUDA (torchtitan's choice); staged
             # before save returns, so the training step after it cannot change what is saved.
             cuda = torch.cuda.is_available()

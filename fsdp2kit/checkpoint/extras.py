@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover
     np = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # by identity, as a plain class: its value may be a tensor
 class PerRank:
     """Marks an ``extra`` value that differs by rank (a data-loader position): stored once per rank,
     each rank loads its own (plain values are rank 0's). Ranks that did not exist at save time keep

@@ -65,8 +65,7 @@ class Settings:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected a positive int")
         check_seq(f"context parallelism: seq={self.seq}", self.seq, self.cp)
-        if self.cp_style not in STYLES:
-            raise ValueError(f"cp_style={self.cp_style!r}: expected one of {STYLES}")
+        check_cp_style(self.cp_style)
         if self.cp > 1 and self.cp_style == "ring":  # what apply_context_parallel's ring refuses, in its words
             if self.device == "cpu":
                 raise ValueError("style='ring' runs on CUDA only (torch's ring attention over its CUDA kernels)")
@@ -94,6 +93,11 @@ class Settings:
         resolve_precision(self.mixed_precision)
         check_accumulation(self.accumulation, hsdp=self.replicate > 1)
         check_lora(self.lora, self.qlora, self.lora_targets, self.tp)
+
+
+def check_cp_style(style: str) -> None:
+    if style not in STYLES:
+        raise ValueError(f"cp_style={style!r}: expected one of {STYLES}")
 
 
 def check_cp_heads(model: nn.Module, cp: int, tp: int = 1, style: str = "all_to_all") -> None:
@@ -146,6 +150,7 @@ def plan_shards(
     ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r}: expected a positive int")
+    check_cp_style(cp_style)
     check_lora(lora, qlora, lora_targets, tp)
     check_cp_heads(model, cp, tp, cp_style)
     if lora is not None:

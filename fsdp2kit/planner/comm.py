@@ -54,7 +54,8 @@ class UnitComm:
 @dataclass
 class CommPlan:
     """Every FSDP collective of one optimizer step of ``micro_batches`` micro-batches under ``accumulation``;
-    ``units`` follow `ShardPlan.units`, ``by_group()`` / ``counts()`` sum them as `fsdp2kit.count_collectives`'s do."""
+    ``units`` follow `ShardPlan.units`; ``by_group()`` sums their bytes as `fsdp2kit.count_collectives`'s does,
+    ``counts()`` their calls."""
 
     units: list[UnitComm]
     accumulation: str
