@@ -66,7 +66,8 @@ def meta_copy(
     own_dtype: frozenset[int] = frozenset(),
 ) -> nn.Module:
     """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as they are;
-    those whose id is in ``own_dtype`` keep theirs, as replicated adapters outside FSDP's cast do), with only the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
+    those whose id is in ``own_dtype`` keep theirs, as replicated adapters outside FSDP's cast do), with only
+    the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
     (a tensor-parallel rank's slices). NF4 weights become (or stay) meta NF4 placeholders."""
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
@@ -303,8 +304,9 @@ def step_model(
     own_dtype: frozenset[int] = frozenset(),
 ) -> tuple[nn.Module, dict[str, nn.Module], list[str], int]:
     """A meta copy of ``model`` set up for a training step: ``(copy, its modules by the original's names, the
-    kept blocks' names, repeat)``, the parameters in ``own_dtype`` not cast (`meta_copy`). With ``lead`` and identical blocks after the first ``lead``, only those,
-    ``blocks[lead]`` (standing for the ``repeat`` middle blocks that do not run) and the last are kept."""
+    kept blocks' names, repeat)``, the parameters in ``own_dtype`` not cast (`meta_copy`). With ``lead`` and
+    identical blocks after the first ``lead``, only those, ``blocks[lead]`` (standing for the ``repeat`` middle
+    blocks that do not run) and the last are kept."""
     from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 
     blocks = find_blocks(model)
