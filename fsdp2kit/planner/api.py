@@ -266,14 +266,15 @@ def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module,
 def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
     model, plan = trained_plan(model, s, cache)
-    kept = {id(p) for p in check_replicable(model, s.cpu_offload)} if s.replicate_adapters else set()
+    kept = frozenset(id(p) for p in check_replicable(model, s.cpu_offload)) if s.replicate_adapters else frozenset()
     prec = plan.precision
     compute = prec.compute_dtype
     shard_size = plan.mesh_shape[-1]
     unit_names = [list(u.modules) for u in plan.units]
     names_of = {id(m): n for n, m in model.named_modules()}
     block_names = [names_of[id(b)] for b in find_blocks(model)]
-    key = (id(model), s.batch, s.seq, s.cp, s.cp_style, s.activation_checkpointing, compute)
+    # Replicated adapters are outside FSDP's mixed-precision cast: they compute in their own dtype (fp32).
+    key = (id(model), s.batch, s.seq, s.cp, s.cp_style, s.activation_checkpointing, compute, bool(kept))
     if key not in cache:
         cache[key] = record_step(
             model,
@@ -284,6 +285,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             activation_checkpointing=s.activation_checkpointing,
             cp=s.cp,
             cp_style=s.cp_style,
+            own_dtype=kept,
         )
     units = units_for(model, plan, replicated=kept)
     gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)

@@ -63,9 +63,11 @@ def meta_copy(
     dtype: torch.dtype | None,
     keep: list[nn.Module] | None = None,
     shapes: dict[int, tuple[int, ...]] | None = None,
+    own_dtype: frozenset[int] = frozenset(),
 ) -> nn.Module:
-    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as they are),
-    with only the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
+    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as they are;
+    those whose id is in ``own_dtype`` keep theirs, as replicated adapters outside FSDP's cast do), with only
+    the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
     (a tensor-parallel rank's slices). NF4 weights become (or stay) meta NF4 placeholders."""
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
@@ -79,7 +81,8 @@ def meta_copy(
             nf4 = meta_nf4(t.shape, t.dtype, t.block_size, t.scaler_block_size)
             memo[id(t)] = nn.Parameter(nf4, requires_grad=False)
             continue
-        dt = dtype if dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) else t.dtype
+        cast = dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) and id(t) not in own_dtype
+        dt = dtype if cast else t.dtype
         new = torch.empty((shapes or {}).get(id(t), t.shape), dtype=dt, device="meta")
         memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     if keep is not None:
@@ -294,11 +297,16 @@ def on_output_grad(output, fn) -> None:
 
 
 def step_model(
-    model: nn.Module, compute_dtype: torch.dtype | None, activation_checkpointing, lead: int | None
+    model: nn.Module,
+    compute_dtype: torch.dtype | None,
+    activation_checkpointing,
+    lead: int | None,
+    own_dtype: frozenset[int] = frozenset(),
 ) -> tuple[nn.Module, dict[str, nn.Module], list[str], int]:
     """A meta copy of ``model`` set up for a training step: ``(copy, its modules by the original's names, the
-    kept blocks' names, repeat)``. With ``lead`` and identical blocks after the first ``lead``, only those,
-    ``blocks[lead]`` (standing for the ``repeat`` middle blocks that do not run) and the last are kept."""
+    kept blocks' names, repeat)``, the parameters in ``own_dtype`` not cast (`meta_copy`). With ``lead`` and
+    identical blocks after the first ``lead``, only those, ``blocks[lead]`` (standing for the ``repeat`` middle
+    blocks that do not run) and the last are kept."""
     from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 
     blocks = find_blocks(model)
@@ -311,7 +319,7 @@ def step_model(
         and len({_signature(b) for b in blocks[lead:-1]}) == 1
     ):
         keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
-    clone = meta_copy(model, compute_dtype, keep)
+    clone = meta_copy(model, compute_dtype, keep, own_dtype=own_dtype)
     clone.train()
     config = getattr(clone, "config", None)
     if config is not None and hasattr(config, "use_cache"):
@@ -344,14 +352,15 @@ def record_step(
     truncate: bool = True,
     cp: int = 1,
     cp_style: str = "all_to_all",
+    own_dtype: frozenset[int] = frozenset(),
 ) -> Recording:
     """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
 
     Events name units by their index in ``unit_names`` (each unit's module names, children first). ``seq``
     is the tokens a rank holds: with ``cp > 1``, its share of a ``seq * cp``-token sequence, attention run
-    as `fsdp2kit.apply_context_parallel`'s ``cp_style`` does."""
+    as `fsdp2kit.apply_context_parallel`'s ``cp_style`` does; the parameters in ``own_dtype`` in their dtype."""
     clone, modules, kept_names, repeat = step_model(
-        model, compute_dtype, activation_checkpointing, _LEAD if truncate else None
+        model, compute_dtype, activation_checkpointing, _LEAD if truncate else None, own_dtype
     )
 
     rec = Recording(blocks=kept_names, repeat=repeat)
