@@ -316,6 +316,15 @@ def run_replicated(case: Case) -> dict:
         (gather_full(a).detach() - gather_full(b).detach()).abs().max().item()
         for (_, a), (_, b) in zip(model.named_parameters(), sharded.named_parameters())
     )
+    # Built on the meta device, shard_model broadcasts nothing: materialize must draw the same adapters everywhere
+    with torch.device("meta"):
+        meta = peft_llama()
+    shard(case, meta, replicate_adapters=True)
+    fk.materialize(meta)
+    mine = torch.cat([p.detach().reshape(-1) for p in meta.parameters() if p.requires_grad])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    out["meta_adapters_equal"] = all(torch.equal(every[0], t) for t in every) and bool(mine.abs().sum() > 0)
     fk.export_hf(model, root / "replicated")
     fk.export_hf(sharded, root / "sharded")
     if rank == 0:  # and read back by one process (world 1): the offline export of the checkpoint

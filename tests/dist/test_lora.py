@@ -126,6 +126,7 @@ def test_lora(key: str, index: int, tmp_root: str) -> None:
         assert res["worst_rel"] < RTOL, f"{res['label']}: {res['worst_param']} differs by {res['worst_rel']:.2e}"
         assert res["losses"] == pytest.approx(res["ref_losses"], rel=RTOL)
         assert res["step"] == case.steps and res["reload_diff"] == 0.0, "checkpoint not reloaded into sharded adapters"
+        assert res["meta_adapters_equal"], "built on meta and materialized, the ranks' replicated adapters differ"
         if "export_keys" in res:
             assert res["export_keys"] == 6 * len(TARGETS) and not res["export_unequal"], res["export_unequal"]
     elif case.kind.startswith("offline"):
