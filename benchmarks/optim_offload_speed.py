@@ -28,14 +28,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from gpu_report import sync
+
 import fsdp2kit as fk
 
 VARIANTS = {"none": {}, "state offload": {"offload": True}, "cpu_offload": {"cpu_offload": True}}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(build, *, batch: int, seq: int, vocab: int, rounds: int, steps: int, mp: str | None, device) -> dict:
@@ -56,12 +53,12 @@ def measure(build, *, batch: int, seq: int, vocab: int, rounds: int, steps: int,
 
     def step(model, opt) -> float:
         tokens = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         model(input_ids=tokens, labels=tokens).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     for model, opt, _ in setups.values():  # warm-up: the state exists
