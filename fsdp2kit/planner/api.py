@@ -292,8 +292,11 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
     final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))
 
-    # The replicated gradients' flat copy, all-reduced at the end of the (last) backward (fsdp2kit/replicated.py).
-    flat = sum(n * dt.itemsize for n, dt, _ in rank_shards(model, 1, prec)) if kept else 0
+    # Each trainable parameter as a rank holds it (whole when replicated), and the replicated gradients' flat
+    # copy, all-reduced at the end of the (last) backward (fsdp2kit/replicated.py).
+    shards = rank_shards(model, 1 if kept else shard_size, prec)
+    trainable = sum(n * dt.itemsize for n, dt, _ in shards)
+    flat = trainable if kept else 0
 
     def run(us, rec=cache[key], flat=flat):
         return replay(
@@ -332,12 +335,9 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 
     params = plan.param_bytes_per_rank
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")
-    shards = rank_shards(model, 1 if kept else shard_size, prec)
     if kept:  # the plan counts them sharded
-        params += sum(n * dt.itemsize for n, dt, _ in shards)
-        params -= sum(n * dt.itemsize for n, dt, _ in rank_shards(model, shard_size, prec))
+        params += trainable - sum(n * dt.itemsize for n, dt, _ in rank_shards(model, shard_size, prec))
     opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
-    trainable = sum(n * dt.itemsize for n, dt, _ in shards)
     grads = step.grads_sharded
 
     pp = dict(step.parts)
