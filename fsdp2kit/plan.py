@@ -4,7 +4,7 @@ fsdp2kit/plan.py)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +74,7 @@ class ShardPlan:
     precision: Precision = PRECISIONS["fp32"]
     master_numel: dict[str, int] = field(default_factory=dict)  # trainable elements by master dtype name
     cast_numel: dict[str, int] = field(default_factory=dict)  # of those, cast at sharding, by dtype as built
+    replicated_numel: int = 0  # trainable elements kept whole on every rank (replicate_adapters)
 
     def add_unit(
         self,
@@ -83,12 +84,14 @@ class ShardPlan:
         reshard_after_forward: bool | int,
         tp_shapes: Mapping[int, torch.Size] | None = None,
         modules: tuple[str, ...] = (),
+        replicated: Collection[int] = (),
     ) -> None:
-        """Append the unit that holds ``params``, and count its trainable parameters by master dtype (and
-        those that sharding casts, by their dtype as built)."""
+        """Append the unit that holds ``params`` (those in ``replicated``, by id, whole and never gathered), and
+        count its trainable parameters by master dtype (and those that sharding casts, by their dtype as built)."""
         prec = self.precision
-        sharded = [_sharded_bytes(p, shard, tp_shapes, prec.master(p)) for p in params]
-        gathered = sum(_gathered_bytes(p, prec, tp_shapes) for p in params)
+        sharded = [_sharded_bytes(p, 1 if id(p) in replicated else shard, tp_shapes, prec.master(p)) for p in params]
+        gathered = sum(_gathered_bytes(p, prec, tp_shapes) for p in params if id(p) not in replicated)
+        self.replicated_numel += sum(p.numel() for p in params if id(p) in replicated)
         trainable = sum(b for b, p in zip(sharded, params) if p.requires_grad)
         n = sum(p.numel() for p in params)
         self.units.append(UnitPlan(name, n, sum(sharded), gathered, trainable, reshard_after_forward, modules))
@@ -161,6 +164,9 @@ class ShardPlan:
             f"ShardPlan: {len(self.units)} FSDP units over mesh ({mesh}), strategy {self.strategy}, "
             f"precision {self.mixed_precision}" + (", CPU offload" if self.cpu_offload else "")
         )
+        if self.replicated_numel:
+            head += f", {fmt_count(self.replicated_numel)} trainable parameters replicated (whole on every rank)"
+
         rows = [("unit", "params", "per rank", "gathered", "reshard")]
         for u in self.units:
             reshard = {True: "yes", False: "no"}.get(u.reshard_after_forward, f"to {u.reshard_after_forward}")

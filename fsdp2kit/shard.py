@@ -139,14 +139,14 @@ def shard_model(
     dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
     # With a cp dimension, FSDP shards over shard x cp together: the layout sees them as one dim.
     shape, names = fsdp_mesh_shape(tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
-    layout = _layout(model, shape, names, blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload)
+    args = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, None, replicate_adapters)
+    layout = _layout(model, shape, names, *args)
     check_devices(model, mesh, cpu_offload=cpu_offload)
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     fsdp_mesh = _replicate_mesh(dp_mesh) if layout.strategy.replicate_only else dp_mesh
-    kept = set(check_replicable(model, cpu_offload)) if replicate_adapters else set()
-    kept_names = {n for n, p in model.named_parameters() if p in kept}
-    replaced = {n: p for n, p in model.named_parameters() if p not in kept}
+    kept = {n: p for n, p in model.named_parameters() if id(p) in layout.kept}
+    replaced = {n: p for n, p in model.named_parameters() if n not in kept}
     mark_replaced(replaced)
     for _, modules, reshard in layout.units:
         fully_shard(
@@ -155,12 +155,12 @@ def shard_model(
             reshard_after_forward=reshard,
             mp_policy=layout.precision.policy,
             offload_policy=offload,
-            ignored_params=kept or None,
+            ignored_params=set(kept.values()) or None,
         )
     warn_as_built(layout.precision, model.parameters())
     cast_masters(model, layout.precision)  # before any mark: it swaps parameter contents
     if kept:
-        replicate_trainable(model, [p for n, p in model.named_parameters() if n in kept_names], dp_mesh)
+        replicate_trainable(model, [p for n, p in model.named_parameters() if n in kept], dp_mesh)
     for table in layout.lookups:
         # backward of a lookup scatters the output gradient by index: the table is not read
         table.set_unshard_in_backward(False)
@@ -181,6 +181,7 @@ def estimate_plan(
     reshard_after_forward: bool | int | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
+    replicate_adapters: bool = False,
 ) -> ShardPlan:
     """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without a process
     group and changing nothing (a meta model planned for 1024 GPUs from a laptop); with ``tp > 1`` each
@@ -192,7 +193,7 @@ def estimate_plan(
 
         shape, names = (*shape, tp), (*names, "tp")
         tp_shapes = planned_tp_shapes(model, tp)
-    args = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, tp_shapes)
+    args = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, tp_shapes, replicate_adapters)
     return _layout(model, shape, names, *args).plan
 
 
@@ -206,6 +207,7 @@ class _Layout:
     lookups: list[nn.Embedding]  # the groups that are one plain nn.Embedding (fully_shard changes the class)
     precision: Precision
     plan: ShardPlan
+    kept: set[int]  # ids of the trainable parameters replicate_adapters keeps whole, out of fully_shard
 
 
 def _layout(
@@ -218,6 +220,7 @@ def _layout(
     mixed_precision: str | MixedPrecisionPolicy | None,
     cpu_offload: bool,
     tp_shapes: dict[int, tuple[int, ...]] | None = None,
+    replicate_adapters: bool = False,
 ) -> _Layout:
     tp = dict(zip(mesh_dim_names, mesh_shape)).get("tp", 1)
     dp_shape = tuple(s for n, s in zip(mesh_dim_names, mesh_shape) if n != "tp")
@@ -231,6 +234,7 @@ def _layout(
     check_not_sharded(model)
     found = find_blocks(model, blocks)  # children only: the root is never one of its own blocks
     groups, unit_of = assign_units(model, found)
+    kept = {id(p) for p in check_replicable(model, cpu_offload)} if replicate_adapters else set()
 
     precision = resolve_precision(mixed_precision)
     if resolved.replicate_only:
@@ -270,6 +274,6 @@ def _layout(
     seen: set[int] = set()  # a tied parameter belongs to the first unit that holds it
     for label, modules, reshard in units:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
-        plan.add_unit(label, params, shard_size, reshard, tp_shapes, tuple(names[id(m)] for m in modules))
+        plan.add_unit(label, params, shard_size, reshard, tp_shapes, tuple(names[id(m)] for m in modules), kept)
     lookups = [g[0] for g in groups if len(g) == 1 and type(g[0]) is nn.Embedding]
-    return _Layout(resolved, found, units, lookups, precision, plan)
+    return _Layout(resolved, found, units, lookups, precision, plan, kept)

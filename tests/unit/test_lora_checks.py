@@ -42,6 +42,21 @@ def test_plan_counts_trainable_state_only():
     assert len(plan.units) == 5  # adapters share their block's unit: no extra collectives
 
 
+def test_plan_counts_replicated_adapters_whole(mesh):
+    model = fk.apply_lora(tiny_llama().to(torch.bfloat16), r=4, targets=TARGETS)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sharded = fk.estimate_plan(model, shard=2, mixed_precision="bf16")
+    plan = fk.estimate_plan(model, shard=2, mixed_precision="bf16", replicate_adapters=True)
+    # fp32 adapters whole on every rank, so their gradients and AdamW state too; the frozen base stays sharded
+    assert plan.grad_bytes_per_rank == 4 * trainable
+    assert plan.param_bytes_per_rank - sharded.param_bytes_per_rank == 4 * trainable // 2
+    # left out of fully_shard: no unit all-gathers them (2 bf16 bytes each when sharded)
+    gathered = sum(u.bytes_gathered for u in sharded.units) - sum(u.bytes_gathered for u in plan.units)
+    assert gathered == 2 * trainable
+    assert f"{trainable / 1e3:.2f}K trainable parameters replicated" in str(plan) and "replicated" not in str(sharded)
+    assert "trainable parameters replicated" in str(fk.shard_model(model, mesh, replicate_adapters=True))
+
+
 def test_quantize_nf4_and_plan():
     model = _nf4_llama()
     n_base = sum(p.numel() for b in model.model.layers for n, p in b.named_parameters() if n.endswith("proj.weight"))
