@@ -1,11 +1,5 @@
-"""Gradient accumulation policies: what FSDP2 sends per micro-batch, against what it keeps in memory between them.
-
-A step of M micro-batches under FSDP2's defaults all-gathers every unit again in each forward
-(and in each backward, for units that reshard after forward), reduce-scatters every
-micro-batch's gradients and, under HSDP, all-reduces them across replicas every micro-batch.
-Each policy here removes some of that traffic for some memory; `fsdp2kit.planner.comm`
-predicts the bytes of each and docs/accumulation.md compares them.
-"""
+"""Gradient accumulation policies: what FSDP2 sends per micro-batch against what it keeps between them (compared in
+docs/accumulation.md, "Accumulation policies"; bytes predicted by `fsdp2kit.planner.comm`)."""
 
 from __future__ import annotations
 
@@ -91,24 +85,8 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
                 (loss_fn(model, batch) / len(micro_batches)).backward()
         optimizer.step()
 
-    Policies (`ACCUMULATION`; per step of M micro-batches, per FSDP unit):
-
-    - ``"regather"``: FSDP2's default. M forward all-gathers, M backward re-gathers (units that
-      reshard after forward), M reduce-scatters, M all-reduces under HSDP. No extra memory.
-    - ``"keep_gathered"``: one all-gather a step; the unsharded parameters stay from the first
-      forward to the last backward (``set_reshard_after_forward(False)`` for the step,
-      ``set_reshard_after_backward(False)`` but on the last). Memory: the whole unsharded
-      model in the compute dtype, as ``NO_SHARD`` holds it.
-    - ``"defer_all_reduce"`` (HSDP only): reduce-scatter every micro-batch inside a node, all-reduce
-      across replicas once, on the last (``set_requires_all_reduce(False)`` but on the last).
-      Memory: each unit's sharded partial sum in the reduce dtype.
-    - ``"no_sync"``: gathers as ``"regather"``, one reduce-scatter (and all-reduce) a step
-      (``set_requires_gradient_sync(False)`` but on the last, as `fsdp2kit.no_sync`).
-      Memory: every unsharded gradient, in the reduce dtype, for the whole step.
-    - ``"keep_gathered_defer_all_reduce"`` (HSDP only): ``"keep_gathered"`` with the all-reduce
-      deferred to the last micro-batch, as ``"defer_all_reduce"`` does it.
-    - ``"keep_gathered_no_sync"``: both: one all-gather and one reduction a step, the least
-      traffic; memory: the unsharded model and its unsharded gradients.
+    Policies: `ACCUMULATION` (name -> what it sends and holds); docs/accumulation.md, "Accumulation policies",
+    tabulates each one's collectives per step, the memory it holds and the FSDP2 switches it sets.
 
     Scale each micro-batch's loss by ``1 / n_micro``. Gradients equal one big batch's under
     every policy (tests/dist/test_parity.py). Each setting changed goes back to FSDP2's default
