@@ -22,18 +22,13 @@ def parse_signals(names: str | Iterable[str | int | signal.Signals]) -> list[sig
     """``"SIGTERM,SIGUSR1"`` (or ``"TERM, USR1"``, numbers, a list) -> signals; unknown names are a ValueError."""
     out = []
     for item in names.split(",") if isinstance(names, str) else names:
-        key = item.strip().upper() if isinstance(item, str) else item
+        key = item.strip().upper() if isinstance(item, str) else str(int(item))
         if key == "":
             continue
-        if isinstance(key, str) and not key.isdigit():
-            key = key if key.startswith("SIG") else "SIG" + key
-            if key not in signal.Signals.__members__:
-                raise ValueError(f"unknown signal {item.strip()!r} (e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)")
-            key = signal.Signals[key]
         try:
-            sig = signal.Signals(int(key))
-        except ValueError:
-            raise ValueError(f"unknown signal number {int(key)}") from None
+            sig = signal.Signals(int(key)) if key.isdigit() else signal.Signals["SIG" + key.removeprefix("SIG")]
+        except (KeyError, ValueError):
+            raise ValueError(f"unknown signal {str(item).strip()!r} (e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)") from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError(f"{sig.name} cannot be caught")
         out.append(sig)
