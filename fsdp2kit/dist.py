@@ -35,16 +35,6 @@ def mesh_device(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def init_distributed(
     *,
     timeout: timedelta | float = timedelta(minutes=10),
@@ -64,7 +54,7 @@ def init_distributed(
     if dev_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
 
-    local_rank = _env_int("LOCAL_RANK", 0)
+    local_rank = int(os.environ.get("LOCAL_RANK") or 0)  # torchrun sets it
     dev = torch.device("cuda", local_rank) if dev_type == "cuda" else torch.device("cpu")
     if dev_type == "cuda":
         if local_rank >= torch.cuda.device_count():
