@@ -1,8 +1,6 @@
-"""Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`): left out
-of ``fully_shard``, their gradients averaged over the data-parallel ranks at the end of a synced backward.
-
-Why and what it costs: docs/accumulation.md, "LoRA: adapters replicated".
-"""
+"""Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`), their gradients
+averaged over the data-parallel ranks once a synced backward ends (why and cost: docs/accumulation.md, "LoRA: adapters
+replicated")."""
 
 from __future__ import annotations
 
@@ -66,25 +64,17 @@ class _Replicated:
 
     def _flat_over_groups(self, tensors: list[torch.Tensor], op, divide: int = 1) -> None:
         """``op`` on one flat copy per dtype over each group in turn, divided by ``divide``, copied back."""
-        for ts in _by_dtype(tensors):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in ts])
             for group in self.groups:
                 op(flat, group=group)
             if divide != 1:
                 flat.div_(divide)
-            _copy_back(ts, flat)
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    out: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.dtype, []).append(t)
-    return list(out.values())
-
-
-def _copy_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))
+            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(part.view_as(t))
 
 
 def replicate_trainable(model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh) -> None:
