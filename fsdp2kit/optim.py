@@ -1,9 +1,5 @@
-"""make_optimizer: an AdamW by name, full precision or with low-precision state, over a sharded model.
-
-The names and their state bytes per parameter: README.md, "Optimizer state and precision". Low-bit state is
-quantized in blocks decided from each parameter's global shape, so it does not depend on the mesh
-(pytorch/ao#4912): docs/optimizers.md says why, and what the tests bound.
-"""
+"""make_optimizer: an AdamW by name, full precision or low-precision state (README.md, "Optimizer state and precision";
+why low-bit blocks follow each parameter's global shape, pytorch/ao#4912: docs/optimizers.md)."""
 
 from __future__ import annotations
 
