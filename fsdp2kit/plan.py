@@ -118,15 +118,10 @@ class ShardPlan:
     def precision_line(self) -> str:
         """Which dtype the master weights, gradients, AdamW state, compute and gradient reduction use."""
         prec, masters = self.precision, self.master_dtype
-        cast = ""
-        if self.cast_numel:
-            cast = f" (cast from {' + '.join(sorted(self.cast_numel))} at sharding)"
-        line = f"master weights {masters}{cast}, gradients {masters}, AdamW state {self.state_dtype}; "
+        cast = f" (cast from {' + '.join(sorted(self.cast_numel))} at sharding)" if self.cast_numel else ""
+        line = f"master weights {masters}{cast}, gradients {masters}, AdamW state {self.state_dtype}; compute "
+        line += dtype_name(prec.compute_dtype) if prec.compute_dtype else "in each parameter's dtype"
         reduce = prec.policy.reduce_dtype or prec.compute_dtype
-        if prec.compute_dtype is None:
-            line += "compute in each parameter's dtype"
-        else:
-            line += f"compute {dtype_name(prec.compute_dtype)}"
         line += f", gradient reduction {dtype_name(reduce)}" if reduce else ""
         low = [d for d in self.master_numel if d in ("bf16", "fp16")]
         if prec.name == "pure_bf16":
