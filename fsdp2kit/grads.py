@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.dtensor import fsdp_units
-from fsdp2kit.replicated import paused
+from fsdp2kit.accumulation import accumulate
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
@@ -51,16 +51,8 @@ def clip_grad_norm_(
     return total
 
 
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Accumulate gradients locally: backward passes inside skip the reduce-scatter/all-reduce (every micro-step
     but the last; gradients are held unsharded meanwhile). Scale each micro-step's loss by 1/N to average."""
-    modules = fsdp_units(model, "no_sync")
-    for m in modules:
-        m.set_requires_gradient_sync(False, recurse=False)
-    try:
-        with paused(model):  # replicated adapters (shard_model(..., replicate_adapters=True)) too
-            yield
-    finally:
-        for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
+    fsdp_units(model, "no_sync")  # its error names this call
+    return accumulate(model, "no_sync", 0, 2)  # a micro-batch but the last, replicated adapters paused too
