@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fsdp2kit._internal.dtensor import fsdp_units
 from fsdp2kit.replicated import paused
@@ -44,16 +45,6 @@ def check_accumulation(policy: str, *, hsdp: bool | None = None) -> str:
             "(make_mesh(shard=..., replicate=...) with replicate > 1); on a 1-D mesh use 'no_sync' or 'keep_gathered'"
         )
     return policy
-
-
-def _is_hsdp(modules: list[FSDPModule]) -> bool:
-    for m in modules:
-        for p in m.parameters():
-            mesh = getattr(p, "device_mesh", None)
-            names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-            if "replicate" in names and mesh.size(names.index("replicate")) > 1:
-                return True
-    return False
 
 
 def _hold_gathered(modules: list[FSDPModule]) -> list:
@@ -102,7 +93,11 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
         raise ValueError(f"micro={micro!r}: expected 0 <= micro < n_micro={n_micro}")
     modules = fsdp_units(model, "accumulate")
     if policy in _HSDP_ONLY and micro == 0:  # sharded then: a kept-gathered parameter is no DTensor
-        check_accumulation(policy, hsdp=_is_hsdp(modules))
+        meshes = {p.device_mesh for m in modules for p in m.parameters() if isinstance(p, DTensor)}
+        hsdp = any(
+            m.size(m.mesh_dim_names.index("replicate")) > 1 for m in meshes if "replicate" in (m.mesh_dim_names or ())
+        )
+        check_accumulation(policy, hsdp=hsdp)
     last = micro == n_micro - 1
     keep = policy.startswith("keep_gathered") and n_micro > 1
     no_sync = policy in ("no_sync", "keep_gathered_no_sync") and not last

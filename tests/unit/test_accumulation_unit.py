@@ -31,9 +31,13 @@ def test_refusals() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_defer_all_reduce_needs_hsdp() -> None:
+def test_defer_all_reduce_needs_hsdp(mesh) -> None:
     assert check_accumulation("defer_all_reduce", hsdp=True) == "defer_all_reduce"
     with pytest.raises(ValueError, match="needs an HSDP mesh"):
         check_accumulation("defer_all_reduce", hsdp=False)
     with pytest.raises(ValueError, match="needs an HSDP mesh"):
         check_accumulation("keep_gathered_defer_all_reduce", hsdp=False)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fk.shard_model(model, mesh, blocks=[nn.Linear])  # a 1-D mesh: accumulate finds no replicate dimension
+    with pytest.raises(ValueError, match="needs an HSDP mesh"), fk.accumulate(model, "defer_all_reduce", 0, 2):
+        pass
