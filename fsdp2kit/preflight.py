@@ -21,7 +21,6 @@ __all__ = [
     "check_nf4_shards",
     "check_not_sharded",
     "check_optimizers_at_first_forward",
-    "mark_replaced",
 ]
 
 
@@ -108,12 +107,6 @@ def check_nf4_shards(params: dict[str, nn.Parameter], shard: int) -> None:
             f"NF4 weights cannot be sharded {shard} ways: {fmt_list(bad, 4)}. Use a shard size that divides these "
             "rows into whole quantization groups, or quantize_nf4 with a smaller block_size / scaler_block_size"
         )
-
-
-def mark_replaced(params: dict[str, nn.Parameter]) -> None:
-    """Tag the parameters that fully_shard is about to replace with DTensor parameters."""
-    for name, param in params.items():
-        setattr(param, SHARDED_AS, name)
 
 
 def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fsdp2kit._internal.markers import BLOCK_ORDER
+from fsdp2kit._internal.markers import BLOCK_ORDER, SHARDED_AS
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.dist import data_parallel_mesh, fsdp_mesh_shape
 from fsdp2kit.plan import ShardPlan
@@ -22,7 +22,6 @@ from fsdp2kit.preflight import (
     check_nf4_shards,
     check_not_sharded,
     check_optimizers_at_first_forward,
-    mark_replaced,
 )
 from fsdp2kit.replicated import check_replicable, replicate_trainable
 from fsdp2kit.units import assign_units, dtype_subunits
@@ -91,11 +90,6 @@ def _check_reshard(value: bool | int | None, shard: int) -> None:
         )
 
 
-def _replicate_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """NO_SHARD as FSDP2 spells it: HSDP whose shard groups have one rank each."""
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
-
-
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -144,10 +138,13 @@ def shard_model(
     check_devices(model, mesh, cpu_offload=cpu_offload)
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    fsdp_mesh = _replicate_mesh(dp_mesh) if layout.strategy.replicate_only else dp_mesh
+    fsdp_mesh = dp_mesh
+    if layout.strategy.replicate_only:  # NO_SHARD as FSDP2 spells it: HSDP whose shard groups have one rank each
+        fsdp_mesh = DeviceMesh(dp_mesh.device_type, dp_mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
     kept = {n: p for n, p in model.named_parameters() if id(p) in layout.kept}
     replaced = {n: p for n, p in model.named_parameters() if n not in kept}
-    mark_replaced(replaced)
+    for name, p in replaced.items():  # fully_shard replaces them: an optimizer that holds one is refused
+        setattr(p, SHARDED_AS, name)
     for _, modules, reshard in layout.units:
         fully_shard(
             modules if len(modules) > 1 else modules[0],
