@@ -7,16 +7,9 @@ import torch.nn as nn
 
 __all__ = ["peak_flops", "transformer_flops_per_token"]
 
-# Dense bf16 peak FLOP/s (without sparsity) by device name fragment; MFU is reported only for these.
-_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower, and is matched by name below
-    "H100 PCIe": 756e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 70e12,
-    "4090": 165e12,
-}
+# Dense bf16 peak FLOP/s (without sparsity) of the cards the planner has no preset for (fsdp2kit.planner.hardware
+# holds the rest); MFU is reported only for cards named in either. The PCIe H100 is lower than the SXM preset.
+_OTHER_PEAK_BF16 = {"H100 PCIe": 756e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
 
 
 def transformer_flops_per_token(model: nn.Module, n_layers: int, hidden: int, seq_len: int) -> float:
@@ -34,6 +27,9 @@ def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None when unknown (CPUs: MFU is not reported)."""
     if device.type != "cuda":
         return None
+    from fsdp2kit.planner.hardware import GPUS
+
+    peaks = {k.upper(): gpu.bf16_flops for k, gpu in GPUS.items()} | _OTHER_PEAK_BF16
     name = torch.cuda.get_device_name(device)
-    matches = [k for k in _PEAK_BF16 if k in name]
-    return _PEAK_BF16[max(matches, key=len)] if matches else None
+    matches = [k for k in peaks if k in name]
+    return peaks[max(matches, key=len)] if matches else None

@@ -22,3 +22,18 @@ def test_tied_head_counts_like_an_untied_one():
 
 def test_no_peak_on_cpu():
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_peak_by_card_name(monkeypatch):
+    from fsdp2kit.planner.hardware import GPUS
+
+    # the planner's presets, and the cards it has none for; the longest name that matches wins (PCIe over H100)
+    for name, peak in [
+        ("NVIDIA H100 80GB HBM3", GPUS["h100"].bf16_flops),
+        ("NVIDIA B200", GPUS["b200"].bf16_flops),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA L40S", 362e12),
+        ("Tesla T4", None),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_flops(torch.device("cuda")) == peak, name
