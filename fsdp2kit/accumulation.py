@@ -15,17 +15,14 @@ from fsdp2kit.replicated import paused
 
 __all__ = ["ACCUMULATION", "accumulate", "check_accumulation"]
 
+# What each sends and holds, in a line (docs/accumulation.md, "Accumulation policies", has the whole table).
 ACCUMULATION: dict[str, str] = {
-    "regather": "FSDP2's default: gather, re-gather in backward, reduce-scatter (and all-reduce) every micro-batch",
-    "keep_gathered": "gather once a step and keep the unsharded parameters until the last backward; reduce every "
-    "micro-batch (memory: the whole unsharded model in the compute dtype)",
-    "defer_all_reduce": "HSDP: reduce-scatter every micro-batch, all-reduce across replicas once, on the last "
-    "(memory: one sharded gradient per unit in the reduce dtype)",
-    "no_sync": "gather every micro-batch, reduce once, on the last (memory: every unsharded gradient)",
-    "keep_gathered_defer_all_reduce": "HSDP: keep_gathered, all-reducing across replicas once, on the last "
-    "(memory: the unsharded model and each unit's sharded partial sum)",
-    "keep_gathered_no_sync": "gather once and reduce once a step: the fewest bytes, the most memory "
-    "(the unsharded model and its unsharded gradients)",
+    "regather": "FSDP2's default: gather, re-gather in backward and reduce every micro-batch; holds nothing",
+    "keep_gathered": "gather once a step, reduce every micro-batch; holds the unsharded model (compute dtype)",
+    "defer_all_reduce": "HSDP: reduce-scatter every micro-batch, all-reduce once; holds sharded partial sums",
+    "no_sync": "gather every micro-batch, reduce once, on the last; holds every unsharded gradient",
+    "keep_gathered_defer_all_reduce": "HSDP: keep_gathered, all-reducing across replicas once, on the last",
+    "keep_gathered_no_sync": "gather once and reduce once a step: the fewest bytes, the most memory",
 }
 _HSDP_ONLY = ("defer_all_reduce", "keep_gathered_defer_all_reduce")
 
