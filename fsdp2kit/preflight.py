@@ -16,12 +16,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import FROZEN_AS, SHARDED_AS, TENSOR_PARALLEL
 
-__all__ = [
-    "check_devices",
-    "check_nf4_shards",
-    "check_not_sharded",
-    "check_optimizers_at_first_forward",
-]
+__all__ = ["check_devices", "check_nf4_shards", "check_not_sharded", "check_optimizers_at_first_forward"]
 
 
 def check_not_sharded(model: nn.Module, mesh: DeviceMesh | None = None) -> None:

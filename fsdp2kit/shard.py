@@ -17,12 +17,7 @@ from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.dist import data_parallel_mesh, fsdp_mesh_shape
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.precision import Precision, cast_masters, resolve_precision, warn_as_built
-from fsdp2kit.preflight import (
-    check_devices,
-    check_nf4_shards,
-    check_not_sharded,
-    check_optimizers_at_first_forward,
-)
+from fsdp2kit.preflight import check_devices, check_nf4_shards, check_not_sharded, check_optimizers_at_first_forward
 from fsdp2kit.replicated import check_replicable, replicate_trainable
 from fsdp2kit.units import assign_units, dtype_subunits
 
