@@ -35,11 +35,7 @@ def mesh_device(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def init_distributed(
-    *,
-    timeout: timedelta | float = timedelta(minutes=10),
-    device: str | None = None,
-) -> DistInfo:
+def init_distributed(*, timeout: timedelta | float = timedelta(minutes=10), device: str | None = None) -> DistInfo:
     """Start (or join) the default process group from torchrun's environment; safe to call twice.
 
     Without torchrun's variables the process is a world of one. NCCL on CUDA (with gloo beside it for CPU
