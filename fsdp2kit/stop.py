@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -35,7 +36,7 @@ def parse_signals(names: str | Iterable[str | int | signal.Signals]) -> list[sig
     return out
 
 
-class StopSignal:
+class StopSignal(contextlib.AbstractContextManager):
     """Catch stop signals on any rank (the handler only sets a flag); `should_stop` makes it every rank's decision
     at a step boundary (README.md, "Long runs: ..."). After a first SIGINT (a Ctrl-C), any stop
     signal more than ``repeat_after`` seconds later puts the previous handlers back and raises `KeyboardInterrupt`
@@ -105,9 +106,6 @@ class StopSignal:
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, handler)
         self._previous.clear()
-
-    def __enter__(self) -> StopSignal:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
