@@ -19,13 +19,11 @@ import torch.nn as nn
 from fsdp2kit.checkpoint.layout import INFO_FILE, TMP_PREFIX, TRASH_PREFIX, fsync, incomplete_dirs, list_steps, step_dir
 
 
-def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], busy: set[Path] = frozenset()) -> Path:
-    """Rank 0: clear leftovers of interrupted saves (but the ``busy`` ones being deleted), make the
-    temporary directory and write ``fsdp2kit.json`` (and the model's HF ``config.json``) into it."""
+def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], discard: BackgroundDeleter) -> Path:
+    """Rank 0: hand leftovers of interrupted saves to ``discard``, make the temporary directory and
+    write ``fsdp2kit.json`` (and the model's HF ``config.json``) into it."""
     root.mkdir(parents=True, exist_ok=True)
-    for leftover in incomplete_dirs(root):
-        if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and leftover not in busy:
-            shutil.rmtree(leftover, ignore_errors=True)
+    discard(p for p in incomplete_dirs(root) if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     tmp = root / f"{TMP_PREFIX}step_{step:08d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     info = {
@@ -48,25 +46,21 @@ def _delete(paths: list[Path]) -> None:
 
 
 class BackgroundDeleter:
-    """Deletes directories already renamed out of the way (``.trash-*``) on threads of its own, off
-    the save's critical path (docs/checkpoint-format.md); only `join` waits for them, and a save
-    meanwhile leaves the ones in flight (`busy`) alone."""
+    """Deletes directories out of the way (``.trash-*``, ``.tmp-*``) on threads of its own, off the save's
+    critical path (docs/checkpoint-format.md); only `join` waits for them. Deleting one twice is harmless."""
 
     def __init__(self) -> None:
-        self._threads: list[tuple[threading.Thread, list[Path]]] = []
+        self._threads: list[threading.Thread] = []
 
     def __call__(self, paths: Iterable[Path]) -> None:
         paths = list(paths)
         if paths:
             thread = threading.Thread(target=_delete, args=(paths,), name="fsdp2kit-prune", daemon=True)
             thread.start()
-            self._threads = [(t, p) for t, p in self._threads if t.is_alive()] + [(thread, paths)]
-
-    def busy(self) -> set[Path]:
-        return {path for thread, paths in self._threads if thread.is_alive() for path in paths}
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def join(self) -> None:
-        for thread, _ in self._threads:
+        for thread in self._threads:
             thread.join()
         self._threads = []
 
