@@ -72,12 +72,9 @@ def publish(root: Path, step: int, tmp: Path, keep_last: int | None, discard: Ba
         if path.exists():
             fsync(path)
     final = step_dir(root, step)
-    trash = []
-    if final.exists():
-        # Replacing a step takes two renames; a crash between them loses this step number
-        # (older steps stay), never leaves a mix of old and new files under it.
-        trash.append(root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
-        os.rename(final, trash[0])
+    # Replacing a step takes two renames; a crash between them loses this step number
+    # (older steps stay), never leaves a mix of old and new files under it.
+    trash = [_move_away(final)] if final.exists() else []
     os.rename(tmp, final)
     fsync(root)
     discard(trash + prune(root, keep_last, just_saved=step))
@@ -94,12 +91,15 @@ def prune(root: Path, keep_last: int | None, just_saved: int) -> list[Path]:
     for old in steps:
         if old in keep:
             continue
-        # Renamed first: a crash mid-delete must not leave a half-deleted step_* behind.
-        trash = root / f"{TRASH_PREFIX}step_{old:08d}-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(step_dir(root, old), trash)
+        try:  # renamed first: a crash mid-delete must not leave a half-deleted step_* behind
+            renamed.append(_move_away(step_dir(root, old)))
         except OSError as e:
             warnings.warn(f"keep_last={keep_last}: could not remove step {old}: {e}", stacklevel=2)
-            continue
-        renamed.append(trash)
     return renamed
+
+
+def _move_away(step: Path) -> Path:
+    """Rename a step directory to a ``.trash-*`` one beside it, which no listing reads; returns the new path."""
+    trash = step.with_name(f"{TRASH_PREFIX}{step.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(step, trash)
+    return trash
