@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,7 +103,6 @@ class Checkpointer:
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._group = None  # what DCP and the agreements run on: the default group, or (async) one of its own
-        self._ready = False  # whether _setup ran
         self._pending: _PendingSave | None = None  # an asynchronous save in flight
         self._stager: DefaultStager | None = None
         self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
@@ -149,7 +149,7 @@ class Checkpointer:
             if self.async_save:
                 state = self._stage(state)
             if rank == 0:
-                info = self._info(model, optimizer, extra, world, trainable_only)
+                info = self._info(step, model, optimizer, extra, world, trainable_only)
         except Exception as e:  # agreed on before DCP starts, so no rank enters it alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
         if self.async_save:
@@ -206,20 +206,22 @@ class Checkpointer:
 
     def _setup(self) -> None:
         """Collective the first time (an asynchronous Checkpointer makes its group): every rank calls it alike."""
-        if active() and not self._ready:
-            self._group = new_group() if self.async_save else None
-            self._ready = True
+        if self.async_save and self._group is None and active():
+            self._group = new_group()
 
     def _agree(self, problems: str | list[str] | None, what: str, value: Any = None) -> list[Any]:
         """Every rank's ``value``, or the same `CheckpointError` on every rank if any rank has a problem."""
         self._setup()
         return agree(problems, what, value=value, groups=(self._group,), error_type=CheckpointError)
 
-    def _info(self, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict[str, Any]:
+    def _info(self, step: int, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict:
         """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``, and by
         ``dcp_to_hf(..., base=...)`` to rebuild a PEFT model offline)."""
         per_rank = {k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))}
         return {
+            "step": step,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "torch": torch.__version__,
             "world_size": world,
             "async": self.async_save,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,

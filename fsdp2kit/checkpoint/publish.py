@@ -6,14 +6,12 @@ import json
 import os
 import shutil
 import threading
-import time
 import uuid
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from fsdp2kit.checkpoint.layout import INFO_FILE, TMP_PREFIX, TRASH_PREFIX, fsync, incomplete_dirs, list_steps, step_dir
@@ -26,12 +24,6 @@ def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], d
     discard(p for p in incomplete_dirs(root) if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     tmp = root / f"{TMP_PREFIX}step_{step:08d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    info = {
-        "step": step,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__,
-        **info,
-    }
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     config = getattr(model, "config", None)
     if callable(getattr(config, "to_json_string", None)) and callable(getattr(config, "to_dict", None)):
