@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit._internal.agree import agree
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files, check_optimizer
+from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_optimizer
 from fsdp2kit.checkpoint.comm import FAILURES, active, describe, new_group, quiet_dcp, rank_world
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
@@ -334,7 +334,7 @@ class Checkpointer:
             info = read_info(path)
             problems = check_optimizer(info, optimizer)
             problems += check_against(state, metadata, path, optimizer is not None, upcast)
-            problems += check_files(metadata, path)
+            problems += verify_files(metadata, path, checksums=False)  # files there and long enough
             problems += check_extra_keys(extra, metadata)
             if not problems and self.verify and info.get("checksums") == CHECKSUMS:
                 problems = verify_files(metadata, path, rank, world)
