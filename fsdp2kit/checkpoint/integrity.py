@@ -1,9 +1,5 @@
-"""A step's integrity: every record's bytes checked against the CRC-32 stored with them, before anything is loaded.
-
-``torch.save`` stores a CRC-32 of every entry it writes and ``torch.load`` never checks them;
-`verify_files` does, record by record, at the offsets DCP's metadata gives. Why, what is skipped
-and what it costs: docs/checkpoint-format.md ("Integrity").
-"""
+"""A step's integrity: every record's bytes checked against the CRC-32 ``torch.save`` stored with them (which
+``torch.load`` never checks), before anything is loaded: docs/checkpoint-format.md ("Integrity")."""
 
 from __future__ import annotations
 

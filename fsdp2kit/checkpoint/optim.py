@@ -1,8 +1,5 @@
-"""The optimizer in a checkpoint: tensors one record each, hyper-parameters once per param group.
-
-Format 2 is written here and format 1 (fsdp2kit's earlier, per-parameter one) still read; both
-formats, their keys and why: docs/checkpoint-format.md.
-"""
+"""The optimizer in a checkpoint: format 2 written (tensors one record each, hyper-parameters once per
+param group), format 1 (per parameter) still read: docs/checkpoint-format.md."""
 
 from __future__ import annotations
 
