@@ -195,8 +195,9 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            for cache in _PLAN_CACHES:  # DCP's class-level dicts: drop this Checkpointer's plans
-                cache.pop(self._plan_key, None)
+            for name, cache in vars(SavePlanner).items():  # DCP's class-level dicts: drop this Checkpointer's plans
+                if name.startswith("_cached_"):
+                    cache.pop(self._plan_key, None)
             if self._writer_thread is not None:
                 self._writer_thread.shutdown(wait=True)
                 self._writer_thread = None
@@ -381,12 +382,3 @@ class _ReusingSavePlanner(DefaultSavePlanner):
     def __init__(self, plan_key: str):
         super().__init__(enable_plan_caching=True)
         self._cached_plans_key = plan_key
-
-
-_PLAN_CACHES = (
-    SavePlanner._cached_save_plan,
-    SavePlanner._cached_final_save_plan,
-    SavePlanner._cached_all_plans,
-    SavePlanner._cached_global_plan,
-    SavePlanner._cached_metadata,
-)
