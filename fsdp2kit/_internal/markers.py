@@ -1,8 +1,5 @@
-"""The attributes fsdp2kit leaves on modules and tensors it changed, each named once.
-
-Later steps read what earlier ones left (prefetch needs the block order shard_model recorded;
-compile refuses blocks already compiled), so every name lives here and nowhere else.
-"""
+"""The attributes fsdp2kit leaves on modules and tensors it changed, each named once: later steps read
+what earlier ones left (prefetch needs the block order shard_model recorded)."""
 
 # On a block: the activation-checkpointing mode applied to it ("full", "selective", "every N").
 CHECKPOINTED = "_fsdp2kit_checkpointed"

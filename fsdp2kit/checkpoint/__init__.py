@@ -3,7 +3,6 @@
 from fsdp2kit.checkpoint.checkpointer import Checkpointer
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.layout import (
-    INFO_FILE,
     CheckpointError,
     incomplete_dirs,
     list_steps,
@@ -14,7 +13,6 @@ from fsdp2kit.checkpoint.layout import (
 from fsdp2kit.checkpoint.unpickler import read_metadata
 
 __all__ = [
-    "INFO_FILE",
     "CheckpointError",
     "Checkpointer",
     "PerRank",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,16 +18,18 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+from fsdp2kit._internal.agree import agree
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_files, check_optimizer
-from fsdp2kit.checkpoint.comm import FAILURES, Comm, describe, quiet_dcp
+from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_optimizer
+from fsdp2kit.checkpoint.comm import FAILURES, active, describe, new_group, quiet_dcp, rank_world
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
 from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, read_info, resolve_step, step_dir
 from fsdp2kit.checkpoint.optim import restore_optimizer, state_kinds
 from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
-from fsdp2kit.checkpoint.state import resolve_trainable_only, restore_extra, restore_model, state_to_load, state_to_save
+from fsdp2kit.checkpoint.state import model_options, resolve_trainable_only, restore_extra, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.weights.adapters import peft_description
 
@@ -58,7 +61,7 @@ class Checkpointer:
     Every method but `steps` is collective: call it on every rank, in the same order. Errors (a
     bad ``extra`` value, a checkpoint of another model, a corrupt file, a failed write, a rank that
     died) are raised on every rank as `CheckpointError` with the same message, never as a hang.
-    An asynchronous Checkpointer makes a gloo group of its own on first use (see `Comm`): make one
+    An asynchronous Checkpointer makes a gloo group of its own on first use: make one
     per run, not one per save. Works without any process group too. Format and trade-offs:
     docs/checkpoint-format.md.
 
@@ -99,7 +102,7 @@ class Checkpointer:
         self.verify = bool(verify)
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
-        self._comm = Comm(own_group=self.async_save)
+        self._group = None  # what DCP and the agreements run on: the default group, or (async) one of its own
         self._pending: _PendingSave | None = None  # an asynchronous save in flight
         self._stager: DefaultStager | None = None
         self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
@@ -137,9 +140,8 @@ class Checkpointer:
             if not isinstance(key, str) or not key or key.startswith("__"):
                 raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")
         self._finish_pending()
-        comm = self._comm
-        comm.setup()
-        rank = comm.rank
+        self._setup()
+        rank, world = rank_world()
         error, state, info = None, None, None
         try:
             trainable_only = resolve_trainable_only(model, self.trainable_only)
@@ -147,7 +149,7 @@ class Checkpointer:
             if self.async_save:
                 state = self._stage(state)
             if rank == 0:
-                info = self._info(model, optimizer, extra, comm.world, trainable_only)
+                info = self._info(step, model, optimizer, extra, world, trainable_only)
         except Exception as e:  # agreed on before DCP starts, so no rank enters it alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
         if self.async_save:
@@ -162,10 +164,10 @@ class Checkpointer:
         try:
             self._write_step(step, model, state, info, error)
         except CheckpointError:
-            raise  # on every rank already: _write_step raises it only from comm.agree and its check of the replies
+            raise  # on every rank already: _write_step raises it only from _agree and its check of the replies
         except FAILURES as e:
             failure = describe(e)
-        comm.agree(failure, f"save of step {step} to {self.root} failed")
+        self._agree(failure, f"save of step {step} to {self.root} failed")
 
     def wait(self) -> int | None:
         """Finish the asynchronous save in flight, if any, and the background deletion of pruned steps;
@@ -185,7 +187,7 @@ class Checkpointer:
             pending.future.result()
         except BaseException as e:
             error = describe(e)
-        self._comm.agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
+        self._agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
         return pending.step
 
     def close(self) -> None:
@@ -193,8 +195,9 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            for cache in _PLAN_CACHES:  # DCP's class-level dicts: drop this Checkpointer's plans
-                cache.pop(self._plan_key, None)
+            for name, cache in vars(SavePlanner).items():  # DCP's class-level dicts: drop this Checkpointer's plans
+                if name.startswith("_cached_"):
+                    cache.pop(self._plan_key, None)
             if self._writer_thread is not None:
                 self._writer_thread.shutdown(wait=True)
                 self._writer_thread = None
@@ -202,11 +205,24 @@ class Checkpointer:
                 self._stager.close()  # frees the staging buffers
                 self._stager = None
 
-    def _info(self, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict[str, Any]:
+    def _setup(self) -> None:
+        """Collective the first time (an asynchronous Checkpointer makes its group): every rank calls it alike."""
+        if self.async_save and self._group is None and active():
+            self._group = new_group()
+
+    def _agree(self, problems: str | list[str] | None, what: str, value: Any = None) -> list[Any]:
+        """Every rank's ``value``, or the same `CheckpointError` on every rank if any rank has a problem."""
+        self._setup()
+        return agree(problems, what, value=value, groups=(self._group,), error_type=CheckpointError)
+
+    def _info(self, step: int, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict:
         """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``, and by
         ``dcp_to_hf(..., base=...)`` to rebuild a PEFT model offline)."""
         per_rank = {k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))}
         return {
+            "step": step,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "torch": torch.__version__,
             "world_size": world,
             "async": self.async_save,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
@@ -237,19 +253,19 @@ class Checkpointer:
     def _write_step(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> int:
         """Rank 0 makes the temporary directory; once every rank is ready to save the same step, DCP
         writes and rank 0 publishes. On the writer thread (on the Checkpointer's own group) when async."""
-        comm, tmp = self._comm, None
+        rank, tmp = rank_world()[0], None
         try:
-            if comm.rank == 0 and error is None:
+            if rank == 0 and error is None:
                 try:
-                    tmp = prepare_dir(self.root, step, model, info, busy=self._deleter.busy())
+                    tmp = prepare_dir(self.root, step, model, info, self._deleter)
                 except Exception as e:
                     error = f"rank 0 could not prepare the directory: {describe(e)}"
             what = f"save of step {step} to {self.root} did not start"
-            replies = comm.agree(error, what, value=(str(tmp) if tmp else None, step))
+            replies = self._agree(error, what, value=(str(tmp) if tmp else None, step))
             steps = {r[1] for r in replies}
             if len(steps) > 1:
                 raise CheckpointError(f"{what}: ranks disagree on the step to save: {sorted(steps)}")
-            with quiet_dcp(not comm.active):
+            with quiet_dcp(not active()):
                 dcp.save(
                     state,
                     # one fsynced file, one writer thread per rank, deliberately (docs/checkpoint-format.md):
@@ -258,10 +274,10 @@ class Checkpointer:
                         replies[0][0], single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False
                     ),
                     planner=_ReusingSavePlanner(self._plan_key),
-                    process_group=comm.group,
-                    no_dist=not comm.active,
+                    process_group=self._group,
+                    no_dist=not active(),
                 )
-            if comm.rank == 0:
+            if rank == 0:
                 publish(self.root, step, tmp, self.keep_last, self._deleter)
             return step
         except BaseException:
@@ -294,17 +310,17 @@ class Checkpointer:
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
         self._finish_pending()
-        comm = self._comm
-        comm.setup()
+        self._setup()
+        rank, world = rank_world()
 
         # Rank 0 chooses the step, so that every rank loads the same one.
         choice, error = None, None
-        if comm.rank == 0:
+        if rank == 0:
             try:
                 choice = resolve_step(self.root, step)
             except Exception as e:
                 error = describe(e)
-        choice = comm.agree(error, f"cannot load from {self.root}", value=choice)[0]
+        choice = self._agree(error, f"cannot load from {self.root}", value=choice)[0]
         if choice is None:
             return None
         path = step_dir(self.root, choice)
@@ -315,18 +331,18 @@ class Checkpointer:
         try:
             metadata = read_metadata(path)
             trainable_only = resolve_trainable_only(model, self.trainable_only)
-            state = state_to_load(model, optimizer, metadata, rank=comm.rank, trainable_only=trainable_only)
+            state = state_to_load(model, optimizer, metadata, rank=rank, trainable_only=trainable_only)
             info = read_info(path)
             problems = check_optimizer(info, optimizer)
             problems += check_against(state, metadata, path, optimizer is not None, upcast)
-            problems += check_files(metadata, path)
+            problems += verify_files(metadata, path, checksums=False)  # files there and long enough
             problems += check_extra_keys(extra, metadata)
             if not problems and self.verify and info.get("checksums") == CHECKSUMS:
-                problems = verify_files(metadata, path, comm.rank, comm.world)
+                problems = verify_files(metadata, path, rank, world)
         except Exception as e:
             problems = [describe(e)]
-        comm.agree(problems, f"cannot load {path}")
-        if upcast and comm.rank == 0:
+        self._agree(problems, f"cannot load {path}")
+        if upcast and rank == 0:
             warnings.warn(
                 f"{path} stores {len(upcast)} tensor(s) in a narrower dtype than this model and optimizer keep "
                 f"them in (a run with bf16 master weights?); loading them upcast: {fmt_list(upcast, 4)}",
@@ -349,13 +365,13 @@ class Checkpointer:
             error = f"reading failed: {describe(e)}"
         if error is None:
             try:
-                restore_model(model, state["model"], trainable_only)
+                set_model_state_dict(model, state["model"], options=model_options(trainable_only))
                 if optimizer is not None:
                     restore_optimizer(model, optimizer, state["optimizer"])
-                self.loaded_extra = restore_extra(state["extra"], extra, rank=comm.rank, rng=self.rng)
+                self.loaded_extra = restore_extra(state["extra"], extra, rank=rank, rng=self.rng)
             except Exception as e:
                 error = describe(e)
-        comm.agree(error, f"restoring {path} failed")
+        self._agree(error, f"restoring {path} failed")
         return choice
 
 
@@ -366,12 +382,3 @@ class _ReusingSavePlanner(DefaultSavePlanner):
     def __init__(self, plan_key: str):
         super().__init__(enable_plan_caching=True)
         self._cached_plans_key = plan_key
-
-
-_PLAN_CACHES = (
-    SavePlanner._cached_save_plan,
-    SavePlanner._cached_final_save_plan,
-    SavePlanner._cached_all_plans,
-    SavePlanner._cached_global_plan,
-    SavePlanner._cached_metadata,
-)

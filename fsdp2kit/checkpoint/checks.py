@@ -78,25 +78,6 @@ def check_against(
     return problems
 
 
-def check_files(metadata: Metadata, path: Path) -> list[str]:
-    """Every file the metadata points into exists and is long enough."""
-    if not isinstance(metadata.storage_data, dict):
-        return []
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            needed[rel] = max(needed.get(rel, 0), info.offset + info.length)
-    problems = []
-    for rel, end in sorted(needed.items()):
-        file = path / rel
-        if not file.is_file():
-            problems.append(f"data file {file} is missing")
-        elif file.stat().st_size < end:
-            problems.append(f"data file {file} is truncated ({file.stat().st_size} bytes, metadata needs {end})")
-    return problems
-
-
 def check_extra_keys(extra: dict | None, metadata: Metadata) -> list[str]:
     """Every key asked for was saved: shared ones by rank 0, per-rank ones by at least one rank
     (a rank that did not exist at save time keeps its value, see PerRank)."""

@@ -65,11 +65,7 @@ def is_stateful(value: Any) -> bool:
 
 
 def _to_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
-    """``value`` as JSON-able data; tensors go to ``tensors`` and leave a placeholder.
-
-    Tuples, non-string dict keys and NumPy arrays are tagged so they come back as they went in.
-    Plain dicts never carry a key starting with "__", so a tag cannot be confused with data.
-    """
+    """``value`` as JSON-able data, tensors moved to ``tensors``; the tags: docs/checkpoint-format.md."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, DTensor):

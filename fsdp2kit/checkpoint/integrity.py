@@ -1,9 +1,5 @@
-"""A step's integrity: every record's bytes checked against the CRC-32 stored with them, before anything is loaded.
-
-``torch.save`` stores a CRC-32 of every entry it writes and ``torch.load`` never checks them;
-`verify_files` does, record by record, at the offsets DCP's metadata gives. Why, what is skipped
-and what it costs: docs/checkpoint-format.md ("Integrity").
-"""
+"""A step's integrity: every record's bytes checked against the CRC-32 ``torch.save`` stored with them (which
+``torch.load`` never checks), before anything is loaded: docs/checkpoint-format.md ("Integrity")."""
 
 from __future__ import annotations
 
@@ -80,14 +76,23 @@ def _check_record(fh: io.RawIOBase, offset: int, length: int, buffer: memoryview
     return None
 
 
-def verify_files(metadata: Metadata, path: Path, rank: int = 0, world: int = 1) -> list[str]:
-    """Check this rank's share of the step's data files (every ``world``-th file, counted from
-    ``rank``: at the world size of the save, each rank checks the file it wrote); one problem per
-    corrupt file, naming it and the first bad record."""
+def verify_files(metadata: Metadata, path: Path, rank: int = 0, world: int = 1, checksums: bool = True) -> list[str]:
+    """Every data file the metadata points into exists and is long enough; then (``checksums``) this rank's
+    share of them (every ``world``-th, from ``rank``: at the save's world size, the file it wrote) is CRC-checked.
+    One problem per bad file, naming it (and the first bad record)."""
     records: dict[str, set[tuple[int, int]]] = {}
     for info in metadata.storage_data.values():
         records.setdefault(info.relative_path, set()).add((info.offset, info.length))
-    problems, buffer = [], memoryview(bytearray(_CHUNK))
+    problems = []
+    for name, spans in sorted(records.items()):
+        file, end = path / name, max(offset + length for offset, length in spans)
+        if not file.is_file():
+            problems.append(f"data file {file} is missing")
+        elif file.stat().st_size < end:
+            problems.append(f"data file {file} is truncated ({file.stat().st_size} bytes, metadata needs {end})")
+    if problems or not checksums:
+        return problems
+    buffer = memoryview(bytearray(_CHUNK))
     for name in sorted(records, key=lambda n: (len(n), n))[rank::world]:
         file = path / name
         with open(file, "rb", buffering=0) as fh:

@@ -25,33 +25,23 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{check_step(step):08d}"
 
 
+def _dirs(root: str | os.PathLike) -> list[tuple[Path, bool]]:
+    """The directories under ``root``, each with whether it is a complete step (``step_*`` with ``.metadata``)."""
+    root = Path(root)
+    found = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return [(p, bool(STEP_RE.match(p.name)) and (p / METADATA_FILE).is_file()) for p in found]
+
+
 def list_steps(root: str | os.PathLike) -> list[int]:
     """Complete steps (``step_*`` directories holding DCP's ``.metadata``) under ``root``, ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    steps = []
-    for entry in root.iterdir():
-        m = STEP_RE.match(entry.name)
-        if m and entry.is_dir() and (entry / METADATA_FILE).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(int(p.name.removeprefix("step_")) for p, complete in _dirs(root) if complete)
 
 
 def incomplete_dirs(root: str | os.PathLike) -> list[Path]:
     """Directories under ``root`` that are not complete steps: saves in progress or interrupted,
     steps being deleted, and ``step_*`` directories without ``.metadata``."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in sorted(root.iterdir()):
-        if not entry.is_dir():
-            continue
-        interrupted = STEP_RE.match(entry.name) and not (entry / METADATA_FILE).is_file()
-        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) or interrupted:
-            found.append(entry)
-    return found
+    leftover = (TMP_PREFIX, TRASH_PREFIX)
+    return [p for p, complete in _dirs(root) if not complete and (p.name.startswith(leftover) or STEP_RE.match(p.name))]
 
 
 def check_step(step: Any) -> int:

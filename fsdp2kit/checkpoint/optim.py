@@ -1,8 +1,5 @@
-"""The optimizer in a checkpoint: tensors one record each, hyper-parameters once per param group.
-
-Format 2 is written here and format 1 (fsdp2kit's earlier, per-parameter one) still read; both
-formats, their keys and why: docs/checkpoint-format.md.
-"""
+"""The optimizer in a checkpoint: format 2 written (tensors one record each, hyper-parameters once per
+param group), format 1 (per parameter) still read: docs/checkpoint-format.md."""
 
 from __future__ import annotations
 
@@ -89,15 +86,8 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, metad
     """What DCP fills in place on load, in the checkpoint's format (format 2: plus the packed entry)."""
     if optimizer_format(metadata) == 1:
         return get_optimizer_state_dict(model, optimizer, options=FORMAT1_OPTIONS)
-    osd = get_optimizer_state_dict(model, optimizer)
-    state = {}
-    for fqn, entries in osd["state"].items():
-        tensors = {name: v for name, v in entries.items() if _sharded(v)}
-        if tensors:
-            state[fqn] = tensors
-    template: dict[str, Any] = {"state": state}
-    template.update(extra_entries(metadata, ("optimizer",)))  # the packed entry, when saved
-    return template
+    # The records as a save makes them, and the packed entry shaped after the metadata.
+    return {"state": optimizer_to_save(model, optimizer)["state"], **extra_entries(metadata, ("optimizer",))}
 
 
 def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:

@@ -6,34 +6,24 @@ import json
 import os
 import shutil
 import threading
-import time
 import uuid
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from fsdp2kit.checkpoint.layout import INFO_FILE, TMP_PREFIX, TRASH_PREFIX, fsync, incomplete_dirs, list_steps, step_dir
 
 
-def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], busy: set[Path] = frozenset()) -> Path:
-    """Rank 0: clear leftovers of interrupted saves (but the ``busy`` ones being deleted), make the
-    temporary directory and write ``fsdp2kit.json`` (and the model's HF ``config.json``) into it."""
+def prepare_dir(root: Path, step: int, model: nn.Module, info: dict[str, Any], discard: BackgroundDeleter) -> Path:
+    """Rank 0: hand leftovers of interrupted saves to ``discard``, make the temporary directory and
+    write ``fsdp2kit.json`` (and the model's HF ``config.json``) into it."""
     root.mkdir(parents=True, exist_ok=True)
-    for leftover in incomplete_dirs(root):
-        if leftover.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and leftover not in busy:
-            shutil.rmtree(leftover, ignore_errors=True)
+    discard(p for p in incomplete_dirs(root) if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     tmp = root / f"{TMP_PREFIX}step_{step:08d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    info = {
-        "step": step,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__,
-        **info,
-    }
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     config = getattr(model, "config", None)
     if callable(getattr(config, "to_json_string", None)) and callable(getattr(config, "to_dict", None)):
@@ -48,25 +38,21 @@ def _delete(paths: list[Path]) -> None:
 
 
 class BackgroundDeleter:
-    """Deletes directories already renamed out of the way (``.trash-*``) on threads of its own, off
-    the save's critical path (docs/checkpoint-format.md); only `join` waits for them, and a save
-    meanwhile leaves the ones in flight (`busy`) alone."""
+    """Deletes directories out of the way (``.trash-*``, ``.tmp-*``) on threads of its own, off the save's
+    critical path (docs/checkpoint-format.md); only `join` waits for them. Deleting one twice is harmless."""
 
     def __init__(self) -> None:
-        self._threads: list[tuple[threading.Thread, list[Path]]] = []
+        self._threads: list[threading.Thread] = []
 
     def __call__(self, paths: Iterable[Path]) -> None:
         paths = list(paths)
         if paths:
             thread = threading.Thread(target=_delete, args=(paths,), name="fsdp2kit-prune", daemon=True)
             thread.start()
-            self._threads = [(t, p) for t, p in self._threads if t.is_alive()] + [(thread, paths)]
-
-    def busy(self) -> set[Path]:
-        return {path for thread, paths in self._threads if thread.is_alive() for path in paths}
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def join(self) -> None:
-        for thread, _ in self._threads:
+        for thread in self._threads:
             thread.join()
         self._threads = []
 
@@ -78,12 +64,9 @@ def publish(root: Path, step: int, tmp: Path, keep_last: int | None, discard: Ba
         if path.exists():
             fsync(path)
     final = step_dir(root, step)
-    trash = []
-    if final.exists():
-        # Replacing a step takes two renames; a crash between them loses this step number
-        # (older steps stay), never leaves a mix of old and new files under it.
-        trash.append(root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
-        os.rename(final, trash[0])
+    # Replacing a step takes two renames; a crash between them loses this step number
+    # (older steps stay), never leaves a mix of old and new files under it.
+    trash = [_move_away(final)] if final.exists() else []
     os.rename(tmp, final)
     fsync(root)
     discard(trash + prune(root, keep_last, just_saved=step))
@@ -100,12 +83,15 @@ def prune(root: Path, keep_last: int | None, just_saved: int) -> list[Path]:
     for old in steps:
         if old in keep:
             continue
-        # Renamed first: a crash mid-delete must not leave a half-deleted step_* behind.
-        trash = root / f"{TRASH_PREFIX}step_{old:08d}-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(step_dir(root, old), trash)
+        try:  # renamed first: a crash mid-delete must not leave a half-deleted step_* behind
+            renamed.append(_move_away(step_dir(root, old)))
         except OSError as e:
             warnings.warn(f"keep_last={keep_last}: could not remove step {old}: {e}", stacklevel=2)
-            continue
-        renamed.append(trash)
     return renamed
+
+
+def _move_away(step: Path) -> Path:
+    """Rename a step directory to a ``.trash-*`` one beside it, which no listing reads; returns the new path."""
+    trash = step.with_name(f"{TRASH_PREFIX}{step.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(step, trash)
+    return trash

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
 from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
@@ -60,11 +60,6 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int,
         "rank": {key: extra_entries(metadata, ("extra", "rank", key))},
     }
     return state
-
-
-def restore_model(model: nn.Module, loaded: dict, trainable_only: bool) -> None:
-    """Put what DCP read into the model (module hooks, extra state and all)."""
-    set_model_state_dict(model, loaded, options=model_options(trainable_only))
 
 
 def restore_extra(loaded: dict, extra: dict | None, *, rank: int, rng: bool) -> dict[str, Any]:

@@ -54,11 +54,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
-    """DCP metadata of the checkpoint directory ``path``, read with an allow-list unpickler.
-
-    DCP's own reader calls ``pickle.load`` on ``.metadata``, which runs any code a tampered file
-    names; this one admits only the classes DCP metadata consists of. Needs no process group.
-    """
+    """DCP metadata of the checkpoint directory ``path``, unpickled admitting only DCP's metadata classes
+    (DCP's own ``pickle.load`` runs whatever a tampered file names). Needs no process group."""
     file = Path(path) / METADATA_FILE
     if not file.is_file():
         raise CheckpointError(f"{path} has no {METADATA_FILE}: not a complete DCP checkpoint")
