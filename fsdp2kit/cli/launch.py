@@ -1,7 +1,4 @@
-"""`fsdp2kit launch`: torchrun (its own parser and `run`), whose traceback and failure table on a
-failed worker or Ctrl-C (34 lines for one worker that exits 1) become one line naming the failed
-rank(s), exiting with the worker's status (128 + N for a signal). ``FSDP2KIT_DEBUG=1``: torchrun's ending.
-"""
+"""`fsdp2kit launch`: torchrun, with its ending on a failed worker or Ctrl-C as one line (README.md, "Command line")."""
 
 from __future__ import annotations
 

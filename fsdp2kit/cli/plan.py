@@ -173,6 +173,10 @@ def run_plan(args) -> int:
     memory = args.batch is not None or args.seq is not None
     if memory and (args.batch is None or args.seq is None):
         raise ValueError("a memory plan needs both --batch and --seq")
+    # What the ShardPlan and the memory plan both take, under the same names.
+    shared = {k: getattr(args, k) for k in ("shard", "replicate", "tp", "cp", "strategy", "mixed_precision", "lora")}
+    shared.update(cpu_offload=args.cpu_offload, qlora=args.qlora, cp_style=args.cp_style or "all_to_all")
+    shared["lora_targets"] = targets
     if not memory:
         given = [
             f"--{n.replace('_', '-')}"
@@ -183,22 +187,7 @@ def run_plan(args) -> int:
             raise ValueError(f"{', '.join(given)}: only a training step's memory plan uses it; give --batch and --seq")
         from fsdp2kit.planner.api import plan_shards
 
-        model = build_causal_lm(args.model, meta=True)
-        plan = plan_shards(
-            model,
-            shard=args.shard,
-            replicate=args.replicate,
-            tp=args.tp,
-            cp=args.cp,
-            cp_style=args.cp_style or "all_to_all",
-            strategy=args.strategy,
-            mixed_precision=args.mixed_precision,
-            cpu_offload=args.cpu_offload,
-            lora=args.lora,
-            qlora=args.qlora,
-            lora_targets=targets,
-        )
-        print(plan)  # the recipe's --train.plan_only prints the same plan (fsdp2kit.planner.api.plan_shards)
+        print(plan_shards(build_causal_lm(args.model, meta=True), **shared))  # as the recipe's --train.plan_only
         return 0
 
     from fsdp2kit.planner.api import Settings, plan_settings
@@ -210,25 +199,15 @@ def run_plan(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} predicts step time: give --gpu too")
     gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else getattr(hardware, "memory_bytes", None)
     settings = Settings(
-        shard=args.shard,
+        **shared,
         batch=args.batch,
         seq=args.seq,
-        replicate=args.replicate,
-        tp=args.tp,
-        cp=args.cp,
-        cp_style=args.cp_style or "all_to_all",
         packed=args.packed,
         activation_checkpointing=parse_ac(args.ac),
-        mixed_precision=args.mixed_precision,
         optimizer=args.optimizer or "adamw",
-        cpu_offload=args.cpu_offload,
         optimizer_offload=args.optimizer_offload,
         prefetch=1 if args.prefetch is None else args.prefetch,
-        strategy=args.strategy,
         device=args.device or "cuda",
-        lora=args.lora,
-        qlora=args.qlora,
-        lora_targets=targets,
         grad_accum=1 if args.grad_accum is None else args.grad_accum,
         accumulation=args.accumulation or "regather",
         replicate_adapters=args.replicate_adapters,

@@ -105,7 +105,11 @@ def convert_accelerate(data: dict, path: str) -> Conversion:
     endpoint = "--master_addr/--master_port" if backend == "static" else "--rdzv_endpoint"
     unsupported = refused_when(_given, "not supported by fsdp2kit")
     rules: dict[str, Rule] = {
-        "compute_environment": _compute_environment,
+        "compute_environment": refused_when(
+            lambda v: str(v).upper() != "LOCAL_MACHINE",
+            "SageMaker launching is Accelerate's; run torchrun in the job",
+            "torchrun runs on the machines you launch it on",
+        ),
         "distributed_type": distributed_type,
         "num_machines": lambda conv, src, value: conv.launch(src, value, f"--nnodes={machines}"),
         "num_processes": num_processes,
@@ -140,13 +144,6 @@ def convert_accelerate(data: dict, path: str) -> Conversion:
     if kind == "FSDP" and not data.get("fsdp_config"):
         conv.set("parallel", "strategy", "FULL_SHARD", "distributed_type", kind, "no fsdp_config: FULL_SHARD")
     return conv
-
-
-def _compute_environment(conv: Conversion, src: str, value: Any) -> None:
-    if str(value).upper() == "LOCAL_MACHINE":
-        conv.not_needed(src, value, "torchrun runs on the machines you launch it on")
-    else:
-        conv.refuse(src, value, "SageMaker launching is Accelerate's; run torchrun in the job")
 
 
 def _gpu_ids(conv: Conversion, src: str, value: Any) -> None:
@@ -200,13 +197,11 @@ def _dynamo_backend(conv: Conversion, src: str, value: Any) -> None:
         conv.refuse(src, value, "the recipe compiles with inductor only (compile = true)")
 
 
-def _compile_option(conv: Conversion, src: str, value: Any) -> None:
-    if value in (None, False, "default"):
-        conv.not_needed(src, value, "torch.compile's default")
-    else:
-        conv.refuse(src, value, "the recipe passes no compile options; fk.compile_blocks(model, **kwargs)")
-
-
+_compile_option = refused_when(
+    lambda v: v not in (None, False, "default"),
+    "the recipe passes no compile options; fk.compile_blocks(model, **kwargs)",
+    "torch.compile's default",
+)
 DYNAMO: dict[str, Rule] = {
     "dynamo_backend": _dynamo_backend,
     "dynamo_use_regional_compilation": "fsdp2kit always compiles per block (fk.compile_blocks)",
@@ -236,10 +231,8 @@ def _fp8(conv: Conversion, cfg: dict) -> None:
     for key, value in cfg.items():
         src = f"fp8_config.{written[key]}"
         if key == "enable_fsdp_float8_all_gather":
-            if truthy(value):
-                conv.not_needed(src, value, "float8 = true always all-gathers in float8")
-            else:
-                conv.refuse(src, value, "the recipe's float8 always all-gathers in float8")
+            why = "the recipe's float8 always all-gathers in float8"
+            conv.refuse_if(not truthy(value), src, value, why, "float8 = true always all-gathers in float8")
         elif key == "pad_inner_dim":
             conv.not_needed(src, value, "torchao's default handling of unaligned dims applies")
         else:
@@ -282,13 +275,8 @@ ALIASES = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
 
 
 def canonical_keys(conv: Conversion, cfg: dict) -> tuple[dict, dict]:
-    """``cfg`` under accelerate's current key names, and each name's spelling in the file.
-
-    `accelerate launch` reads an ``fsdp_config`` key that does not start with "fsdp" as "fsdp_" +
-    key (``sharding_strategy``, ``offload_params``... as the configs of accelerate 0.6 to 0.11
-    wrote them), and older names by `ALIASES`. When two spellings of one key are given, the
-    current name wins (then the first one written); the others are reported as not needed.
-    """
+    """``cfg`` under accelerate's current key names (a key without the "fsdp" prefix is read as "fsdp_" + key, as
+    accelerate 0.6-0.11 wrote them; `ALIASES`), and each one's spelling; of two spellings the current one wins."""
     out: dict = {}
     written: dict = {}
     for key in sorted(cfg, key=lambda k: not k.startswith("fsdp") or k in ALIASES):  # current names first

@@ -115,12 +115,12 @@ class Conversion:
     def refuse(self, src: str, src_value: Any, alternative: str) -> None:
         self.entries.append(Entry(src, src_value, REFUSED, "", alternative))
 
-    def refuse_if(self, on: bool, src: str, src_value: Any, alternative: str) -> None:
-        """Refused when ``on``; otherwise nothing to convert."""
+    def refuse_if(self, on: bool, src: str, src_value: Any, alternative: str, otherwise: str = NO_GAIN) -> None:
+        """Refused when ``on``; otherwise not needed (``otherwise`` says why)."""
         if on:
             self.refuse(src, src_value, alternative)
         else:
-            self.not_needed(src, src_value, NO_GAIN)
+            self.not_needed(src, src_value, otherwise)
 
     def unknown(self, src: str, src_value: Any, known: list[str] | tuple[str, ...]) -> None:
         near = ", ".join(sorted(known)[:60])
@@ -214,9 +214,9 @@ def apply_rules(
             rule(conv, src, value)
 
 
-def refused_when(on: Callable[[Any], bool], why: str) -> Rule:
-    """Refused (``why`` says what to do instead) when ``on(value)``; otherwise nothing to convert."""
-    return lambda conv, src, value: conv.refuse_if(on(value), src, value, why)
+def refused_when(on: Callable[[Any], bool], why: str, otherwise: str = NO_GAIN) -> Rule:
+    """Refused (``why`` says what to do instead) when ``on(value)``; otherwise not needed (``otherwise``)."""
+    return lambda conv, src, value: conv.refuse_if(on(value), src, value, why, otherwise)
 
 
 def mapped(table: str, key: str, cast: Callable[[Any], Any] = lambda v: v, note: str = "") -> Rule:

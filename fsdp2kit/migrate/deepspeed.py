@@ -61,11 +61,10 @@ def convert_accelerate_deepspeed(conv: Conversion, cfg: dict, yaml_path: str) ->
             _train_key(conv, key, value, src)
         elif key == "zero3_save_16bit_model":
             conv.not_needed(src, value, EXPORT)
+        elif key == "zero3_init_flag" and truthy(value):
+            conv.set("model", "meta_init", True, src, value, "meta-device init: no rank holds the whole model")
         elif key == "zero3_init_flag":
-            if truthy(value):
-                conv.set("model", "meta_init", True, src, value, "meta-device init: no rank holds the whole model")
-            else:
-                conv.not_needed(src, value, "the recipe builds on the meta device unless [model] meta_init = false")
+            conv.not_needed(src, value, "the recipe builds on the meta device unless [model] meta_init = false")
         elif key == "deepspeed_moe_layer_cls_names":
             conv.not_needed(src, value, "MoE blocks are found and sharded like any other block")
         elif key == "deepspeed_multinode_launcher":
@@ -125,16 +124,15 @@ def _convert(conv: Conversion, data: dict, p: str) -> None:
         elif key == "activation_checkpointing":
             _activation(conv, dict(value or {}), src + ".")
         elif key == "communication_data_type":
-            if str(value).lower() in ("fp32", "float32", "none"):
-                conv.not_needed(src, value, "fsdp2kit reduces gradients in fp32 in every named policy")
-            else:
-                conv.refuse(src, value, "fsdp2kit reduces gradients in fp32; a bf16 reduce needs your own "
-                            "MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) passed to shard_model")  # fmt: skip
+            why = "fsdp2kit reduces gradients in fp32; a bf16 reduce needs your own "
+            why += "MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) passed to shard_model"
+            fp32 = str(value).lower() in ("fp32", "float32", "none")
+            conv.refuse_if(not fp32, src, value, why, "fsdp2kit reduces gradients in fp32 in every named policy")
         elif key in ("prescale_gradients", "gradient_predivide_factor"):
-            if value in (False, 1, 1.0):
-                conv.not_needed(src, value, "FSDP2 averages gradients in its reduce-scatter")
-            else:
-                conv.refuse(src, value, "FSDP2 divides once by the world size; no pre-division knob in the recipe")
+            why = "FSDP2 divides once by the world size; no pre-division knob in the recipe"
+            conv.refuse_if(
+                value not in (False, 1, 1.0), src, value, why, "FSDP2 averages gradients in its reduce-scatter"
+            )
         elif key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
             conv.not_needed(src, value, "any torch.optim optimizer works on FSDP2's DTensor parameters")
         elif key in ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger"):
@@ -221,11 +219,10 @@ def _zero(conv: Conversion, cfg: dict, p: str) -> None:
                     conv.not_needed(f"{src}.{k}", v, "offload tuning; FSDP2's CPUOffloadPolicy pins host memory itself")
                 else:
                     conv.unknown(f"{src}.{k}", v, ["device", *sorted(OFFLOAD_TUNING)])
-        elif key in ("cpu_offload", "cpu_offload_params"):  # older spellings
-            if truthy(value):
-                _offload(conv, "cpu", src)
-            else:
-                conv.not_needed(src, value, NO_GAIN)
+        elif key in ("cpu_offload", "cpu_offload_params") and truthy(value):  # older spellings
+            _offload(conv, "cpu", src)
+        elif key in ("cpu_offload", "cpu_offload_params"):
+            conv.not_needed(src, value, NO_GAIN)
         elif key == "cpu_offload_use_pin_memory":
             conv.not_needed(src, value, "FSDP2's CPUOffloadPolicy pins host memory itself")
         elif key in ZERO_TUNING:
@@ -245,11 +242,10 @@ def _zero(conv: Conversion, cfg: dict, p: str) -> None:
 
 def _optimizer(conv: Conversion, cfg: dict, p: str) -> None:
     kind = str(cfg.pop("type", "")).lower()
-    if kind in ("adamw", "adam"):
-        note = "" if kind == "adamw" else " (DeepSpeed's Adam is AdamW by default: adam_w_mode)"
-        conv.not_needed(p + "type", kind, "the recipe trains with torch.optim.AdamW" + note)
-    else:
-        conv.refuse(p + "type", kind, "the recipe trains with AdamW; any torch.optim optimizer works in your own loop")
+    note = "the recipe trains with torch.optim.AdamW"
+    note += " (DeepSpeed's Adam is AdamW by default: adam_w_mode)" if kind == "adam" else ""
+    why = "the recipe trains with AdamW; any torch.optim optimizer works in your own loop"
+    conv.refuse_if(kind not in ("adamw", "adam"), p + "type", kind, why, note)
     params = dict(cfg.pop("params", {}) or {})
     for key, value in params.items():
         src = f"{p}params.{key}"
@@ -276,10 +272,8 @@ def _scheduler(conv: Conversion, cfg: dict, p: str) -> None:
         "WarmupDecayLR": "linear warm-up then linear decay to 0; the recipe decays by cosine to 10% of lr",
         "WarmupCosineLR": "warm-up then cosine decay; the recipe's cosine ends at 10% of lr",
     }
-    if kind in shapes:
-        conv.not_needed(p + "type", kind, "the recipe's schedule: " + shapes[kind])
-    else:
-        conv.refuse(p + "type", kind, "the recipe has one schedule (linear warm-up, cosine); yours in your own loop")
+    why = "the recipe has one schedule (linear warm-up, cosine); yours in your own loop"
+    conv.refuse_if(kind not in shapes, p + "type", kind, why, "the recipe's schedule: " + shapes.get(kind, ""))
     params = dict(cfg.pop("params", {}) or {})
     for key, value in params.items():
         src = f"{p}params.{key}"
@@ -333,10 +327,9 @@ def _activation(conv: Conversion, cfg: dict, p: str) -> None:
         "configures deepspeed.checkpointing.checkpoint, which your model code calls; here "
         "[parallel] activation_checkpointing = 'full' checkpoints every block"
     )
+    refusals = {
+        "cpu_checkpointing": "activations are not offloaded to CPU by fsdp2kit",
+        "partition_activations": "activations are not partitioned across ranks by fsdp2kit (no sequence split)",
+    }
     for key, value in cfg.items():
-        if key == "cpu_checkpointing" and truthy(value):
-            conv.refuse(p + key, value, "activations are not offloaded to CPU by fsdp2kit")
-        elif key == "partition_activations" and truthy(value):
-            conv.refuse(p + key, value, "activations are not partitioned across ranks by fsdp2kit (no sequence split)")
-        else:
-            conv.not_needed(p + key, value, why)
+        conv.refuse_if(key in refusals and truthy(value), p + key, value, refusals.get(key, ""), why)

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from fsdp2kit._internal.agree import all_ranks_or_none
@@ -58,13 +59,6 @@ def _layout(path: Path) -> tuple[str, Path, Path | None]:
     return "full", path, None
 
 
-def _dcp_load(state: dict, path: Path, metadata) -> None:
-    """``dcp.load`` through the allow-list reader and planner: no pickled code in the directory runs."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
-
-
 def _load_dcp_model(model: nn.Module, path: Path) -> int:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -79,7 +73,10 @@ def _load_dcp_model(model: nn.Module, path: Path) -> int:
         problems = key_problems(missing, extra)
         if problems:
             raise ValueError(f"{path}: " + "; ".join(problems))
-    _dcp_load({"model": state} if prefix else state, path, metadata)
+    # through the allow-list reader and planner: no pickled code in the directory runs
+    dcp.load(
+        {"model": state} if prefix else state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner()
+    )
     set_model_state_dict(model, state)
     return len(state)
 
@@ -101,7 +98,7 @@ def _load_dcp_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path
                 f"{path} lacks optimizer state the model's optimizer has: {fmt_list(missing)} (another optimizer "
                 "type, or parameters that were frozen when it was saved?)"
             )
-    _dcp_load({prefix: state}, path, metadata)
+    dcp.load({prefix: state}, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
     set_optimizer_state_dict(model, optimizer, state)
 
 
