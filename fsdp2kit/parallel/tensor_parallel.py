@@ -18,7 +18,7 @@ from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
-__all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes", "tensor_parallel_info"]
+__all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes"]
 
 Plan = Mapping[str, "str | ParallelStyle"]
 
@@ -125,17 +125,23 @@ _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_val
 _MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
 
 
-def _check_divisible(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> None:
-    """Heads, KV heads, MLP width and vocabulary must divide by the TP size, and so must each split dimension.
-
-    A width that does not divide would give ranks unequal slices, and a head count that does
-    not would split a head's dimensions across ranks: attention would then run on half-heads
-    and be silently wrong. Checked from shapes and the config alone, before any collective.
-    """
+def _check_styles(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> None:
+    """Colwise / rowwise only on Linear and Embedding; heads, KV heads, MLP width, vocabulary and each split
+    dimension divide by the TP size (else ranks get unequal slices, or attention runs on half-heads)."""
+    modules = dict(model.named_modules())
+    wrong = [
+        f"{name} ({type(modules[name]).__name__})"
+        for name, style in styles.items()
+        if hasattr(style, "input_layouts") and not isinstance(modules[name], (nn.Linear, nn.Embedding))
+    ]  # styles without input_layouts (the replicated one, a user's own ParallelStyle) are theirs to check
+    if wrong:
+        raise ValueError(
+            "colwise / rowwise tensor parallelism splits nn.Linear and nn.Embedding weights; these plan entries are "
+            f"other modules: {fmt_list(wrong)}"
+        )
     problems = []
     split = {n for n, s in styles.items() if s is not None}
     leaves = {n.rsplit(".", 1)[-1] for n in split}
-    modules = dict(model.named_modules())
     # Which config sizes the split modules depend on, by the projection names transformers uses
     # (its own get_kv_heads_per_rank reads plans the same way).
     relevant = {
@@ -163,22 +169,6 @@ def _check_divisible(model: nn.Module, styles: dict[str, ParallelStyle | None], 
             f"tensor parallelism over {tp} ranks needs these sizes to divide by {tp}, and they do not: "
             f"{fmt_list(problems)}. Choose a TP size that divides the model's heads, KV heads, MLP width and "
             "vocabulary"
-        )
-
-
-def _check_modules(model: nn.Module, styles: dict[str, ParallelStyle | None]) -> None:
-    modules = dict(model.named_modules())
-    wrong = []
-    for name, style in styles.items():
-        module = modules[name]
-        if style is None or not hasattr(style, "input_layouts"):
-            continue  # our own replicated style, or a user's ParallelStyle: its business
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            wrong.append(f"{name} ({type(module).__name__})")
-    if wrong:
-        raise ValueError(
-            "colwise / rowwise tensor parallelism splits nn.Linear and nn.Embedding weights; these plan entries are "
-            f"other modules: {fmt_list(wrong)}"
         )
 
 
@@ -231,14 +221,10 @@ def _output_head(model: nn.Module) -> str:
 
 
 def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
-    """What each parameter would become on one TP rank (by ``id``), without a mesh: for planning.
-
-    The same checks as `apply_tensor_parallel` (divisibility, supported styles) run first.
-    Parameters the plan does not split are left out (they stay whole on every TP rank).
-    """
+    """Each split parameter's shape on one TP rank (by ``id``; unsplit ones left out), without a mesh: for planning,
+    after the same checks as `apply_tensor_parallel`."""
     _, styles = _resolve(model, plan)
-    _check_modules(model, styles)
-    _check_divisible(model, styles, tp)
+    _check_styles(model, styles, tp)
     modules = dict(model.named_modules())
     shapes: dict[int, tuple[int, ...]] = {}
     for name, style in styles.items():
@@ -287,11 +273,8 @@ def apply_tensor_parallel(
     size (each is named when it does not); a tied weight (embeddings shared with the head) is
     split the same way by every module using it, and stays one parameter afterwards.
 
-    Attention must compute with the heads it is given: transformers' attention reshapes its
-    projections to ``(..., -1, head_dim)``, so after q/k/v are split each rank runs its own
-    ``heads / tp`` query heads and ``kv_heads / tp`` key/value heads, and the GQA group size
-    (their ratio) is unchanged. A hand-written attention that reshapes with a stored head count
-    must do the same.
+    Attention runs on each rank's ``heads / tp`` heads: one that reshapes with a stored head count, not
+    ``(..., -1, head_dim)`` as transformers' does, must be changed (README.md, Tensor parallelism).
 
     Every rank must build the same model (same seed), as for `shard_model`: each keeps its own
     slice of its own copy, nothing is broadcast. The ranks of one TP group compute on the same
@@ -305,8 +288,7 @@ def apply_tensor_parallel(
         chosen[head_name] = "colwise (loss parallel)"
         styles[head_name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     tp = tp_mesh.size()
-    _check_modules(model, styles)
-    _check_divisible(model, styles, tp)
+    _check_styles(model, styles, tp)
     groups = tied_slots(model)
     _check_ties(groups, styles)
 
@@ -324,8 +306,3 @@ def apply_tensor_parallel(
     labels = {n: s if isinstance(s, str) else type(s).__name__ for n, s in chosen.items()}
     setattr(model, TENSOR_PARALLEL, {"tp": tp, "plan": labels})
     return model
-
-
-def tensor_parallel_info(model: nn.Module) -> dict | None:
-    """``{"tp": size, "plan": {module: style}}`` for a model `apply_tensor_parallel` changed, else None."""
-    return getattr(model, TENSOR_PARALLEL, None)
