@@ -1,10 +1,4 @@
-"""apply_context_parallel: attention over a sequence split across the cp ranks (Ulysses all-to-all).
-
-The way in is transformers' attention-function registry: every supported causal LM looks its
-attention kernel up by ``config._attn_implementation`` at each forward. We register one uniquely
-named function per model (removed when the model is garbage-collected) and set that name on this
-model's config only: no other model, and no transformers or torch function, changes.
-"""
+"""apply_context_parallel: attention over a sequence split across the cp ranks (docs/long-sequences.md)."""
 
 from __future__ import annotations
 
@@ -73,10 +67,8 @@ def _inner_kernel(name: str, module: nn.Module) -> Callable:
 
 
 class _Positions:
-    """The whole sequence's positions, gathered once per forward (the layers share one position_ids tensor, and
-    activation checkpointing's recompute passes it again), and the mask built from them. The mask (seq x seq a
-    row) is held weakly: a kernel that saves it for backward keeps the one copy alive until backward frees it;
-    where none does (eager, checkpointed layers) each attention builds it again."""
+    """The gathered positions, once per forward (the layers and AC's recompute share one position_ids tensor), and
+    their mask, held weakly: alive while a kernel saved it for backward, else built again."""
 
     def __init__(self):
         self.key: tuple | None = None
@@ -111,10 +103,14 @@ def _check_call(attention_mask, position_ids, kwargs: dict) -> None:
         raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
 
 
+def _natural(cp: int) -> torch.Tensor:
+    """The layout slot of each of the ``2 * cp`` chunks, in sequence order."""
+    return torch.tensor(sorted(range(2 * cp), key=chunk_order(cp).__getitem__))
+
+
 def _gatherer(group: DeviceMesh, cp: int) -> Callable:
     """A function of (this rank's position_ids, batch) -> the whole rows' positions in token order."""
-    order = chunk_order(cp)
-    natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
+    natural = _natural(cp)
 
     def gather(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
         pos = position_ids.expand(batch, -1).contiguous()
@@ -135,9 +131,7 @@ def _gatherer(group: DeviceMesh, cp: int) -> Callable:
 
 
 def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
-    order = chunk_order(cp)
-    natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
-    layout = torch.tensor(order)
+    natural, layout = _natural(cp), torch.tensor(chunk_order(cp))
     cache = _Positions()
     gather = _gatherer(group, cp)
 
@@ -175,9 +169,8 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
 
 
 class _Ring(torch.autograd.Function):
-    """Causal attention over the ring of cp ranks: torch's own ring (its ``context_parallel``'s, with the
-    head-tail load balance this library's layout shares) on the memory-efficient CUDA kernel, called on
-    local tensors, so no DTensor dispatch is switched on for the process."""
+    """Causal attention by torch's own ring (its ``context_parallel``'s) on the memory-efficient CUDA kernel,
+    called on local tensors: no DTensor dispatch is switched on for the process."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, group):
@@ -239,9 +232,8 @@ RING_PACKED = (
 
 
 def check_ring_seq(seq: int, cp: int) -> None:
-    """``ValueError`` unless a ``seq``-token row splits for the ring (the planner checks with this too): each
-    rank's two chunks must be multiples of 32 tokens, as the memory-efficient CUDA kernel pads its log-sum-exp
-    to 32 and torch's ring merges blocks by it."""
+    """``ValueError`` unless each rank's two chunks of a ``seq``-token row are multiples of 32 tokens (the CUDA
+    kernel pads its log-sum-exp to 32 and torch's ring merges by it); the planner checks with this too."""
     if seq % (64 * cp):
         raise ValueError(
             f"style='ring' needs the sequence to divide by 64 x cp = {64 * cp} tokens, got {seq}; "
@@ -279,29 +271,20 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     """Make ``model``'s attention run on a sequence split over ``mesh["cp"]``; before `shard_model`.
 
     Every rank of a cp group holds a part of each sequence (`split_for_context_parallel` cuts the
-    batch); everything but attention is per token and needs nothing more. Attention needs every
-    token, and gets it by style:
+    batch); attention gets every token by ``style``:
 
-    - ``"all_to_all"`` (DeepSpeed-Ulysses): each layer exchanges the sequence-split q, k, v for
-      head-split ones over the whole sequence (two all-to-alls: q, then k and v together), runs the
-      model's own kernel (``sdpa`` or ``eager``, whichever the config had) on its ``heads / cp``
-      heads, and exchanges the output back (a third); backward repeats the three. So it runs
-      wherever the kernel runs, CPU/gloo included. Heads and KV heads (GQA) must divide by cp
-      (with tensor parallelism: each TP rank's heads), else ``ValueError`` before any collective.
-      Packed documents stay apart: the positions are gathered over cp once per forward and the
-      kernel gets a causal mask within each document (seq x seq a row, in the compute dtype, one
-      copy shared by the layers and freed with backward's saved tensors); one document per row
-      needs none, the kernel's causal flag does it.
-    - ``"ring"``: CUDA only (``ValueError`` on CPU: torch's ring has no CPU kernel). k and v go
-      round the cp ranks while each keeps its q, through torch's own ring attention (that of its
-      ``context_parallel``, with the same head-tail load balance) on the memory-efficient kernel;
-      any number of heads. It masks causally over the whole row only: packed rows are a
-      ``ValueError`` (at the first forward), use ``"all_to_all"`` for them.
+    - ``"all_to_all"`` (DeepSpeed-Ulysses): q, k, v exchanged for head-split ones over the whole
+      sequence, the model's own kernel (``sdpa`` or ``eager``) run on ``heads / cp`` heads, the output
+      exchanged back; CPU/gloo included. Heads and KV heads (per TP rank) must divide by cp. Packed
+      documents (positions restarting) are kept apart by a per-document causal mask.
+    - ``"ring"``: CUDA only; torch's own ring attention, any number of heads, one document a row.
 
-    It works on transformers causal LMs (Llama, Qwen2, Qwen3, ...) without per-model code:
-    the function is registered in transformers' ``AttentionInterface`` under a name of its own,
-    set on this model's config only, and removed when the model is garbage-collected. Returns
-    ``model``.
+    Refused with ``ValueError``: an unknown style, a mesh without ``"cp"``, ``"ring"`` off CUDA, a second
+    call or one after `shard_model`, a model without a transformers config or with another attention
+    kernel, heads that do not divide.
+    The function is registered in transformers' ``AttentionInterface`` under a name of its own, set on
+    this model's config only and removed with the model. Costs and limits: docs/long-sequences.md.
+    Returns ``model``.
     """
     if style not in STYLES:
         raise ValueError(f"apply_context_parallel: style must be one of {STYLES}, got {style!r}")
