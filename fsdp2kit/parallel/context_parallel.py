@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2kit._internal.markers import CONTEXT_PARALLEL, TENSOR_PARALLEL
 from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh, document_mask
+from fsdp2kit.parallel.tensor_parallel import _config_sizes
 from fsdp2kit.wrappers.forward import check_unsharded
 
 __all__ = ["RING_PACKED", "STYLES", "apply_context_parallel", "check_ring_seq"]
@@ -23,29 +24,12 @@ KERNELS = ("sdpa", "eager")  # the inner kernels run on each rank's heads over t
 _names = itertools.count()
 
 
-def _all_to_all(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:
-    """Dim 0 of ``x`` (size cp) scattered to the cp ranks, theirs gathered in rank order; autograd's backward
-    is the same exchange of the gradients (funcol's all_to_all_single carries its own backward)."""
-    out = funcol.all_to_all_single(x.contiguous(), None, None, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-
-def _seq_to_heads(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
-    """(batch, heads, local seq, dim) -> (batch, heads / cp, cp * local seq, dim): the rank's heads over the
-    whole sequence, in the ranks' layout order (rank 0's tokens first)."""
-    b, h, s, d = x.shape
-    x = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # (cp, b, h/cp, s, d): slot j goes to rank j
-    x = _all_to_all(x, group)  # slot j now holds rank j's tokens of this rank's heads
-    return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
-
-
-def _heads_to_seq(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
-    """(batch, cp * local seq, heads / cp, dim) -> (batch, local seq, heads, dim): the inverse exchange."""
-    b, n, h, d = x.shape
-    s = n // cp
-    x = x.reshape(b, cp, s, h, d).transpose(0, 1)  # (cp, b, s, h, d): slot j holds rank j's tokens
-    x = _all_to_all(x, group)  # slot j now holds rank j's heads of this rank's tokens
-    return x.permute(1, 2, 0, 3, 4).reshape(b, s, cp * h, d)
+def _exchange(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
+    """Dim 1 cut in cp parts, part j to cp rank j, those received joined along dim 2 in rank order: heads over local
+    tokens -> a head group over all tokens, and back (backward: funcol's all_to_all_single has its own)."""
+    out = funcol.all_to_all_single(torch.stack(x.chunk(cp, dim=1)), None, None, group)
+    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return torch.cat(out.unbind(0), dim=2)
 
 
 def _reorder(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -153,17 +137,17 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         batch, dtype = query.shape[0], query.dtype
         mask = cache.get(position_ids, batch, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
         nat, lay = natural.to(query.device), layout.to(query.device)
-        q = _reorder(_seq_to_heads(query, cp, group), nat, dim=2)
+        q = _reorder(_exchange(query, cp, group), nat, dim=2)
         # k and v travel in one exchange (two all-to-alls in, one out), each KV head's k and v side by side
         # so that every rank receives the k and the v of the same heads
         b, kv_heads, s, d = key.shape
         kv = torch.stack([key, value], dim=2).reshape(b, 2 * kv_heads, s, d)
-        kv = _reorder(_seq_to_heads(kv, cp, group), nat, dim=2).unflatten(1, (kv_heads // cp, 2))
+        kv = _reorder(_exchange(kv, cp, group), nat, dim=2).unflatten(1, (kv_heads // cp, 2))
         k, v = kv[:, :, 0], kv[:, :, 1]
         kwargs.pop("is_causal", None)
         out, _ = _inner_kernel(kernel, module)(module, q, k, v, mask, is_causal=causal, **kwargs)
         out = _reorder(out, lay, dim=1)  # (batch, seq, heads / cp, dim) back in the layout order
-        return _heads_to_seq(out, cp, group), None
+        return _exchange(out, cp, group), None
 
     return attention
 
@@ -259,12 +243,10 @@ def _heads(model: nn.Module) -> tuple[int, int]:
             f"apply_context_parallel works on transformers models (their attention-function registry); "
             f"{type(model).__name__} has no transformers config"
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if not isinstance(heads, int):
+    sizes = _config_sizes(model)
+    if "num_attention_heads" not in sizes:
         raise ValueError(f"apply_context_parallel: {type(model).__name__}'s config has no num_attention_heads")
-    return heads, kv
+    return sizes["num_attention_heads"], sizes["num_key_value_heads"]
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "all_to_all") -> nn.Module:
