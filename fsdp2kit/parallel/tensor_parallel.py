@@ -80,31 +80,6 @@ def _check_order(model: nn.Module) -> None:
         )
 
 
-def _concrete(model: nn.Module, plan: Plan, *, strict: bool) -> dict[str, Any]:
-    """Every module the plan names, with its style; a user plan's pattern that matches nothing is an error."""
-    modules = dict(model.named_modules())
-    params = {n for n, _ in model.named_parameters()}
-    chosen: dict[str, Any] = {}
-    unmatched = []
-    for key, style in plan.items():
-        if not isinstance(key, str):
-            raise TypeError(f"tensor-parallel plan keys are module-name patterns (str), got {key!r}")
-        rx = _pattern(key)
-        hits = [n for n in modules if n and rx.fullmatch(n)]
-        if not hits:
-            if any(rx.fullmatch(p) for p in params):
-                raise ValueError(
-                    f"tensor-parallel plan entry {key!r} names a parameter, not a module: apply_tensor_parallel "
-                    "shards whole modules (name the module that owns it)"
-                )
-            unmatched.append(key)
-        for n in hits:
-            chosen[n] = style  # a later, more specific entry wins, as in a dict update
-    if strict and unmatched:
-        raise ValueError(f"tensor-parallel plan entries match no module of {type(model).__name__}: {unmatched}")
-    return chosen
-
-
 def _config_sizes(model: nn.Module) -> dict[str, int]:
     config = getattr(model, "config", None)
     if config is None:
@@ -192,20 +167,40 @@ def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
 
 
 def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[str, ParallelStyle | None]]:
+    """Every module the plan names, with its style as given and as a torch style; a pattern of a plan the user
+    passed that matches no module is an error."""
+    strict = not isinstance(plan, str)
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
-        raw = model_tp_plan(model)
-        if not raw:
+        plan = model_tp_plan(model)
+        if not plan:
             raise ValueError(
                 f"{type(model).__name__} has no tensor-parallel plan of its own (no base_model_tp_plan in its config); "
                 "pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
             )
-        chosen = _concrete(model, raw, strict=False)
-    elif isinstance(plan, Mapping):
-        chosen = _concrete(model, plan, strict=True)
-    else:
+    elif not isinstance(plan, Mapping):
         raise TypeError(f"plan must be 'auto' or a mapping, got {type(plan).__name__}")
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters()}
+    chosen: dict[str, Any] = {}
+    unmatched = []
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensor-parallel plan keys are module-name patterns (str), got {key!r}")
+        rx = _pattern(key)
+        hits = [n for n in modules if n and rx.fullmatch(n)]
+        if not hits:
+            if any(rx.fullmatch(p) for p in params):
+                raise ValueError(
+                    f"tensor-parallel plan entry {key!r} names a parameter, not a module: apply_tensor_parallel "
+                    "shards whole modules (name the module that owns it)"
+                )
+            unmatched.append(key)
+        for n in hits:
+            chosen[n] = style  # a later, more specific entry wins, as in a dict update
+    if strict and unmatched:
+        raise ValueError(f"tensor-parallel plan entries match no module of {type(model).__name__}: {unmatched}")
     return chosen, {name: resolve_style(style, name) for name, style in chosen.items()}
 
 
@@ -254,31 +249,24 @@ def apply_tensor_parallel(
             an error.
         mesh: from ``fsdp2kit.make_mesh(shard=..., tp=...)``: the ``"tp"`` dimension is used here,
             the data-parallel ones by `shard_model`.
-        plan: ``"auto"``: the model's own transformers plan (the config's ``base_model_tp_plan``:
-            q/k/v and gate/up column-wise, o/down row-wise; the input embeddings split over the
-            vocabulary; the head's ``_tp_plan``, column-wise with the logits gathered). Or a
-            mapping from module-name patterns (``*`` is one name segment, e.g.
-            ``"model.layers.*.mlp.up_proj"``) to a style name (``"colwise"``, ``"rowwise"``,
-            ``"colwise_gather_output"``, ``"embedding_rowwise"``, ... see
-            `fsdp2kit.parallel.styles.STYLE_NAMES`) or a torch ``ParallelStyle``.
-
-        loss_parallel: keep the output head's logits split over the vocabulary (a DTensor
-            sharded on its last dim) instead of gathering them, so the full ``batch x seq x
-            vocab`` logits never exist on one rank. Compute the loss inside
-            ``torch.distributed.tensor.parallel.loss_parallel()`` (cross-entropy on the split
-            logits, and its backward). The head is ``model.get_output_embeddings()``.
+        plan: ``"auto"``: the model's own transformers plan (the config's ``base_model_tp_plan``, the
+            input embeddings split over the vocabulary, the head's ``_tp_plan``). Or a mapping from
+            module-name patterns (``*`` is one name segment, e.g. ``"model.layers.*.mlp.up_proj"``) to
+            a style name (`fsdp2kit.parallel.styles.STYLE_NAMES`: ``"colwise"``, ``"rowwise"``, ...)
+            or a torch ``ParallelStyle``.
+        loss_parallel: keep the head's logits split over the vocabulary (a DTensor sharded on its
+            last dim), so the full ``batch x seq x vocab`` logits never exist on one rank; compute
+            the loss inside ``torch.distributed.tensor.parallel.loss_parallel()``. The head is
+            ``model.get_output_embeddings()``.
 
     Checked before any collective: the mesh has a ``tp`` dimension; every entry of a plan you
     pass matches a module; heads, key/value heads, MLP width and vocabulary divide by the TP
-    size (each is named when it does not); a tied weight (embeddings shared with the head) is
-    split the same way by every module using it, and stays one parameter afterwards.
+    size (each is named when it does not); a tied weight is split the same way by every module
+    using it, and stays one parameter afterwards.
 
-    Attention runs on each rank's ``heads / tp`` heads: one that reshapes with a stored head count, not
-    ``(..., -1, head_dim)`` as transformers' does, must be changed (README.md, Tensor parallelism).
-
-    Every rank must build the same model (same seed), as for `shard_model`: each keeps its own
-    slice of its own copy, nothing is broadcast. The ranks of one TP group compute on the same
-    batch; give each data-parallel group (``mesh["shard"]`` coordinate) its own.
+    Attention runs on each rank's ``heads / tp`` heads (README.md, Tensor parallelism). Every rank
+    builds the same model (same seed) and keeps its slice of its own copy: nothing is broadcast.
+    The ranks of one TP group compute on the same batch.
     """
     tp_mesh = _tp_mesh(mesh)
     _check_order(model)
