@@ -114,10 +114,8 @@ def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCoun
 
     ``with fk.count_collectives(mesh) as counts: <one training step>``, then ``counts.summary()``,
     ``counts.by_group()``, ``counts.events`` or ``print(counts)``. Send/recv and barriers are left out.
-
-    Bytes are each call's whole buffer, the same on every rank of its group (nccl-tests' "size"): an
-    all-gather's output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor, an all-to-all's
-    input; ``fsdp2kit.plan_comm`` predicts the FSDP ones. Groups are named by ``mesh``'s dimension names,
+    Bytes are each call's whole buffer, the same on every rank of its group (docs/accumulation.md says
+    which; ``fsdp2kit.plan_comm`` predicts the FSDP ones). Groups are named by ``mesh``'s dimension names,
     else by the group's description (``"world"``: the default group). Every op inside pays a Python call:
     count a step, not a run.
     """

@@ -45,13 +45,11 @@ class RankMonitor(PositionTracker):
     """Track this rank's position, compare it with the other ranks' at cheap checks, report hangs.
 
     Per step: `step`, then inside `guard` one `micro_step` per micro-batch and `step_end`; `close` at the end
-    (README.md, section Long runs, has the loop). Hooks keep the position (`PositionTracker`); a thread
-    publishes it in the c10d store every ``heartbeat`` seconds and answers requests for it. Every
-    ``check_every`` steps, micro-step starts and the step end are compared across ranks (one all-gather on a
-    gloo group of its own, timeout ``timeout``); a mismatch, a timeout, or a collective failing inside
-    `guard` raises a `DesyncError` that lists every rank's position and names the ranks that diverged or are
-    gone. Why each piece: docs/long-runs.md. Creating it is collective (the gloo group); with no process
-    group (or one rank), only the tracking is done.
+    (README.md, section Long runs, has the loop). A thread publishes the position every ``heartbeat`` seconds.
+    Every ``check_every`` steps, micro-step starts and the step end are compared across ranks (timeout
+    ``timeout``); a mismatch, a timeout, or a collective failing inside `guard` raises a `DesyncError` that
+    lists every rank's position and names the ranks that diverged or are gone (how: docs/long-runs.md).
+    Creating it is collective (a gloo group); with no process group (or one rank), only the tracking is done.
     """
 
     def __init__(

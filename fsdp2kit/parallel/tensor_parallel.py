@@ -204,17 +204,6 @@ def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[s
     return chosen, {name: resolve_style(style, name) for name, style in chosen.items()}
 
 
-def _output_head(model: nn.Module) -> str:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Linear):
-        raise ValueError(
-            f"loss_parallel=True needs the output head as an nn.Linear from model.get_output_embeddings(); "
-            f"{type(model).__name__} gives {type(head).__name__}"
-        )
-    return next(n for n, m in model.named_modules() if m is head)
-
-
 def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
     """Each split parameter's shape on one TP rank (by ``id``; unsplit ones left out), without a mesh: for planning,
     after the same checks as `apply_tensor_parallel`."""
@@ -272,7 +261,14 @@ def apply_tensor_parallel(
     _check_order(model)
     chosen, styles = _resolve(model, plan)
     if loss_parallel:
-        head_name = _output_head(model)
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"loss_parallel=True needs the output head as an nn.Linear from model.get_output_embeddings(); "
+                f"{type(model).__name__} gives {type(head).__name__}"
+            )
+        head_name = next(n for n, m in model.named_modules() if m is head)
         chosen[head_name] = "colwise (loss parallel)"
         styles[head_name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     tp = tp_mesh.size()
