@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from fsdp2kit._internal.fmt import fmt_list
@@ -68,8 +68,6 @@ def _check_order(model: nn.Module) -> None:
                     f"apply_tensor_parallel must come before {what} (the order is {ORDER}); "
                     f"{name or type(model).__name__} was already changed by it"
                 )
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("the model already holds DTensor parameters; apply_tensor_parallel expects plain tensors")
     nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
     if nf4:
         # torchao's NF4Tensor splits only along rows into whole quantization groups and re-quantizes
