@@ -98,9 +98,10 @@ _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_val
 _MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
 
 
-def _check_styles(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> None:
-    """Colwise / rowwise only on Linear and Embedding; heads, KV heads, MLP width, vocabulary and each split
-    dimension divide by the TP size (else ranks get unequal slices, or attention runs on half-heads)."""
+def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> dict[int, tuple[int, ...]]:
+    """Each split parameter's shape on one TP rank (by ``id``), once checked: colwise / rowwise only on Linear and
+    Embedding; heads, KV heads, MLP width, vocabulary and each split weight dimension divide by ``tp`` (else
+    ranks get unequal slices, or attention runs on half-heads)."""
     modules = dict(model.named_modules())
     wrong = [
         f"{name} ({type(modules[name]).__name__})"
@@ -126,23 +127,27 @@ def _check_styles(model: nn.Module, styles: dict[str, ParallelStyle | None], tp:
     for field, value in _config_sizes(model).items():
         if relevant[field] and value % tp:
             problems.append(f"config.{field} = {value}")
+    shapes: dict[int, tuple[int, ...]] = {}
     for name, style in styles.items():
-        if style is None:
-            continue
-        module = modules[name]
-        placement = weight_placement(module, style)
-        weight = getattr(module, "weight", None)
-        if placement == "unknown" or weight is None or not hasattr(placement, "dim"):
-            continue
-        size = weight.shape[placement.dim]
-        if size % tp:
-            problems.append(f"{name}.weight dim {placement.dim} = {size}")
+        placement = weight_placement(modules[name], style)
+        for pname, p in modules[name].named_parameters(recurse=False):
+            if pname == "weight":
+                split = placement
+            else:  # a colwise Linear's bias is split with its outputs; other biases stay whole
+                split = placement if (hasattr(placement, "dim") and placement.dim == 0 and p.ndim == 1) else None
+            if hasattr(split, "dim") and p.ndim > split.dim:
+                if pname == "weight" and p.shape[split.dim] % tp:
+                    problems.append(f"{name}.weight dim {split.dim} = {p.shape[split.dim]}")
+                shape = list(p.shape)
+                shape[split.dim] //= tp
+                shapes[id(p)] = tuple(shape)
     if problems:
         raise ValueError(
             f"tensor parallelism over {tp} ranks needs these sizes to divide by {tp}, and they do not: "
             f"{fmt_list(problems)}. Choose a TP size that divides the model's heads, KV heads, MLP width and "
             "vocabulary"
         )
+    return shapes
 
 
 def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
@@ -205,23 +210,7 @@ def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[s
 def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
     """Each split parameter's shape on one TP rank (by ``id``; unsplit ones left out), without a mesh: for planning,
     after the same checks as `apply_tensor_parallel`."""
-    _, styles = _resolve(model, plan)
-    _check_styles(model, styles, tp)
-    modules = dict(model.named_modules())
-    shapes: dict[int, tuple[int, ...]] = {}
-    for name, style in styles.items():
-        module = modules[name]
-        placement = weight_placement(module, style)
-        for pname, p in module.named_parameters(recurse=False):
-            if pname == "weight":
-                split = placement
-            else:  # a colwise Linear's bias is split with its outputs; other biases stay whole
-                split = placement if (hasattr(placement, "dim") and placement.dim == 0 and p.ndim == 1) else None
-            if hasattr(split, "dim") and p.ndim > split.dim:
-                shape = list(p.shape)
-                shape[split.dim] //= tp
-                shapes[id(p)] = tuple(shape)
-    return shapes
+    return _split_shapes(model, _resolve(model, plan)[1], tp)
 
 
 def apply_tensor_parallel(
@@ -270,7 +259,7 @@ def apply_tensor_parallel(
         chosen[head_name] = "colwise (loss parallel)"
         styles[head_name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     tp = tp_mesh.size()
-    _check_styles(model, styles, tp)
+    _split_shapes(model, styles, tp)
     groups = tied_slots(model)
     _check_ties(groups, styles)
 
