@@ -1,9 +1,5 @@
-"""count_collectives: every collective a block of code issues on this rank, by process group and kind, with bytes.
-
-A ``TorchDispatchMode``, as torch's ``CommDebugMode`` (which counts calls but not bytes): it sees each c10d op
-and functional collective as it is dispatched; a DTensor op it leaves to DTensor, whose collectives come back to it.
-Autograd runs backward with the forward thread's modes, so FSDP2's backward collectives are counted too.
-"""
+"""count_collectives: every collective a block of code issues on this rank, by process group and kind, with bytes
+(a TorchDispatchMode, as torch's CommDebugMode, which counts no bytes; how: docs/accumulation.md)."""
 
 from __future__ import annotations
 
@@ -21,41 +17,17 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["CollectiveCounts", "CollectiveEvent", "count_collectives"]
 
-# Each op's kind and the argument that is its whole buffer (`count_collectives` says which); functional
-# all-gathers name only their input, the output is group_size times it.
-_C10D = {
-    "_allgather_base_": ("all_gather", "output_tensor"),
-    "allgather_": ("all_gather", "output_tensors"),
-    "allgather_coalesced_": ("all_gather", "output_lists"),
-    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
-    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
-    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
-    "allreduce_": ("all_reduce", "tensors"),
-    "allreduce_coalesced_": ("all_reduce", "tensors"),
-    "alltoall_": ("all_to_all", "input_tensors"),
-    "alltoall_base_": ("all_to_all", "input"),
-    "broadcast_": ("broadcast", "tensors"),
-    "reduce_": ("reduce", "tensors"),
-    "gather_": ("gather", "input_tensors"),
-    "scatter_": ("scatter", "output_tensors"),
-}
-_FUNCTIONAL = {
-    "all_gather_into_tensor": ("all_gather", "input"),
-    "all_gather_into_tensor_out": ("all_gather", "input"),
-    "all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
-    "all_reduce": ("all_reduce", "input"),
-    "all_reduce_": ("all_reduce", "input"),
-    "all_reduce_coalesced": ("all_reduce", "inputs"),
-    "all_reduce_coalesced_": ("all_reduce", "inputs"),
-    "all_to_all_single": ("all_to_all", "input"),
-    "broadcast": ("broadcast", "input"),
-    "broadcast_": ("broadcast", "input"),
-}
-_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL, "_c10d_functional_autograd": _FUNCTIONAL}
+# A collective's kind from its op's name ("_allgather_base_": all_gather); its whole buffer (`count_collectives`
+# says which) is a functional collective's input (an all-gather's times group_size), a c10d op's first argument
+# (an all-gather's or a scatter's output, the tensors of the others), or its second for these kinds (the input).
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce", "gather", "scatter")
+_C10D_INPUT = ("reduce_scatter", "all_to_all", "gather")
+_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
+def _kind(op_name: str) -> str | None:
+    name = op_name.lstrip("_").replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+    return next((k for k in _KINDS if name.replace("alltoall", "all_to_all").startswith(k)), None)
 
 
 @dataclass(frozen=True)
@@ -110,11 +82,10 @@ class _Counter(TorchDispatchMode):
         self.names = names  # process group name -> mesh dimension name
 
     def _record(self, func, args, kwargs) -> None:
-        table = _NAMESPACES.get(func.namespace)
-        entry = table.get(func._schema.name.partition("::")[2]) if table else None
-        if entry is None:
+        kind = _kind(func._schema.name.partition("::")[2]) if func.namespace in _NAMESPACES else None
+        if kind is None:
             return
-        kind, buffer = entry
+        buffer = func._schema.arguments[int(func.namespace == "c10d" and kind in _C10D_INPUT)].name
         bound = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
         group = bound.get("process_group", bound.get("group_name"))  # c10d's boxed group, or a functional's name
         group = _resolve_process_group(group) if isinstance(group, str) else dist.ProcessGroup.unbox(group)
@@ -143,10 +114,8 @@ def count_collectives(mesh: DeviceMesh | None = None) -> Iterator[CollectiveCoun
 
     ``with fk.count_collectives(mesh) as counts: <one training step>``, then ``counts.summary()``,
     ``counts.by_group()``, ``counts.events`` or ``print(counts)``. Send/recv and barriers are left out.
-
-    Bytes are each call's whole buffer, the same on every rank of its group (nccl-tests' "size"): an
-    all-gather's output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor, an all-to-all's
-    input; ``fsdp2kit.plan_comm`` predicts the FSDP ones. Groups are named by ``mesh``'s dimension names,
+    Bytes are each call's whole buffer, the same on every rank of its group (docs/accumulation.md says
+    which; ``fsdp2kit.plan_comm`` predicts the FSDP ones). Groups are named by ``mesh``'s dimension names,
     else by the group's description (``"world"``: the default group). Every op inside pays a Python call:
     count a step, not a run.
     """

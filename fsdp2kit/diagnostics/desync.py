@@ -19,9 +19,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
+from fsdp2kit._internal.dtensor import fsdp_units
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.diagnostics.position import Position, PositionTracker
+from fsdp2kit.diagnostics.position import PHASES, Position
 
 __all__ = ["DesyncError", "RankMonitor"]
 
@@ -41,17 +45,16 @@ class DesyncError(RuntimeError):
         self.gone: dict[int, str] = gone or {}  # how each gone rank's process ended, in words
 
 
-class RankMonitor(PositionTracker):
+class RankMonitor:
     """Track this rank's position, compare it with the other ranks' at cheap checks, report hangs.
 
     Per step: `step`, then inside `guard` one `micro_step` per micro-batch and `step_end`; `close` at the end
-    (README.md, section Long runs, has the loop). Hooks keep the position (`PositionTracker`); a thread
-    publishes it in the c10d store every ``heartbeat`` seconds and answers requests for it. Every
-    ``check_every`` steps, micro-step starts and the step end are compared across ranks (one all-gather on a
-    gloo group of its own, timeout ``timeout``); a mismatch, a timeout, or a collective failing inside
-    `guard` raises a `DesyncError` that lists every rank's position and names the ranks that diverged or are
-    gone. Why each piece: docs/long-runs.md. Creating it is collective (the gloo group); with no process
-    group (or one rank), only the tracking is done.
+    (README.md, section Long runs, has the loop). Hooks on the FSDP units keep the position (`position`), a
+    thread publishes it every ``heartbeat`` seconds.
+    Every ``check_every`` steps, micro-step starts and the step end are compared across ranks (timeout
+    ``timeout``); a mismatch, a timeout, or a collective failing inside `guard` raises a `DesyncError` that
+    lists every rank's position and names the ranks that diverged or are gone (how: docs/long-runs.md).
+    Creating it is collective (a gloo group); with no process group (or one rank), only the tracking is done.
     """
 
     def __init__(
@@ -67,7 +70,10 @@ class RankMonitor(PositionTracker):
             raise ValueError(f"check_every must be >= 0 (0: never), got {check_every}")
         if timeout <= 0 or heartbeat <= 0:
             raise ValueError(f"timeout and heartbeat must be > 0 seconds, got {timeout} and {heartbeat}")
-        super().__init__(model)
+        self.position = Position(since=time.time())
+        self._handles: list[RemovableHandle] = []
+        if model is not None:
+            self.attach(model)
         self.micro_steps = micro_steps
         self.check_every = check_every
         self.timeout = timeout
@@ -93,14 +99,66 @@ class RankMonitor(PositionTracker):
         self._thread = threading.Thread(target=self._watch, name="fsdp2kit-monitor", daemon=True)
         self._thread.start()
 
+    # --- called by the training loop ---------------------------------------------------------
+    def step(self, step: int) -> None:
+        p = self.position
+        p.last_count = p.micro_count if p.step >= 0 else -1
+        p.step, p.micro, p.micro_count, p.shape = step, -1, 0, ()
+        self._set("data", "")
+
+    def micro_step(self, index: int, batch: torch.Tensor | None = None) -> None:
+        p = self.position
+        p.micro = index
+        p.micro_count += 1
+        p.shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else ()
+        self._set("data", "")
+        if self._checked():
+            self._compare(_MICRO)
+
+    def phase(self, phase: str, unit: str = "") -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
+        self._set(phase, unit)
+
+    def _set(self, phase: str, unit: str) -> None:
+        p = self.position
+        p.phase, p.unit, p.since = phase, unit, time.time()
+
+    # --- hooks: attribute writes only (docs/long-runs.md) ---------------------------------------
+    def attach(self, model: nn.Module) -> None:
+        """Hook every FSDP unit of ``model`` (call after ``shard_model``); `detach` removes the hooks."""
+        fsdp_units(model, type(self).__name__)  # a clear error when there are none
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                self._hook(name, module)
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str, module: nn.Module) -> None:
+        def mark_grad(tensors, phase: str) -> None:
+            grads = (t for t in tree_leaves(tensors) if isinstance(t, torch.Tensor) and t.requires_grad)
+            if torch.is_grad_enabled() and (t := next(grads, None)) is not None:
+                t.register_hook(lambda grad: self._set(phase, name))
+
+        def after_fsdp(mod, args):
+            self._set("forward", name)
+            mark_grad(args, "reduce-scatter")  # the unit's backward is done when its input's gradient is
+
+        self._handles += [
+            # prepend=True and registered after fully_shard: runs before FSDP's own pre-forward hook.
+            module.register_forward_pre_hook(lambda mod, args: self._set("all-gather", name), prepend=True),
+            module.register_forward_pre_hook(after_fsdp),
+            # Runs before FSDP's post-forward, so its gradient hook is registered (and runs) first.
+            module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward all-gather"), prepend=True),
+            module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward")),
+        ]
+
     # --- checks ------------------------------------------------------------------------------
     def _checked(self) -> bool:
         return self.active and self.check_every > 0 and self.position.step % self.check_every == 0
-
-    def micro_step(self, index: int, batch: torch.Tensor | None = None) -> None:
-        super().micro_step(index, batch)
-        if self._checked():
-            self._compare(_MICRO)
 
     def step_end(self) -> None:
         """The micro-steps of this step are done (call before clipping and the optimizer)."""

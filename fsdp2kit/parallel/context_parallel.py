@@ -1,10 +1,4 @@
-"""apply_context_parallel: attention over a sequence split across the cp ranks (Ulysses all-to-all).
-
-The way in is transformers' attention-function registry: every supported causal LM looks its
-attention kernel up by ``config._attn_implementation`` at each forward. We register one uniquely
-named function per model (removed when the model is garbage-collected) and set that name on this
-model's config only: no other model, and no transformers or torch function, changes.
-"""
+"""apply_context_parallel: attention over a sequence split across the cp ranks (docs/long-sequences.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2kit._internal.markers import CONTEXT_PARALLEL, TENSOR_PARALLEL
 from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh, document_mask
+from fsdp2kit.parallel.tensor_parallel import _config_sizes
 from fsdp2kit.wrappers.forward import check_unsharded
 
 __all__ = ["RING_PACKED", "STYLES", "apply_context_parallel", "check_ring_seq"]
@@ -29,29 +24,12 @@ KERNELS = ("sdpa", "eager")  # the inner kernels run on each rank's heads over t
 _names = itertools.count()
 
 
-def _all_to_all(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:
-    """Dim 0 of ``x`` (size cp) scattered to the cp ranks, theirs gathered in rank order; autograd's backward
-    is the same exchange of the gradients (funcol's all_to_all_single carries its own backward)."""
-    out = funcol.all_to_all_single(x.contiguous(), None, None, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-
-def _seq_to_heads(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
-    """(batch, heads, local seq, dim) -> (batch, heads / cp, cp * local seq, dim): the rank's heads over the
-    whole sequence, in the ranks' layout order (rank 0's tokens first)."""
-    b, h, s, d = x.shape
-    x = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # (cp, b, h/cp, s, d): slot j goes to rank j
-    x = _all_to_all(x, group)  # slot j now holds rank j's tokens of this rank's heads
-    return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
-
-
-def _heads_to_seq(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
-    """(batch, cp * local seq, heads / cp, dim) -> (batch, local seq, heads, dim): the inverse exchange."""
-    b, n, h, d = x.shape
-    s = n // cp
-    x = x.reshape(b, cp, s, h, d).transpose(0, 1)  # (cp, b, s, h, d): slot j holds rank j's tokens
-    x = _all_to_all(x, group)  # slot j now holds rank j's heads of this rank's tokens
-    return x.permute(1, 2, 0, 3, 4).reshape(b, s, cp * h, d)
+def _exchange(x: torch.Tensor, cp: int, group: DeviceMesh) -> torch.Tensor:
+    """Dim 1 cut in cp parts, part j to cp rank j, those received joined along dim 2 in rank order: heads over local
+    tokens -> a head group over all tokens, and back (backward: funcol's all_to_all_single has its own)."""
+    out = funcol.all_to_all_single(torch.stack(x.chunk(cp, dim=1)), None, None, group)
+    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return torch.cat(out.unbind(0), dim=2)
 
 
 def _reorder(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -73,10 +51,8 @@ def _inner_kernel(name: str, module: nn.Module) -> Callable:
 
 
 class _Positions:
-    """The whole sequence's positions, gathered once per forward (the layers share one position_ids tensor, and
-    activation checkpointing's recompute passes it again), and the mask built from them. The mask (seq x seq a
-    row) is held weakly: a kernel that saves it for backward keeps the one copy alive until backward frees it;
-    where none does (eager, checkpointed layers) each attention builds it again."""
+    """The gathered positions, once per forward (the layers and AC's recompute share one position_ids tensor), and
+    their mask, held weakly: alive while a kernel saved it for backward, else built again."""
 
     def __init__(self):
         self.key: tuple | None = None
@@ -111,10 +87,14 @@ def _check_call(attention_mask, position_ids, kwargs: dict) -> None:
         raise ValueError("context parallelism needs position_ids: pass split_for_context_parallel's to the model")
 
 
+def _natural(cp: int) -> torch.Tensor:
+    """The layout slot of each of the ``2 * cp`` chunks, in sequence order."""
+    return torch.tensor(sorted(range(2 * cp), key=chunk_order(cp).__getitem__))
+
+
 def _gatherer(group: DeviceMesh, cp: int) -> Callable:
     """A function of (this rank's position_ids, batch) -> the whole rows' positions in token order."""
-    order = chunk_order(cp)
-    natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
+    natural = _natural(cp)
 
     def gather(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
         pos = position_ids.expand(batch, -1).contiguous()
@@ -135,9 +115,7 @@ def _gatherer(group: DeviceMesh, cp: int) -> Callable:
 
 
 def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
-    order = chunk_order(cp)
-    natural = torch.tensor(sorted(range(2 * cp), key=order.__getitem__))  # layout slot of each chunk, in order
-    layout = torch.tensor(order)
+    natural, layout = _natural(cp), torch.tensor(chunk_order(cp))
     cache = _Positions()
     gather = _gatherer(group, cp)
 
@@ -159,25 +137,24 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         batch, dtype = query.shape[0], query.dtype
         mask = cache.get(position_ids, batch, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
         nat, lay = natural.to(query.device), layout.to(query.device)
-        q = _reorder(_seq_to_heads(query, cp, group), nat, dim=2)
+        q = _reorder(_exchange(query, cp, group), nat, dim=2)
         # k and v travel in one exchange (two all-to-alls in, one out), each KV head's k and v side by side
         # so that every rank receives the k and the v of the same heads
         b, kv_heads, s, d = key.shape
         kv = torch.stack([key, value], dim=2).reshape(b, 2 * kv_heads, s, d)
-        kv = _reorder(_seq_to_heads(kv, cp, group), nat, dim=2).unflatten(1, (kv_heads // cp, 2))
+        kv = _reorder(_exchange(kv, cp, group), nat, dim=2).unflatten(1, (kv_heads // cp, 2))
         k, v = kv[:, :, 0], kv[:, :, 1]
         kwargs.pop("is_causal", None)
         out, _ = _inner_kernel(kernel, module)(module, q, k, v, mask, is_causal=causal, **kwargs)
         out = _reorder(out, lay, dim=1)  # (batch, seq, heads / cp, dim) back in the layout order
-        return _heads_to_seq(out, cp, group), None
+        return _exchange(out, cp, group), None
 
     return attention
 
 
 class _Ring(torch.autograd.Function):
-    """Causal attention over the ring of cp ranks: torch's own ring (its ``context_parallel``'s, with the
-    head-tail load balance this library's layout shares) on the memory-efficient CUDA kernel, called on
-    local tensors, so no DTensor dispatch is switched on for the process."""
+    """Causal attention by torch's own ring (its ``context_parallel``'s) on the memory-efficient CUDA kernel,
+    called on local tensors: no DTensor dispatch is switched on for the process."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, group):
@@ -239,9 +216,8 @@ RING_PACKED = (
 
 
 def check_ring_seq(seq: int, cp: int) -> None:
-    """``ValueError`` unless a ``seq``-token row splits for the ring (the planner checks with this too): each
-    rank's two chunks must be multiples of 32 tokens, as the memory-efficient CUDA kernel pads its log-sum-exp
-    to 32 and torch's ring merges blocks by it."""
+    """``ValueError`` unless each rank's two chunks of a ``seq``-token row are multiples of 32 tokens (the CUDA
+    kernel pads its log-sum-exp to 32 and torch's ring merges by it); the planner checks with this too."""
     if seq % (64 * cp):
         raise ValueError(
             f"style='ring' needs the sequence to divide by 64 x cp = {64 * cp} tokens, got {seq}; "
@@ -267,41 +243,30 @@ def _heads(model: nn.Module) -> tuple[int, int]:
             f"apply_context_parallel works on transformers models (their attention-function registry); "
             f"{type(model).__name__} has no transformers config"
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if not isinstance(heads, int):
+    sizes = _config_sizes(model)
+    if "num_attention_heads" not in sizes:
         raise ValueError(f"apply_context_parallel: {type(model).__name__}'s config has no num_attention_heads")
-    return heads, kv
+    return sizes["num_attention_heads"], sizes["num_key_value_heads"]
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "all_to_all") -> nn.Module:
     """Make ``model``'s attention run on a sequence split over ``mesh["cp"]``; before `shard_model`.
 
     Every rank of a cp group holds a part of each sequence (`split_for_context_parallel` cuts the
-    batch); everything but attention is per token and needs nothing more. Attention needs every
-    token, and gets it by style:
+    batch); attention gets every token by ``style``:
 
-    - ``"all_to_all"`` (DeepSpeed-Ulysses): each layer exchanges the sequence-split q, k, v for
-      head-split ones over the whole sequence (two all-to-alls: q, then k and v together), runs the
-      model's own kernel (``sdpa`` or ``eager``, whichever the config had) on its ``heads / cp``
-      heads, and exchanges the output back (a third); backward repeats the three. So it runs
-      wherever the kernel runs, CPU/gloo included. Heads and KV heads (GQA) must divide by cp
-      (with tensor parallelism: each TP rank's heads), else ``ValueError`` before any collective.
-      Packed documents stay apart: the positions are gathered over cp once per forward and the
-      kernel gets a causal mask within each document (seq x seq a row, in the compute dtype, one
-      copy shared by the layers and freed with backward's saved tensors); one document per row
-      needs none, the kernel's causal flag does it.
-    - ``"ring"``: CUDA only (``ValueError`` on CPU: torch's ring has no CPU kernel). k and v go
-      round the cp ranks while each keeps its q, through torch's own ring attention (that of its
-      ``context_parallel``, with the same head-tail load balance) on the memory-efficient kernel;
-      any number of heads. It masks causally over the whole row only: packed rows are a
-      ``ValueError`` (at the first forward), use ``"all_to_all"`` for them.
+    - ``"all_to_all"`` (DeepSpeed-Ulysses): q, k, v exchanged for head-split ones over the whole
+      sequence, the model's own kernel (``sdpa`` or ``eager``) run on ``heads / cp`` heads, the output
+      exchanged back; CPU/gloo included. Heads and KV heads (per TP rank) must divide by cp. Packed
+      documents (positions restarting) are kept apart by a per-document causal mask.
+    - ``"ring"``: CUDA only; torch's own ring attention, any number of heads, one document a row.
 
-    It works on transformers causal LMs (Llama, Qwen2, Qwen3, ...) without per-model code:
-    the function is registered in transformers' ``AttentionInterface`` under a name of its own,
-    set on this model's config only, and removed when the model is garbage-collected. Returns
-    ``model``.
+    Refused with ``ValueError``: an unknown style, a mesh without ``"cp"``, ``"ring"`` off CUDA, a second
+    call or one after `shard_model`, a model without a transformers config or with another attention
+    kernel, heads that do not divide.
+    The function is registered in transformers' ``AttentionInterface`` under a name of its own, set on
+    this model's config only and removed with the model. Costs and limits: docs/long-sequences.md.
+    Returns ``model``.
     """
     if style not in STYLES:
         raise ValueError(f"apply_context_parallel: style must be one of {STYLES}, got {style!r}")

@@ -1,11 +1,5 @@
-"""How a sequence is laid out over the context-parallel ranks, and splitting a batch that way.
-
-One layout for every style: the sequence is cut into ``2 * cp`` equal chunks and cp rank ``r``
-holds chunks ``r`` and ``2 * cp - 1 - r`` (a head and a tail). Under a causal mask the early
-tokens attend to little and the late ones to much, so each rank gets an equal share of the
-attention work (torch's ring attention balances the same way). Ulysses (all-to-all) attention
-does not need the balance, but uses the same layout, so the inputs never depend on the style.
-"""
+"""How a sequence is laid out over the cp ranks (a head and a tail chunk each: causal load balance, the same for
+every style), and splitting a batch that way (docs/long-sequences.md, section The inputs)."""
 
 from __future__ import annotations
 
@@ -52,24 +46,14 @@ def _split(t: torch.Tensor, cp: int, rank: int, seq_dim: int, name: str) -> torc
 
 def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
     """This cp rank's part of a batch: each tensor cut along ``seq_dim`` into ``2 * cp`` chunks, of which
-    the rank keeps chunk ``r`` and chunk ``2 * cp - 1 - r`` (causal load balance, see the module doc).
+    cp rank ``r`` keeps chunk ``r`` and chunk ``2 * cp - 1 - r``.
 
-    Call it on every rank with the whole sequences (the ranks of one cp group read the same
-    batch) after `fsdp2kit.apply_context_parallel`. ``batch`` is a tensor, a tuple/list of tensors
-    or a mapping of names to tensors; the same kind comes back.
-
-    - ``position_ids`` are what keeps packed documents apart: a document starts where the
-      positions do not continue by one (they restart at 0, as packed rows have them), and the
-      attention masks every token to its own document, on every rank. Pass them to the model
-      (``model(input_ids=..., position_ids=...)``); a mapping without ``"position_ids"`` gets them
-      added (0, 1, 2, ... along the sequence: one document per row) before the split. An
-      ``attention_mask`` (padding) is not supported under context parallelism: pack, or pad with
-      continuing positions and ignored labels.
-    - Labels must be shifted *before* the split (label ``i`` is the target of token ``i``, as the
-      recipe's rows hold them), so that no target is lost at a chunk boundary; compute the loss
-      from the logits yourself: a model's own ``labels=`` argument shifts within each rank's chunks.
-    - The loss that equals one process on the whole sequence is the sum of every rank's loss sum
-      over the global count of target tokens (see the docs' "Long sequences").
+    Call it on every rank of a cp group with the same whole sequences, after `apply_context_parallel`.
+    ``batch`` is a tensor, a tuple/list of tensors or a mapping of names to tensors; the same kind comes
+    back. A mapping without ``"position_ids"`` gets them (0, 1, 2, ...: one document per row) before the
+    split; pass them to the model: where they restart, a new document starts, and attention keeps
+    documents apart. An ``"attention_mask"`` (padding) is refused. Shift labels *before* the split and
+    compute the loss from the logits (docs/long-sequences.md, section The inputs, has the loss).
 
     A mesh without a ``"cp"`` dimension returns the batch unchanged, so the same loop runs at cp 1.
     The sequence length must divide by ``2 * cp``, else ``ValueError``.
@@ -106,9 +90,8 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
 
 
 def document_mask(positions: torch.Tensor, causal: bool = True) -> torch.Tensor | None:
-    """(batch, 1, seq, seq) bool, True where query token i may attend to key token j: j in i's document
-    (a document starts where ``positions`` (batch, seq) do not continue by one) and, if ``causal``, j <= i.
-    None when every row is one document and ``causal``: the kernel's own causal flag does it, cheaper."""
+    """(batch, 1, seq, seq) bool: key j is in query i's document (starting where ``positions`` do not continue
+    by one) and, if ``causal``, j <= i. None when each row is one document and ``causal`` (the kernel's flag)."""
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
     if causal and not bool(starts[:, 1:].any()):

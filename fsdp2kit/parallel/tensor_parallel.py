@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from fsdp2kit._internal.fmt import fmt_list
@@ -18,7 +18,7 @@ from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.wrappers.forward import ORDER, check_unsharded
 
-__all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes", "tensor_parallel_info"]
+__all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes"]
 
 Plan = Mapping[str, "str | ParallelStyle"]
 
@@ -68,8 +68,6 @@ def _check_order(model: nn.Module) -> None:
                     f"apply_tensor_parallel must come before {what} (the order is {ORDER}); "
                     f"{name or type(model).__name__} was already changed by it"
                 )
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("the model already holds DTensor parameters; apply_tensor_parallel expects plain tensors")
     nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
     if nf4:
         # torchao's NF4Tensor splits only along rows into whole quantization groups and re-quantizes
@@ -78,31 +76,6 @@ def _check_order(model: nn.Module) -> None:
             f"apply_tensor_parallel cannot split NF4 weights ({fmt_list(nf4, 2)}): QLoRA runs with FSDP / HSDP "
             "only (tensor parallelism and NF4 are not supported together); drop tp, or quantize_nf4 not at all"
         )
-
-
-def _concrete(model: nn.Module, plan: Plan, *, strict: bool) -> dict[str, Any]:
-    """Every module the plan names, with its style; a user plan's pattern that matches nothing is an error."""
-    modules = dict(model.named_modules())
-    params = {n for n, _ in model.named_parameters()}
-    chosen: dict[str, Any] = {}
-    unmatched = []
-    for key, style in plan.items():
-        if not isinstance(key, str):
-            raise TypeError(f"tensor-parallel plan keys are module-name patterns (str), got {key!r}")
-        rx = _pattern(key)
-        hits = [n for n in modules if n and rx.fullmatch(n)]
-        if not hits:
-            if any(rx.fullmatch(p) for p in params):
-                raise ValueError(
-                    f"tensor-parallel plan entry {key!r} names a parameter, not a module: apply_tensor_parallel "
-                    "shards whole modules (name the module that owns it)"
-                )
-            unmatched.append(key)
-        for n in hits:
-            chosen[n] = style  # a later, more specific entry wins, as in a dict update
-    if strict and unmatched:
-        raise ValueError(f"tensor-parallel plan entries match no module of {type(model).__name__}: {unmatched}")
-    return chosen
 
 
 def _config_sizes(model: nn.Module) -> dict[str, int]:
@@ -125,17 +98,24 @@ _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_val
 _MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1", "w2", "w3"}
 
 
-def _check_divisible(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> None:
-    """Heads, KV heads, MLP width and vocabulary must divide by the TP size, and so must each split dimension.
-
-    A width that does not divide would give ranks unequal slices, and a head count that does
-    not would split a head's dimensions across ranks: attention would then run on half-heads
-    and be silently wrong. Checked from shapes and the config alone, before any collective.
-    """
+def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> dict[int, tuple[int, ...]]:
+    """Each split parameter's shape on one TP rank (by ``id``), once checked: colwise / rowwise only on Linear and
+    Embedding; heads, KV heads, MLP width, vocabulary and each split weight dimension divide by ``tp`` (else
+    ranks get unequal slices, or attention runs on half-heads)."""
+    modules = dict(model.named_modules())
+    wrong = [
+        f"{name} ({type(modules[name]).__name__})"
+        for name, style in styles.items()
+        if hasattr(style, "input_layouts") and not isinstance(modules[name], (nn.Linear, nn.Embedding))
+    ]  # styles without input_layouts (the replicated one, a user's own ParallelStyle) are theirs to check
+    if wrong:
+        raise ValueError(
+            "colwise / rowwise tensor parallelism splits nn.Linear and nn.Embedding weights; these plan entries are "
+            f"other modules: {fmt_list(wrong)}"
+        )
     problems = []
     split = {n for n, s in styles.items() if s is not None}
     leaves = {n.rsplit(".", 1)[-1] for n in split}
-    modules = dict(model.named_modules())
     # Which config sizes the split modules depend on, by the projection names transformers uses
     # (its own get_kv_heads_per_rank reads plans the same way).
     relevant = {
@@ -147,39 +127,27 @@ def _check_divisible(model: nn.Module, styles: dict[str, ParallelStyle | None], 
     for field, value in _config_sizes(model).items():
         if relevant[field] and value % tp:
             problems.append(f"config.{field} = {value}")
+    shapes: dict[int, tuple[int, ...]] = {}
     for name, style in styles.items():
-        if style is None:
-            continue
-        module = modules[name]
-        placement = weight_placement(module, style)
-        weight = getattr(module, "weight", None)
-        if placement == "unknown" or weight is None or not hasattr(placement, "dim"):
-            continue
-        size = weight.shape[placement.dim]
-        if size % tp:
-            problems.append(f"{name}.weight dim {placement.dim} = {size}")
+        placement = weight_placement(modules[name], style)
+        for pname, p in modules[name].named_parameters(recurse=False):
+            if pname == "weight":
+                split = placement
+            else:  # a colwise Linear's bias is split with its outputs; other biases stay whole
+                split = placement if (hasattr(placement, "dim") and placement.dim == 0 and p.ndim == 1) else None
+            if hasattr(split, "dim") and p.ndim > split.dim:
+                if pname == "weight" and p.shape[split.dim] % tp:
+                    problems.append(f"{name}.weight dim {split.dim} = {p.shape[split.dim]}")
+                shape = list(p.shape)
+                shape[split.dim] //= tp
+                shapes[id(p)] = tuple(shape)
     if problems:
         raise ValueError(
             f"tensor parallelism over {tp} ranks needs these sizes to divide by {tp}, and they do not: "
             f"{fmt_list(problems)}. Choose a TP size that divides the model's heads, KV heads, MLP width and "
             "vocabulary"
         )
-
-
-def _check_modules(model: nn.Module, styles: dict[str, ParallelStyle | None]) -> None:
-    modules = dict(model.named_modules())
-    wrong = []
-    for name, style in styles.items():
-        module = modules[name]
-        if style is None or not hasattr(style, "input_layouts"):
-            continue  # our own replicated style, or a user's ParallelStyle: its business
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            wrong.append(f"{name} ({type(module).__name__})")
-    if wrong:
-        raise ValueError(
-            "colwise / rowwise tensor parallelism splits nn.Linear and nn.Embedding weights; these plan entries are "
-            f"other modules: {fmt_list(wrong)}"
-        )
+    return shapes
 
 
 def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
@@ -202,58 +170,47 @@ def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
 
 
 def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[str, ParallelStyle | None]]:
+    """Every module the plan names, with its style as given and as a torch style; a pattern of a plan the user
+    passed that matches no module is an error."""
+    strict = not isinstance(plan, str)
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
-        raw = model_tp_plan(model)
-        if not raw:
+        plan = model_tp_plan(model)
+        if not plan:
             raise ValueError(
                 f"{type(model).__name__} has no tensor-parallel plan of its own (no base_model_tp_plan in its config); "
                 "pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
             )
-        chosen = _concrete(model, raw, strict=False)
-    elif isinstance(plan, Mapping):
-        chosen = _concrete(model, plan, strict=True)
-    else:
+    elif not isinstance(plan, Mapping):
         raise TypeError(f"plan must be 'auto' or a mapping, got {type(plan).__name__}")
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters()}
+    chosen: dict[str, Any] = {}
+    unmatched = []
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensor-parallel plan keys are module-name patterns (str), got {key!r}")
+        rx = _pattern(key)
+        hits = [n for n in modules if n and rx.fullmatch(n)]
+        if not hits:
+            if any(rx.fullmatch(p) for p in params):
+                raise ValueError(
+                    f"tensor-parallel plan entry {key!r} names a parameter, not a module: apply_tensor_parallel "
+                    "shards whole modules (name the module that owns it)"
+                )
+            unmatched.append(key)
+        for n in hits:
+            chosen[n] = style  # a later, more specific entry wins, as in a dict update
+    if strict and unmatched:
+        raise ValueError(f"tensor-parallel plan entries match no module of {type(model).__name__}: {unmatched}")
     return chosen, {name: resolve_style(style, name) for name, style in chosen.items()}
 
 
-def _output_head(model: nn.Module) -> str:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Linear):
-        raise ValueError(
-            f"loss_parallel=True needs the output head as an nn.Linear from model.get_output_embeddings(); "
-            f"{type(model).__name__} gives {type(head).__name__}"
-        )
-    return next(n for n, m in model.named_modules() if m is head)
-
-
 def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
-    """What each parameter would become on one TP rank (by ``id``), without a mesh: for planning.
-
-    The same checks as `apply_tensor_parallel` (divisibility, supported styles) run first.
-    Parameters the plan does not split are left out (they stay whole on every TP rank).
-    """
-    _, styles = _resolve(model, plan)
-    _check_modules(model, styles)
-    _check_divisible(model, styles, tp)
-    modules = dict(model.named_modules())
-    shapes: dict[int, tuple[int, ...]] = {}
-    for name, style in styles.items():
-        module = modules[name]
-        placement = weight_placement(module, style)
-        for pname, p in module.named_parameters(recurse=False):
-            if pname == "weight":
-                split = placement
-            else:  # a colwise Linear's bias is split with its outputs; other biases stay whole
-                split = placement if (hasattr(placement, "dim") and placement.dim == 0 and p.ndim == 1) else None
-            if hasattr(split, "dim") and p.ndim > split.dim:
-                shape = list(p.shape)
-                shape[split.dim] //= tp
-                shapes[id(p)] = tuple(shape)
-    return shapes
+    """Each split parameter's shape on one TP rank (by ``id``; unsplit ones left out), without a mesh: for planning,
+    after the same checks as `apply_tensor_parallel`."""
+    return _split_shapes(model, _resolve(model, plan)[1], tp)
 
 
 def apply_tensor_parallel(
@@ -268,45 +225,41 @@ def apply_tensor_parallel(
             an error.
         mesh: from ``fsdp2kit.make_mesh(shard=..., tp=...)``: the ``"tp"`` dimension is used here,
             the data-parallel ones by `shard_model`.
-        plan: ``"auto"``: the model's own transformers plan (the config's ``base_model_tp_plan``:
-            q/k/v and gate/up column-wise, o/down row-wise; the input embeddings split over the
-            vocabulary; the head's ``_tp_plan``, column-wise with the logits gathered). Or a
-            mapping from module-name patterns (``*`` is one name segment, e.g.
-            ``"model.layers.*.mlp.up_proj"``) to a style name (``"colwise"``, ``"rowwise"``,
-            ``"colwise_gather_output"``, ``"embedding_rowwise"``, ... see
-            `fsdp2kit.parallel.styles.STYLE_NAMES`) or a torch ``ParallelStyle``.
-
-        loss_parallel: keep the output head's logits split over the vocabulary (a DTensor
-            sharded on its last dim) instead of gathering them, so the full ``batch x seq x
-            vocab`` logits never exist on one rank. Compute the loss inside
-            ``torch.distributed.tensor.parallel.loss_parallel()`` (cross-entropy on the split
-            logits, and its backward). The head is ``model.get_output_embeddings()``.
+        plan: ``"auto"``: the model's own transformers plan (the config's ``base_model_tp_plan``, the
+            input embeddings split over the vocabulary, the head's ``_tp_plan``). Or a mapping from
+            module-name patterns (``*`` is one name segment, e.g. ``"model.layers.*.mlp.up_proj"``) to
+            a style name (`fsdp2kit.parallel.styles.STYLE_NAMES`: ``"colwise"``, ``"rowwise"``, ...)
+            or a torch ``ParallelStyle``.
+        loss_parallel: keep the head's logits split over the vocabulary (a DTensor sharded on its
+            last dim), so the full ``batch x seq x vocab`` logits never exist on one rank; compute
+            the loss inside ``torch.distributed.tensor.parallel.loss_parallel()``. The head is
+            ``model.get_output_embeddings()``.
 
     Checked before any collective: the mesh has a ``tp`` dimension; every entry of a plan you
     pass matches a module; heads, key/value heads, MLP width and vocabulary divide by the TP
-    size (each is named when it does not); a tied weight (embeddings shared with the head) is
-    split the same way by every module using it, and stays one parameter afterwards.
+    size (each is named when it does not); a tied weight is split the same way by every module
+    using it, and stays one parameter afterwards.
 
-    Attention must compute with the heads it is given: transformers' attention reshapes its
-    projections to ``(..., -1, head_dim)``, so after q/k/v are split each rank runs its own
-    ``heads / tp`` query heads and ``kv_heads / tp`` key/value heads, and the GQA group size
-    (their ratio) is unchanged. A hand-written attention that reshapes with a stored head count
-    must do the same.
-
-    Every rank must build the same model (same seed), as for `shard_model`: each keeps its own
-    slice of its own copy, nothing is broadcast. The ranks of one TP group compute on the same
-    batch; give each data-parallel group (``mesh["shard"]`` coordinate) its own.
+    Attention runs on each rank's ``heads / tp`` heads (README.md, Tensor parallelism). Every rank
+    builds the same model (same seed) and keeps its slice of its own copy: nothing is broadcast.
+    The ranks of one TP group compute on the same batch.
     """
     tp_mesh = _tp_mesh(mesh)
     _check_order(model)
     chosen, styles = _resolve(model, plan)
     if loss_parallel:
-        head_name = _output_head(model)
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"loss_parallel=True needs the output head as an nn.Linear from model.get_output_embeddings(); "
+                f"{type(model).__name__} gives {type(head).__name__}"
+            )
+        head_name = next(n for n, m in model.named_modules() if m is head)
         chosen[head_name] = "colwise (loss parallel)"
         styles[head_name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     tp = tp_mesh.size()
-    _check_modules(model, styles)
-    _check_divisible(model, styles, tp)
+    _split_shapes(model, styles, tp)
     groups = tied_slots(model)
     _check_ties(groups, styles)
 
@@ -324,8 +277,3 @@ def apply_tensor_parallel(
     labels = {n: s if isinstance(s, str) else type(s).__name__ for n, s in chosen.items()}
     setattr(model, TENSOR_PARALLEL, {"tp": tp, "plan": labels})
     return model
-
-
-def tensor_parallel_info(model: nn.Module) -> dict | None:
-    """``{"tp": size, "plan": {module: style}}`` for a model `apply_tensor_parallel` changed, else None."""
-    return getattr(model, TENSOR_PARALLEL, None)

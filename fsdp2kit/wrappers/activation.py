@@ -24,7 +24,6 @@ __all__ = [
     "apply_activation_checkpointing",
     "op_policy",
     "resolve_ac_mode",
-    "selective_policy",
 ]
 
 AC_MODES = ("full", "selective", "op")
@@ -41,9 +40,10 @@ def _ops(*names: str, namespace: str = "aten") -> frozenset:
     return frozenset(found)
 
 
-# The selective policy saves these ops' outputs and recomputes every other op: matmuls (float8's _scaled_mm
-# too), each backend's fused attention, and max (float8 scaling's amax: one number to save, a whole tensor
-# to re-read).
+# The selective policy saves these ops' outputs and recomputes every other op (torch's policy for a list:
+# MUST_SAVE these, PREFER_RECOMPUTE the rest, so torch.compile may keep a recomputable tensor that a fused kernel
+# produces anyway): matmuls (float8's _scaled_mm too), each backend's fused attention, and max (float8
+# scaling's amax: one number to save, a whole tensor to re-read).
 SELECTIVE_SAVE: frozenset = _ops(
     "mm.default",
     "addmm.default",
@@ -57,12 +57,6 @@ SELECTIVE_SAVE: frozenset = _ops(
     "_scaled_dot_product_fused_attention_overrideable.default",
     "max.default",
 )
-
-
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save the outputs of `SELECTIVE_SAVE` ops, recompute the rest (``PREFER_``: torch.compile may keep a
-    recomputable tensor that a fused kernel produces anyway)."""
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # The "op" policy is torchtitan's per-op selective AC (`_apply_op_sac` with llama3's `_op_sac_save_list`):
@@ -115,7 +109,7 @@ _RUN = {
     "selective": functools.partial(
         checkpoint,
         use_reentrant=False,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy),
+        context_fn=functools.partial(create_selective_checkpoint_contexts, list(SELECTIVE_SAVE)),
     ),
     # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
     "op": functools.partial(

@@ -18,15 +18,12 @@ __all__ = ["enable_float8"]
 _MULTIPLE = 16  # torch._scaled_mm needs both matmul dimensions divisible by 16
 
 
-class _RefreshScales:
-    """Forward pre-hook: recompute the float8 weight scales (one all-reduce) when any weight's version changed;
+def _refresh_scales(layers: list[nn.Module]) -> Callable:
+    """A forward pre-hook: recompute the float8 weight scales (one all-reduce) when any weight's version changed;
     every rank runs the same optimizer steps, so every rank takes the same branch."""
+    seen: list[tuple[int, int]] = []
 
-    def __init__(self, layers: list[nn.Module]):
-        self.layers = layers
-        self.versions: list[tuple[int, int]] | None = None
-
-    def __call__(self, module: nn.Module, args) -> None:
+    def hook(module: nn.Module, args) -> None:
         from torch.distributed.tensor import DTensor
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -34,16 +31,18 @@ class _RefreshScales:
         # the last block gathered after a forward without backward) is skipped here and by
         # torchao, and its scale is refreshed once it is sharded again (its identity joins the key).
         # None sharded (yet): Float8Linear computes each scale in its forward.
-        weights = [layer.weight for layer in self.layers if isinstance(layer.weight, DTensor)]
+        weights = [layer.weight for layer in layers if isinstance(layer.weight, DTensor)]
         versions = [(id(w), w._version) for w in weights]
-        if weights and versions != self.versions:
+        if weights and versions != seen:
             precompute_float8_dynamic_scale_for_fsdp(module)
-            self.versions = versions
+            seen[:] = versions
+
+    return hook
 
 
 def _check_tokens(module: nn.Module, args) -> None:
     """Forward pre-hook of a float8 Linear: on CUDA the tokens must be a multiple of 16 (the weight gradient's
-    ``_scaled_mm`` runs over them), said here in user terms rather than as a shape error in backward."""
+    ``_scaled_mm`` runs over them), said in user terms, not as a shape error in backward."""
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.is_cuda and x.dim() >= 2:
         tokens = x.numel() // x.shape[-1]
@@ -117,5 +116,5 @@ def enable_float8(
     for layer in layers:
         layer.register_forward_pre_hook(_check_tokens)
     if fsdp_all_gather:
-        model.register_forward_pre_hook(_RefreshScales(layers))
+        model.register_forward_pre_hook(_refresh_scales(layers))
     return model
