@@ -260,13 +260,15 @@ def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module,
         mixed_precision=prec,
         cpu_offload=s.cpu_offload,
     )
+    if s.replicate_adapters:  # here, so predict_step(memory_plan=...) refuses what plan_settings does
+        check_replicable(model, s.cpu_offload)
     return model, plan
 
 
 def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
     model, plan = trained_plan(model, s, cache)
-    kept = frozenset(id(p) for p in check_replicable(model, s.cpu_offload)) if s.replicate_adapters else frozenset()
+    kept = frozenset(id(p) for p in model.parameters() if p.requires_grad) if s.replicate_adapters else frozenset()
     prec = plan.precision
     compute = prec.compute_dtype
     shard_size = plan.mesh_shape[-1]
