@@ -163,6 +163,16 @@ def _half_added(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, tail], dim=2)
 
 
+def _ring_kv(i: int, cp: int, k: torch.Tensor, v: torch.Tensor, every: torch.Tensor | None) -> tuple:
+    """Ring step ``i`` (forward and backward alike): k and v concatenated at every step but the last and
+    all-gathered at the first (``every``); the k, v blocks it attends to (after the first, views of ``every``)."""
+    if i < cp - 1:
+        sent = torch.cat([k.flatten(), v.flatten()])
+        every = sent.new_empty(cp * sent.numel()) if every is None else every
+        del sent
+    return every, *((k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0]))
+
+
 class _RingAttention(torch.autograd.Function):
     """Attention as `fsdp2kit.apply_context_parallel`'s ring style runs it on a rank (parallel/context_parallel.py,
     ``_Ring``), on meta tensors: the buffers torch's ring allocates, in its order, as
@@ -180,11 +190,7 @@ class _RingAttention(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()
         every = out = lse = None  # the rotater's gathered k and v; the merger's output and log-sum-exp
         for i in range(cp):
-            if i < cp - 1:  # k and v concatenated at every step but the last, all-gathered at the first
-                sent = torch.cat([k.flatten(), v.flatten()])
-                every = sent.new_empty(cp * sent.numel()) if every is None else every
-                del sent
-            kb, vb = (k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0])  # views of `every`
+            every, kb, vb = _ring_kv(i, cp, k, v, every)
             # the block's output stays referenced until the next block's, as torch's loop variable
             o, o_lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, kb, vb, None, True, 0.0, i == 0)[:2]
             o32, l32 = o.float(), o_lse.unsqueeze(-1)
@@ -207,11 +213,7 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         every = sent = arrived = None  # gathered k and v; the dk, dv sent (torch's next_grad_kv) and arriving
         for i in range(ctx.cp):
-            if i < ctx.cp - 1:
-                kv = torch.cat([k.flatten(), v.flatten()])
-                every = kv.new_empty(ctx.cp * kv.numel()) if every is None else every
-                del kv
-            kb, vb = (k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0])
+            every, kb, vb = _ring_kv(i, ctx.cp, k, v, every)
             dq_, dk_, dv_ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
                 grad, q, kb, vb, None, out, lse, seed, seed, 0.0, (True, True, True, False), i == 0
             )[:3]
