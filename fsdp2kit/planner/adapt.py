@@ -1,7 +1,5 @@
-"""The model as training will change it, built on the meta device: LoRA adapters, an NF4 base, a TP rank's slices.
-
-The planner records and replays it like any other model, so a LoRA, QLoRA or TP plan is traced, not scaled.
-"""
+"""The model as training will change it, built on the meta device: LoRA adapters, an NF4 base, a TP rank's slices
+(docs/memory_planner.md, "Tensor parallelism, LoRA, QLoRA")."""
 
 from __future__ import annotations
 
@@ -21,10 +19,8 @@ def lora_model(
     targets: str | tuple[str, ...] = "all-linear",
     compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """A meta copy of ``model`` as the recipe's ``[lora]`` table makes it: the base in bf16 under bf16
-    compute and in fp32 otherwise (recipes/support/lora.py), its block Linears in NF4 with ``qlora``,
-    and rank-``r`` fp32 peft adapters on ``targets`` (`fsdp2kit.apply_lora`'s: ``"all-linear"`` is
-    every Linear but the head)."""
+    """A meta copy of ``model`` as the recipe's ``[lora]`` table makes it: the base in bf16 under bf16 compute, else
+    fp32, block Linears in NF4 with ``qlora``, rank-``r`` fp32 peft adapters on ``targets``."""
     from fsdp2kit.weights.adapters import apply_lora
     from fsdp2kit.weights.nf4 import quantize_nf4
 

@@ -101,9 +101,8 @@ def check_cp_style(style: str) -> None:
 
 
 def check_cp_heads(model: nn.Module, cp: int, tp: int = 1, style: str = "all_to_all") -> None:
-    """The heads check `fsdp2kit.apply_context_parallel` makes before any collective, on the model's
-    config (one TP rank's heads with ``tp``); a model without one is checked when its attention is traced.
-    The ring splits no heads: none."""
+    """`fsdp2kit.apply_context_parallel`'s heads check on the model's config (one TP rank's heads); without a
+    config, the trace checks them; the ring splits no heads."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     if cp == 1 or style == "ring" or not isinstance(heads, int):
@@ -145,9 +144,8 @@ def plan_shards(
     qlora: bool = False,
     lora_targets: str | tuple[str, ...] = "all-linear",
 ) -> ShardPlan:
-    """The `ShardPlan` of ``model`` as the run trains it, without a process group: `fsdp2kit.estimate_plan` of the
-    model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model), over a
-    ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
+    """`fsdp2kit.estimate_plan` of ``model`` with ``lora`` adapters as `plan_memory` puts them (the two plans count
+    one model), over a ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r}: expected a positive int")
     check_cp_style(cp_style)

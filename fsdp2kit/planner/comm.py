@@ -117,12 +117,8 @@ def comm_of_plan(
     accumulation: str = "regather",
     replicate_adapters: bool = False,
 ) -> CommPlan:
-    """The FSDP collectives of one optimizer step of ``model`` (as it trains: a peft model with its adapters, under
-    TP one TP rank's slices, `fsdp2kit.planner.adapt`) sharded as ``plan`` (its `ShardPlan`) says, for
-    ``micro_batches`` forward + backward passes under an `fsdp2kit.accumulate` policy (docs/accumulation.md).
-    ``replicate_adapters``: the trainable parameters are whole on every rank (`fsdp2kit.shard_model`'s option),
-    one all-reduce a step per data-parallel group and dtype, counted with the root unit. Needs no process
-    group; nothing is allocated."""
+    """The FSDP collectives of one optimizer step of ``model`` (as it trains, `fsdp2kit.planner.adapt`) sharded as
+    ``plan`` says, ``micro_batches`` passes under an `fsdp2kit.accumulate` policy (docs/accumulation.md)."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: expected a positive int")
     fwd, bwd, n_rs, n_ar = _counts(accumulation, micro_batches)

@@ -88,10 +88,8 @@ def count_flops(
     compute_dtype: torch.dtype | None,
     activation_checkpointing: str | int | None,
 ) -> tuple[list[UnitFlops], list[int]]:
-    """`UnitFlops` for each unit of ``unit_names`` (module names, as `estimate_plan` orders units), for one
-    forward + backward of ``batch`` x ``seq`` tokens. A unit is charged the FLOPs of the ops that run while it
-    is the innermost unit in forward (or recomputing), and in backward from its output's gradient on.
-    Also the units' forward order (first entry; the root first), for the overlap model."""
+    """`UnitFlops` for each unit of ``unit_names`` in one step of ``batch`` x ``seq`` tokens, and the units' forward
+    order, the root first (which unit is charged what: docs/step_time.md, "The model")."""
     # Identical blocks cost identical FLOPs: run the first, one that stands for the middle ones, and the last.
     clone, modules, kept, repeat = step_model(model, compute_dtype, activation_checkpointing, lead=1)
 

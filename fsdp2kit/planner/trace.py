@@ -31,8 +31,8 @@ _LEAD = 3
 
 @dataclass
 class Recording:
-    """The events of one step. Op runs are ``("ops", rise, net)``: the highest live bytes above the
-    previous level within the run, and the level at its end, both relative to the previous level."""
+    """The events of one step; op runs are ``("ops", rise, net)``: the run's highest and final live bytes, both
+    relative to the level before it."""
 
     events: list[tuple] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)  # names of the blocks that ran, in forward order
@@ -65,10 +65,8 @@ def meta_copy(
     shapes: dict[int, tuple[int, ...]] | None = None,
     own_dtype: frozenset[int] = frozenset(),
 ) -> nn.Module:
-    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as they are;
-    those whose id is in ``own_dtype`` keep theirs, as replicated adapters outside FSDP's cast do), with only
-    the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
-    (a tensor-parallel rank's slices). NF4 weights become (or stay) meta NF4 placeholders."""
+    """A meta deep copy of ``model``: floating parameters in ``dtype`` (None, or id in ``own_dtype``: theirs), only the
+    blocks in ``keep``, parameters (by id) in ``shapes`` so shaped (a TP rank's slices), NF4 as meta NF4."""
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
     for t in list(model.parameters()) + list(model.buffers()):
@@ -174,15 +172,8 @@ def _ring_kv(i: int, cp: int, k: torch.Tensor, v: torch.Tensor, every: torch.Ten
 
 
 class _RingAttention(torch.autograd.Function):
-    """Attention as `fsdp2kit.apply_context_parallel`'s ring style runs it on a rank (parallel/context_parallel.py,
-    ``_Ring``), on meta tensors: the buffers torch's ring allocates, in its order, as
-    torch/distributed/tensor/experimental/_context_parallel/_attention.py (torch 2.13) has them.
-    ``_templated_ring_attention``: k and v concatenated and all-gathered once (``_AllGatherRotater``, the default
-    rotation: every rank's k and v held at once), each block's output and log-sum-exp merged in fp32
-    (``_SDPAMerger``, ``convert_to_f32``). ``_templated_ring_attention_backward``: k and v all-gathered again; dq,
-    dk, dv accumulated in fp32; dk and dv sent on round the ring after every block (``_AllToAllRotater``, cp
-    hops: they end at their owner). Traced as the last cp rank: after the first block each step runs its whole q
-    against half a k/v block (the load balance's ``i <= rank``), the largest outputs."""
+    """The ring style's attention on the last cp rank (the largest blocks), allocating what torch 2.13's ring does,
+    in its order (docs/memory_planner.md, "The ring style")."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp):
@@ -273,11 +264,8 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
-    """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How"), diverted for
-    this thread only (`divert`; not a TorchFunctionMode: none is active while backward recomputes checkpointed
-    blocks): transformers' tracing guesses (a seq x seq mask, packed positions) say no, as for plain causal
-    batches; SDPA runs the CPU flash kernel, not the math path (which saves the weights); MoE experts take
-    transformers' fallback op where torch's meta grouped_mm (bf16 only) cannot run: the same saved tensors."""
+    """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How" and "MoE"),
+    diverted for this thread only: not a TorchFunctionMode, none is active while backward recomputes a block."""
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
         for name, answer in (("is_tracing", False), ("find_packed_sequence_indices", None)):
@@ -305,10 +293,8 @@ def step_model(
     lead: int | None,
     own_dtype: frozenset[int] = frozenset(),
 ) -> tuple[nn.Module, dict[str, nn.Module], list[str], int]:
-    """A meta copy of ``model`` set up for a training step: ``(copy, its modules by the original's names, the
-    kept blocks' names, repeat)``, the parameters in ``own_dtype`` not cast (`meta_copy`). With ``lead`` and
-    identical blocks after the first ``lead``, only those, ``blocks[lead]`` (standing for the ``repeat`` middle
-    blocks that do not run) and the last are kept."""
+    """``(meta copy set up for a step, its modules by the original's names, kept blocks' names, repeat)``; with ``lead``
+    and identical blocks after it, only ``blocks[:lead + 1]`` (the last standing for ``repeat``) and the last run."""
     from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 
     blocks = find_blocks(model)
@@ -356,11 +342,8 @@ def record_step(
     cp_style: str = "all_to_all",
     own_dtype: frozenset[int] = frozenset(),
 ) -> Recording:
-    """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
-
-    Events name units by their index in ``unit_names`` (each unit's module names, children first). ``seq``
-    is the tokens a rank holds: with ``cp > 1``, its share of a ``seq * cp``-token sequence, attention run
-    as `fsdp2kit.apply_context_parallel`'s ``cp_style`` does; the parameters in ``own_dtype`` in their dtype."""
+    """One forward + backward of a meta copy of ``model``, its memory events naming units by index in ``unit_names``;
+    ``seq``: a rank's tokens (with ``cp > 1``, its share, attention as ``cp_style`` runs it)."""
     clone, modules, kept_names, repeat = step_model(
         model, compute_dtype, activation_checkpointing, _LEAD if truncate else None, own_dtype
     )
