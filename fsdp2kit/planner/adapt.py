@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from fsdp2kit.planner.trace import meta_copy
 
-__all__ = ["lora_model", "tp_local_model"]
+__all__ = ["lora_model", "tp_local_model", "trained_model"]
 
 
 def lora_model(
@@ -47,3 +47,12 @@ def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
         # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
         head.register_forward_hook(lambda module, args, output: torch.cat([output] * tp, dim=-1))
     return work
+
+
+def trained_model(
+    model: nn.Module, *, lora: int | None, qlora: bool, targets, tp: int, compute_dtype: torch.dtype | None
+) -> nn.Module:
+    """``model`` as the run trains it: with rank-``lora`` adapters (`lora_model`), then one TP rank's slices."""
+    if lora is not None:
+        model = lora_model(model, r=lora, qlora=qlora, targets=targets, compute_dtype=compute_dtype)
+    return tp_local_model(model, tp) if tp > 1 else model

@@ -16,7 +16,7 @@ from fsdp2kit.models import max_positions
 from fsdp2kit.parallel.context_parallel import RING_PACKED, STYLES, check_heads, check_ring_seq
 from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.plan import ShardPlan
-from fsdp2kit.planner.adapt import lora_model, tp_local_model
+from fsdp2kit.planner.adapt import lora_model, trained_model
 from fsdp2kit.planner.held import micro_batch_units
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, rank_shards, units_for
 from fsdp2kit.planner.report import PART_NAMES, MemoryPlan
@@ -441,10 +441,8 @@ def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None
         return model
     key = ("as trained", id(model), s.lora, s.qlora, s.lora_targets, s.tp, compute_dtype)
     if key not in cache:
-        work = model
-        if s.lora is not None:
-            work = lora_model(work, r=s.lora, qlora=s.qlora, targets=s.lora_targets, compute_dtype=compute_dtype)
-        if s.tp > 1:
-            work = tp_local_model(work, s.tp)
+        work = trained_model(
+            model, lora=s.lora, qlora=s.qlora, targets=s.lora_targets, tp=s.tp, compute_dtype=compute_dtype
+        )
         cache[key] = (model, work)  # the model too: its id must not be reused while the key lives
     return cache[key][1]

@@ -206,17 +206,14 @@ def plan_comm(
     """Predict every FSDP collective of one optimizer step: `comm_of_plan` of the model as the run trains it (the
     arguments as for `fsdp2kit.plan_memory` / `fsdp2kit.shard_model`; ``model`` is not changed, and may be on the
     meta device). Example and what each collective carries: docs/accumulation.md, "Predicting them"."""
-    from fsdp2kit.planner.adapt import lora_model, tp_local_model
+    from fsdp2kit.planner.adapt import trained_model
     from fsdp2kit.planner.api import check_lora
     from fsdp2kit.precision import resolve_precision
     from fsdp2kit.shard import estimate_plan
 
     check_lora(lora, qlora, lora_targets, tp)
-    if lora is not None:
-        compute = resolve_precision(mixed_precision).compute_dtype
-        model = lora_model(model, r=lora, qlora=qlora, targets=lora_targets, compute_dtype=compute)
-    if tp > 1:
-        model = tp_local_model(model, tp)
+    compute = resolve_precision(mixed_precision).compute_dtype
+    model = trained_model(model, lora=lora, qlora=qlora, targets=lora_targets, tp=tp, compute_dtype=compute)
     plan = estimate_plan(
         model,
         shard=shard,

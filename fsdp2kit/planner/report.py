@@ -87,9 +87,7 @@ class MemoryPlan:
 
     def __str__(self) -> str:
         c = self.config
-        mesh = f"shard={c['shard']}" + (f" x replicate={c['replicate']}" if c.get("replicate", 1) > 1 else "")
-        mesh += f" x cp={c['cp']}" if c.get("cp", 1) > 1 else ""
-        mesh += f" x tp={c['tp']}" if c.get("tp", 1) > 1 else ""
+        mesh = f"shard={c['shard']}" + "".join(f" x {k}={c[k]}" for k in ("replicate", "cp", "tp") if c.get(k, 1) > 1)
         head = (
             f"Memory plan: {c.get('model', '')} on {mesh}, batch {c['batch']} x seq {c['seq']}, "
             f"AC {_ac_name(c['activation_checkpointing'])}, precision {c['mixed_precision'] or 'as built'}, "
