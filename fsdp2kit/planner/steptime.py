@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp2kit.planner.comm import Collective, comm_of_plan
+from fsdp2kit.planner.comm import Collective, comm_of_settings
 from fsdp2kit.planner.flops import UnitFlops, count_flops
 from fsdp2kit.planner.hardware import Hardware
 
@@ -181,13 +181,7 @@ def predict_step(
         # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
         # (all-to-all style): 1 / cp of every matmul, whatever its kind.
         flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
-    comm = comm_of_plan(
-        trained,
-        plan,
-        micro_batches=s.grad_accum,
-        accumulation=accumulation or s.accumulation,
-        replicate_adapters=s.replicate_adapters,
-    )
+    comm = comm_of_settings(model, s, accumulation=accumulation, cache=cache)
     itemsize = (compute or next(model.parameters()).dtype).itemsize
     acts = activation_collectives(model, unit_names, s, itemsize, trained=trained)
     memory_plan = memory_plan or plan_settings(model, s, cache)
