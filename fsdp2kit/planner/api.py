@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.accumulation import check_accumulation
-from fsdp2kit.blocks import find_blocks
 from fsdp2kit.models import max_positions
 from fsdp2kit.parallel.context_parallel import RING_PACKED, STYLES, check_heads, check_ring_seq
 from fsdp2kit.parallel.cp_inputs import check_seq
@@ -21,7 +20,7 @@ from fsdp2kit.planner.held import micro_batch_units
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, rank_shards, units_for
 from fsdp2kit.planner.report import PART_NAMES, MemoryPlan
 from fsdp2kit.planner.timeline import replay
-from fsdp2kit.planner.trace import record_step
+from fsdp2kit.planner.trace import block_names, record_step
 from fsdp2kit.precision import resolve_precision
 from fsdp2kit.replicated import check_replicable
 from fsdp2kit.shard import estimate_plan
@@ -271,8 +270,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     compute = prec.compute_dtype
     shard_size = plan.mesh_shape[-1]
     unit_names = [list(u.modules) for u in plan.units]
-    names_of = {id(m): n for n, m in model.named_modules()}
-    block_names = [names_of[id(b)] for b in find_blocks(model)]
+    blocks = block_names(model)
     # Replicated adapters are outside FSDP's mixed-precision cast: they compute in their own dtype (fp32).
     key = (id(model), s.batch, s.seq, s.cp, s.cp_style, s.activation_checkpointing, compute, bool(kept))
     if key not in cache:
@@ -303,7 +301,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             rec,
             us,
             unit_names,
-            block_names,
+            blocks,
             world=shard_size,
             prefetch=s.prefetch,
             clone_reduce_input=gloo,

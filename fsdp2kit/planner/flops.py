@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fsdp2kit.blocks import find_blocks
-from fsdp2kit.planner.trace import _as_a_real_step, on_output_grad, step_model, unit_modules
+from fsdp2kit.planner.trace import _as_a_real_step, block_names, on_output_grad, step_model, unit_modules
 
 __all__ = ["UnitFlops", "count_flops"]
 
@@ -148,8 +147,7 @@ def count_flops(
     if repeat:
         unit_of = {n: i for i, names in enumerate(unit_names) for n in names}
         stand_in = flops[unit_of[kept[1]]]
-        names_of = {id(m): n for n, m in model.named_modules()}
-        middle = [unit_of[names_of[id(b)]] for b in find_blocks(model)[2:-1]]
+        middle = [unit_of[n] for n in block_names(model)[2:-1]]
         for i in middle:
             flops[i] = UnitFlops(stand_in.forward, stand_in.backward, stand_in.recompute)
         at = order.index(unit_of[kept[1]]) + 1

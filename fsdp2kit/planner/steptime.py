@@ -13,6 +13,7 @@ import torch.nn as nn
 from fsdp2kit.planner.comm import Collective, comm_of_settings
 from fsdp2kit.planner.flops import UnitFlops, count_flops
 from fsdp2kit.planner.hardware import Hardware
+from fsdp2kit.planner.trace import block_names
 
 __all__ = ["DEFAULT_PRICE", "StepTime", "default_nodes", "predict_step", "simulate"]
 
@@ -282,7 +283,6 @@ def activation_collectives(
 ) -> list[list[tuple]]:
     """Per unit, one micro-batch's TP and CP collectives on activations, ``(phase, kind, group, bytes)``
     (docs/step_time.md); ``unit_names`` name ``trained``'s modules (``model``'s if not given)."""
-    from fsdp2kit.blocks import find_blocks
     from fsdp2kit.parallel.tensor_parallel import _pattern, model_tp_plan
 
     tokens = s.batch * s.seq // s.cp  # a rank's, with the whole batch (tp ranks share it)
@@ -308,10 +308,8 @@ def activation_collectives(
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    trained = model if trained is None else trained
-    names_of = {id(m): n for n, m in trained.named_modules()}
-    for block in find_blocks(trained):
-        unit = unit_of(names_of[id(block)])
+    for name in block_names(model if trained is None else trained):
+        unit = unit_of(name)
         if s.cp_style == "ring":
             # torch's ring (planner/trace.py, _RingAttention): k and v, repeated to the query heads, all-gathered in
             # forward and again in backward; dk and dv, in fp32, sent on to the next rank cp times

@@ -22,7 +22,7 @@ from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "meta_copy", "record_step", "step_model", "unit_modules"]
+__all__ = ["Recording", "block_names", "meta_copy", "record_step", "step_model", "unit_modules"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two hold a little
 # more than the rest (the embedding's and first block's outputs are still referenced), measured on Llama.
@@ -45,12 +45,18 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, callback, *tensors):
         ctx.callback = callback
-        return tensors if len(tensors) > 1 else tensors[0]
+        return tensors
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s repeated blocks (`find_blocks`), in order."""
+    names_of = {id(m): n for n, m in model.named_modules()}
+    return [names_of[id(b)] for b in find_blocks(model)]
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -316,11 +322,10 @@ def step_model(
         activation_checkpointing(clone)
     elif activation_checkpointing is not None:
         apply_activation_checkpointing(clone, mode=activation_checkpointing)
-    names_of = {id(m): n for n, m in model.named_modules()}
-    kept = [names_of[id(b)] for b in (keep or blocks)]
+    names = block_names(model)
+    kept = names if keep is None else [*names[: lead + 1], names[-1]]
     # In the copy, the kept blocks are renumbered (layers.0, layers.1, layers.2): map them back.
-    clone_name = {id(m): n for n, m in clone.named_modules()}
-    rename = {clone_name[id(c)]: k for c, k in zip(find_blocks(clone), kept)}
+    rename = dict(zip(block_names(clone), kept))
     return clone, {rename.get(n, n): m for n, m in clone.named_modules()}, kept, repeat
 
 
@@ -395,7 +400,7 @@ def record_step(
 
             args = list(args)
             wrapped = _PostBackward.apply(post_backward, *[args[i] for i in grad_inputs])
-            for i, w in zip(grad_inputs, wrapped if isinstance(wrapped, tuple) else (wrapped,)):
+            for i, w in zip(grad_inputs, wrapped):
                 args[i] = w
             return tuple(args), kwargs
 
