@@ -1,7 +1,5 @@
-"""The model as training will change it, built on the meta device: LoRA adapters, an NF4 base, a TP rank's slices.
-
-The planner records and replays it like any other model, so a LoRA, QLoRA or TP plan is traced, not scaled.
-"""
+"""The model as training will change it, built on the meta device: LoRA adapters, an NF4 base, a TP rank's slices
+(docs/memory_planner.md, "Tensor parallelism, LoRA, QLoRA")."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ import torch.nn as nn
 
 from fsdp2kit.planner.trace import meta_copy
 
-__all__ = ["lora_model", "tp_local_model"]
+__all__ = ["lora_model", "tp_local_model", "trained_model"]
 
 
 def lora_model(
@@ -21,10 +19,8 @@ def lora_model(
     targets: str | tuple[str, ...] = "all-linear",
     compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """A meta copy of ``model`` as the recipe's ``[lora]`` table makes it: the base in bf16 under bf16
-    compute and in fp32 otherwise (recipes/support/lora.py), its block Linears in NF4 with ``qlora``,
-    and rank-``r`` fp32 peft adapters on ``targets`` (`fsdp2kit.apply_lora`'s: ``"all-linear"`` is
-    every Linear but the head)."""
+    """A meta copy of ``model`` as the recipe's ``[lora]`` table makes it: the base in bf16 under bf16 compute, else
+    fp32, block Linears in NF4 with ``qlora``, rank-``r`` fp32 peft adapters on ``targets``."""
     from fsdp2kit.weights.adapters import apply_lora
     from fsdp2kit.weights.nf4 import quantize_nf4
 
@@ -51,3 +47,12 @@ def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
         # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
         head.register_forward_hook(lambda module, args, output: torch.cat([output] * tp, dim=-1))
     return work
+
+
+def trained_model(
+    model: nn.Module, *, lora: int | None, qlora: bool, targets, tp: int, compute_dtype: torch.dtype | None
+) -> nn.Module:
+    """``model`` as the run trains it: with rank-``lora`` adapters (`lora_model`), then one TP rank's slices."""
+    if lora is not None:
+        model = lora_model(model, r=lora, qlora=qlora, targets=targets, compute_dtype=compute_dtype)
+    return tp_local_model(model, tp) if tp > 1 else model

@@ -11,17 +11,16 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.accumulation import check_accumulation
-from fsdp2kit.blocks import find_blocks
 from fsdp2kit.models import max_positions
 from fsdp2kit.parallel.context_parallel import RING_PACKED, STYLES, check_heads, check_ring_seq
 from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.plan import ShardPlan
-from fsdp2kit.planner.adapt import lora_model, tp_local_model
+from fsdp2kit.planner.adapt import lora_model, trained_model
 from fsdp2kit.planner.held import micro_batch_units
 from fsdp2kit.planner.parts import OPTIMIZERS, margin_bytes, optimizer_bytes, rank_shards, units_for
 from fsdp2kit.planner.report import PART_NAMES, MemoryPlan
 from fsdp2kit.planner.timeline import replay
-from fsdp2kit.planner.trace import record_step
+from fsdp2kit.planner.trace import block_names, record_step
 from fsdp2kit.precision import resolve_precision
 from fsdp2kit.replicated import check_replicable
 from fsdp2kit.shard import estimate_plan
@@ -101,9 +100,8 @@ def check_cp_style(style: str) -> None:
 
 
 def check_cp_heads(model: nn.Module, cp: int, tp: int = 1, style: str = "all_to_all") -> None:
-    """The heads check `fsdp2kit.apply_context_parallel` makes before any collective, on the model's
-    config (one TP rank's heads with ``tp``); a model without one is checked when its attention is traced.
-    The ring splits no heads: none."""
+    """`fsdp2kit.apply_context_parallel`'s heads check on the model's config (one TP rank's heads); without a
+    config, the trace checks them; the ring splits no heads."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     if cp == 1 or style == "ring" or not isinstance(heads, int):
@@ -145,9 +143,8 @@ def plan_shards(
     qlora: bool = False,
     lora_targets: str | tuple[str, ...] = "all-linear",
 ) -> ShardPlan:
-    """The `ShardPlan` of ``model`` as the run trains it, without a process group: `fsdp2kit.estimate_plan` of the
-    model with ``lora`` adapters as `plan_memory` puts them (so the two plans count one model), over a
-    ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
+    """`fsdp2kit.estimate_plan` of ``model`` with ``lora`` adapters as `plan_memory` puts them (the two plans count
+    one model), over a ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r}: expected a positive int")
     check_cp_style(cp_style)
@@ -260,19 +257,20 @@ def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module,
         mixed_precision=prec,
         cpu_offload=s.cpu_offload,
     )
+    if s.replicate_adapters:  # here, so predict_step(memory_plan=...) refuses what plan_settings does
+        check_replicable(model, s.cpu_offload)
     return model, plan
 
 
 def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     """`plan_memory` for a `Settings`; ``cache`` keeps recordings between calls that share batch, seq, AC and dtype."""
     model, plan = trained_plan(model, s, cache)
-    kept = frozenset(id(p) for p in check_replicable(model, s.cpu_offload)) if s.replicate_adapters else frozenset()
+    kept = frozenset(id(p) for p in model.parameters() if p.requires_grad) if s.replicate_adapters else frozenset()
     prec = plan.precision
     compute = prec.compute_dtype
     shard_size = plan.mesh_shape[-1]
     unit_names = [list(u.modules) for u in plan.units]
-    names_of = {id(m): n for n, m in model.named_modules()}
-    block_names = [names_of[id(b)] for b in find_blocks(model)]
+    blocks = block_names(model)
     # Replicated adapters are outside FSDP's mixed-precision cast: they compute in their own dtype (fp32).
     key = (id(model), s.batch, s.seq, s.cp, s.cp_style, s.activation_checkpointing, compute, bool(kept))
     if key not in cache:
@@ -303,7 +301,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             rec,
             us,
             unit_names,
-            block_names,
+            blocks,
             world=shard_size,
             prefetch=s.prefetch,
             clone_reduce_input=gloo,
@@ -441,10 +439,8 @@ def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None
         return model
     key = ("as trained", id(model), s.lora, s.qlora, s.lora_targets, s.tp, compute_dtype)
     if key not in cache:
-        work = model
-        if s.lora is not None:
-            work = lora_model(work, r=s.lora, qlora=s.qlora, targets=s.lora_targets, compute_dtype=compute_dtype)
-        if s.tp > 1:
-            work = tp_local_model(work, s.tp)
+        work = trained_model(
+            model, lora=s.lora, qlora=s.qlora, targets=s.lora_targets, tp=s.tp, compute_dtype=compute_dtype
+        )
         cache[key] = (model, work)  # the model too: its id must not be reused while the key lives
     return cache[key][1]

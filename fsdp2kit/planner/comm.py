@@ -117,12 +117,8 @@ def comm_of_plan(
     accumulation: str = "regather",
     replicate_adapters: bool = False,
 ) -> CommPlan:
-    """The FSDP collectives of one optimizer step of ``model`` (as it trains: a peft model with its adapters, under
-    TP one TP rank's slices, `fsdp2kit.planner.adapt`) sharded as ``plan`` (its `ShardPlan`) says, for
-    ``micro_batches`` forward + backward passes under an `fsdp2kit.accumulate` policy (docs/accumulation.md).
-    ``replicate_adapters``: the trainable parameters are whole on every rank (`fsdp2kit.shard_model`'s option),
-    one all-reduce a step per data-parallel group and dtype, counted with the root unit. Needs no process
-    group; nothing is allocated."""
+    """The FSDP collectives of one optimizer step of ``model`` (as it trains, `fsdp2kit.planner.adapt`) sharded as
+    ``plan`` says, ``micro_batches`` passes under an `fsdp2kit.accumulate` policy (docs/accumulation.md)."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: expected a positive int")
     fwd, bwd, n_rs, n_ar = _counts(accumulation, micro_batches)
@@ -210,17 +206,14 @@ def plan_comm(
     """Predict every FSDP collective of one optimizer step: `comm_of_plan` of the model as the run trains it (the
     arguments as for `fsdp2kit.plan_memory` / `fsdp2kit.shard_model`; ``model`` is not changed, and may be on the
     meta device). Example and what each collective carries: docs/accumulation.md, "Predicting them"."""
-    from fsdp2kit.planner.adapt import lora_model, tp_local_model
+    from fsdp2kit.planner.adapt import trained_model
     from fsdp2kit.planner.api import check_lora
     from fsdp2kit.precision import resolve_precision
     from fsdp2kit.shard import estimate_plan
 
     check_lora(lora, qlora, lora_targets, tp)
-    if lora is not None:
-        compute = resolve_precision(mixed_precision).compute_dtype
-        model = lora_model(model, r=lora, qlora=qlora, targets=lora_targets, compute_dtype=compute)
-    if tp > 1:
-        model = tp_local_model(model, tp)
+    compute = resolve_precision(mixed_precision).compute_dtype
+    model = trained_model(model, lora=lora, qlora=qlora, targets=lora_targets, tp=tp, compute_dtype=compute)
     plan = estimate_plan(
         model,
         shard=shard,

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fsdp2kit.blocks import find_blocks
-from fsdp2kit.planner.trace import _as_a_real_step, on_output_grad, step_model, unit_modules
+from fsdp2kit.planner.trace import _as_a_real_step, block_names, on_output_grad, step_model, unit_modules
 
 __all__ = ["UnitFlops", "count_flops"]
 
@@ -88,10 +87,8 @@ def count_flops(
     compute_dtype: torch.dtype | None,
     activation_checkpointing: str | int | None,
 ) -> tuple[list[UnitFlops], list[int]]:
-    """`UnitFlops` for each unit of ``unit_names`` (module names, as `estimate_plan` orders units), for one
-    forward + backward of ``batch`` x ``seq`` tokens. A unit is charged the FLOPs of the ops that run while it
-    is the innermost unit in forward (or recomputing), and in backward from its output's gradient on.
-    Also the units' forward order (first entry; the root first), for the overlap model."""
+    """`UnitFlops` for each unit of ``unit_names`` in one step of ``batch`` x ``seq`` tokens, and the units' forward
+    order, the root first (which unit is charged what: docs/step_time.md, "The model")."""
     # Identical blocks cost identical FLOPs: run the first, one that stands for the middle ones, and the last.
     clone, modules, kept, repeat = step_model(model, compute_dtype, activation_checkpointing, lead=1)
 
@@ -150,8 +147,7 @@ def count_flops(
     if repeat:
         unit_of = {n: i for i, names in enumerate(unit_names) for n in names}
         stand_in = flops[unit_of[kept[1]]]
-        names_of = {id(m): n for n, m in model.named_modules()}
-        middle = [unit_of[names_of[id(b)]] for b in find_blocks(model)[2:-1]]
+        middle = [unit_of[n] for n in block_names(model)[2:-1]]
         for i in middle:
             flops[i] = UnitFlops(stand_in.forward, stand_in.backward, stand_in.recompute)
         at = order.index(unit_of[kept[1]]) + 1

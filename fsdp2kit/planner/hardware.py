@@ -1,6 +1,5 @@
-"""GPU presets for the step-time model: vendor datasheets' peaks, memory and link bandwidths, and ``efficiency``,
-the one fitted number, from one published measurement each (sources: docs/step_time.md, "Presets and their
-sources"). A preset is overridden field by field from a TOML file (``--gpu my.toml``) or command-line flags."""
+"""GPU presets for the step-time model, overridden field by field from a TOML file or flags (sources and the one
+fitted number: docs/step_time.md, "Presets and their sources")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What an accumulation policy holds from one micro-batch to the next, as units for the memory replay.
-
-Each distinct micro-batch of a step (the first, the middle ones, the last) is replayed with its units
-changed to what FSDP2 does in it, plus the bytes held through it (docs/accumulation.md, "Memory").
-"""
+"""What an accumulation policy holds from one micro-batch to the next, as units for the memory replay
+(docs/accumulation.md, "Memory")."""
 
 from __future__ import annotations
 
@@ -16,15 +13,8 @@ __all__ = ["micro_batch_units"]
 def micro_batch_units(
     units: list[Unit], policy: str, m: int, grad_scale: float, replicated: bool = False
 ) -> list[tuple[list[Unit], dict[str, int], bool]]:
-    """For each distinct micro-batch of ``m`` under ``policy``: its units, ``{part: bytes}`` held all through
-    it, and whether its new gradients add in place into held ones (autograd's, not new memory).
-
-    ``grad_scale``: reduce-dtype bytes of an unsharded gradient per compute-dtype byte (no_sync keeps
-    the gradients in the reduce dtype; in place when it is 1). A unit marked unsharded, or with live
-    gradients, at the start frees its held bytes when the replay reshards or reduces it: the bytes
-    added here cancel that. ``replicated``: the trainable parameters are whole on every rank (units_for's
-    ``replicated``), their ``.grad`` added to in place from the second micro-batch on.
-    """
+    """Per distinct micro-batch of ``m`` under ``policy``: its units, ``{part: bytes}`` held through it, whether its
+    gradients add in place; ``grad_scale``: reduce- per compute-dtype byte (docs/accumulation.md, "Memory")."""
     keep = policy.startswith("keep_gathered")
     no_sync = policy.endswith("no_sync")
     defer = policy.endswith("defer_all_reduce")
@@ -35,6 +25,8 @@ def micro_batch_units(
         first, last = kind == "first", kind == "last"
         extra = {"gathered": 0, "unsharded_grads": 0, "grads": 0}
         us = []
+        # A unit set unsharded (or with live gradients) here frees its held bytes when the replay reshards (or
+        # reduces) it: the bytes added to ``extra`` cancel that.
         for u, h in zip(units, held):
             r = dataclasses.replace(u)
             if keep and m > 1:

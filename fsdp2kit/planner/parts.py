@@ -26,9 +26,8 @@ _STEP_PER_ELEMENT = {"adamw8bit": 8, "adamw4bit": 26, "adamw_fp8": 0}
 
 
 def _gathered_bytes(p: torch.Tensor, shard: int, compute_dtype: torch.dtype) -> int:
-    """Bytes FSDP2 all-gathers for ``p``: dim 0 padded to a multiple of the shard size, in
-    ``compute_dtype``; an NF4Tensor gathers its packed codes and scalers as they are (torchao's
-    ``fsdp_pre_all_gather``), padded alike, and keeps its mean and table from the shard."""
+    """Bytes FSDP2 all-gathers for ``p``: dim 0 padded to the shard size, in ``compute_dtype``; an NF4Tensor its
+    packed codes and scalers as they are (torchao's ``fsdp_pre_all_gather``), padded alike."""
     if is_nf4(p):
         inner = [getattr(p, a) for a in NF4_ROW_TENSORS]
         return sum(math.ceil(t.numel() / shard) * shard * t.element_size() for t in inner)
@@ -75,10 +74,8 @@ def compute_dtype(p: torch.Tensor, precision) -> torch.dtype:
 
 
 def units_for(model: nn.Module, plan: ShardPlan, *, replicated: set[int] = frozenset()) -> list[Unit]:
-    """`Unit` byte counts for every unit of ``plan`` (dim-0 padding included, per rank of the shard group),
-    in the plan's precision: gathered and unsharded gradients in the compute dtype, the reduce-scatter
-    in the reduce dtype, sharded gradients in the master dtype. A ``replicated`` parameter (by id) is
-    neither gathered nor reduced: its whole gradient stays as ``.grad`` (counted as sharded)."""
+    """`Unit` byte counts for every unit of ``plan`` in its precision; a ``replicated`` parameter (by id) is neither
+    gathered nor reduced: its whole gradient stays as ``.grad`` (counted as sharded)."""
     shard = plan.mesh_shape[-1]
     precision = plan.precision
     out = []
@@ -132,17 +129,8 @@ def rank_shards(model: nn.Module, shard: int, precision) -> list[tuple[int, torc
 def optimizer_bytes(
     shards: list[tuple[int, torch.dtype, tuple[int, ...]]], optimizer: str, *, implementation: str = "foreach"
 ) -> OptimizerBytes:
-    """State and step temporaries for one rank's sharded trainable parameters (`rank_shards`).
-
-    - ``adamw``: exp_avg and exp_avg_sq shaped like each parameter. Temporaries follow
-      torch/optim/adam.py: the ``foreach`` path (CUDA's default) takes ``sqrt(exp_avg_sq)`` of
-      the whole parameter group at once (one state-sized list); the ``for-loop`` path (CPU's
-      default) makes two single-parameter temporaries (sqrt, then the division), while the
-      previous parameter's ``denom`` is still held; ``fused`` none.
-    - torchao's: `state_bytes` of each shard, as `make_optimizer` quantizes it; temporaries: the
-      largest parameter's step (``_STEP_PER_ELEMENT``).
-    - ``sgd``: torch's default (no momentum): no state, in-place update.
-    """
+    """State and step temporaries for one rank's sharded trainable parameters (`rank_shards`), as
+    docs/memory_planner.md ("How", step 3) counts them."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {list(OPTIMIZERS)}")
     if implementation not in ("foreach", "for-loop", "fused"):

@@ -66,23 +66,18 @@ class MemoryPlan:
         return None if self.gpu_memory is None else self.gpu_memory - self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "config": {k: (_ac_name(v) if callable(v) else v) for k, v in self.config.items()},
             "peak_bytes": self.peak_bytes,
             "peak_gib": round(self.peak_bytes / 2**30, 3),
             "phase": self.phase,
             "parts": dict(self.parts),
-            "saved_activations_bytes": self.saved_activations,
-            "activations_per_block_bytes": self.activations_per_block,
-            "logits_and_loss_bytes": self.logits_and_loss,
-            "forward_peak_bytes": self.forward_peak,
-            "backward_peak_bytes": self.backward_peak,
-            "optimizer_peak_bytes": self.optimizer_peak,
-            "host_bytes": self.host_bytes,
-            "param_bytes": self.param_bytes,
-            "grad_bytes": self.grad_bytes,
-            "optimizer_bytes": self.optimizer_bytes,
-            "gpu_memory_bytes": self.gpu_memory,
+        }
+        named = ("saved_activations", "activations_per_block", "logits_and_loss", "forward_peak", "backward_peak")
+        out |= {f"{n}_bytes": getattr(self, n) for n in (*named, "optimizer_peak")}
+        out |= {n: getattr(self, n) for n in ("host_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")}
+        out["gpu_memory_bytes"] = self.gpu_memory
+        return out | {
             "fits": self.fits,
             "headroom_bytes": self.headroom,
             "changes": self.changes,
@@ -92,9 +87,7 @@ class MemoryPlan:
 
     def __str__(self) -> str:
         c = self.config
-        mesh = f"shard={c['shard']}" + (f" x replicate={c['replicate']}" if c.get("replicate", 1) > 1 else "")
-        mesh += f" x cp={c['cp']}" if c.get("cp", 1) > 1 else ""
-        mesh += f" x tp={c['tp']}" if c.get("tp", 1) > 1 else ""
+        mesh = f"shard={c['shard']}" + "".join(f" x {k}={c[k]}" for k in ("replicate", "cp", "tp") if c.get(k, 1) > 1)
         head = (
             f"Memory plan: {c.get('model', '')} on {mesh}, batch {c['batch']} x seq {c['seq']}, "
             f"AC {_ac_name(c['activation_checkpointing'])}, precision {c['mixed_precision'] or 'as built'}, "

@@ -1,7 +1,5 @@
-"""The cheapest change that makes a plan fit: try each knob, keep what fits, rank by its cost in throughput.
-
-How it works and why: docs/internals.md, section fsdp2kit/planner/search.py.
-"""
+"""The cheapest change that makes a plan fit: try each knob, keep what fits, rank by its cost in throughput
+(docs/internals.md, section fsdp2kit/planner/search.py)."""
 
 from __future__ import annotations
 
@@ -137,10 +135,8 @@ def _policies(s: Settings) -> list[str]:
 def pick_accumulation(
     model: nn.Module, s: Settings, gpu_memory: int | None, cache: dict | None = None
 ) -> tuple[Settings, MemoryPlan, list[dict]]:
-    """The accumulation policy with the fewest collective bytes a step among those whose peak fits
-    ``gpu_memory``; the lowest peak when none fits or there is no budget (None: without one, every policy
-    "fits" and the fewest bytes would be the one holding the most memory). Returns its settings, its
-    plan, and a row per policy (``policy``, ``peak_bytes``, ``comm_bytes_per_step``, ``fits``)."""
+    """``(settings, plan, a row per policy)`` of the policy with the fewest collective bytes whose peak fits
+    ``gpu_memory``; the lowest peak when none fits or without a budget (every policy would "fit")."""
     cache = {} if cache is None else cache
     tried = []
     for policy in _policies(s):
@@ -187,11 +183,8 @@ def _plan_or_none(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan | No
 
 
 def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: int = 6) -> list[dict]:
-    """Single changes to ``s`` whose plan fits in ``gpu_memory``, and pairs of them that cost less than the
-    cheapest single one that fits; cheapest first.
-
-    Each change says what it costs, its peak, and ``recipe``: the recipe options (``--table.key value``)
-    that make the change in a run configured like ``s``."""
+    """Single changes to ``s`` that fit in ``gpu_memory``, and pairs cheaper than the cheapest single one that fits;
+    cheapest first, each with its cost, peak and ``recipe`` (the recipe options that make it)."""
     cache: dict = {}
     base = _plan_or_none(model, s, cache)
     # A long sequence: what the step saves and the logits outweigh what is held all step.
@@ -242,12 +235,8 @@ def _describe(cost: float) -> str:
 def rank_by_step_time(
     model: nn.Module, s: Settings, changes: list[dict], hardware, *, nodes: int = 1, baseline=None
 ) -> list[dict]:
-    """``changes`` (what `cheapest_changes` returned for ``s``) ranked by their predicted step time on
-    ``hardware`` (`fsdp2kit.planner.steptime`, on ``nodes`` nodes, more for a change that adds GPUs) in place
-    of the fixed guesses; changes to what is trained (LoRA) still come last, and CPU offload (whose
-    CPU optimizer step the model leaves out) after the changes timed in full. Each gets ``step_seconds`` and
-    ``tokens_per_second_per_gpu``, and its ``cost`` says them (against ``baseline``, the unchanged settings'
-    `StepTime`, when given). A change whose settings cannot be rebuilt from its label keeps its place, last."""
+    """``changes`` (`cheapest_changes`'s) ranked by predicted step time on ``hardware``: LoRA last, offload (its CPU
+    step not modelled) after the changes timed in full, one whose settings its label cannot rebuild after all."""
     import math
 
     from fsdp2kit.planner.steptime import predict_step

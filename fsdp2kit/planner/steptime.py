@@ -10,9 +10,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp2kit.planner.comm import Collective, comm_of_plan
+from fsdp2kit.planner.comm import Collective, comm_of_settings
 from fsdp2kit.planner.flops import UnitFlops, count_flops
 from fsdp2kit.planner.hardware import Hardware
+from fsdp2kit.planner.trace import block_names
 
 __all__ = ["DEFAULT_PRICE", "StepTime", "default_nodes", "predict_step", "simulate"]
 
@@ -103,10 +104,8 @@ def simulate(
     after_bwd: list[float],
     prefetch: int,
 ) -> tuple[float, float]:
-    """(end of compute, end of communication) of one micro-batch. ``order``: units in forward order, the root
-    first (its own compute, the head, is placed at the end of forward and the start of backward). ``ag``,
-    ``ag_bwd``, ``after_bwd``: seconds of each unit's forward all-gather, backward all-gather, and
-    reduce-scatter + all-reduce (0: none)."""
+    """(end of compute, end of communication) of one micro-batch; ``order``: units in forward order, the root first;
+    ``ag``, ``ag_bwd``, ``after_bwd``: each unit's seconds of gathers and of reductions (docs/step_time.md)."""
     depth = max(1, prefetch)  # FSDP2's implicit prefetch is one unit ahead too (the CPU runs ahead)
     rest = [u for u in order if u != root]
     # steps: (unit, compute seconds, all-gather seconds before it, collective seconds after it)
@@ -145,10 +144,8 @@ def predict_step(
     memory_plan=None,
     accumulation: str | None = None,
 ) -> StepTime:
-    """Predict one optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`,
-    ``grad_accum`` micro-batches a step, communicating as ``accumulation``, else ``settings.accumulation``, says)
-    on ``hardware`` over ``nodes`` nodes (the world, replicate x shard x cp x tp, split evenly over them).
-    The collective bytes are `fsdp2kit.planner.comm`'s, the ones `fsdp2kit.count_collectives` measures."""
+    """One optimizer step's time for ``model`` trained with ``settings`` (`fsdp2kit.planner.api.Settings`; its
+    ``accumulation`` unless given) on ``hardware`` over ``nodes`` nodes (docs/step_time.md)."""
     from fsdp2kit.planner.api import plan_settings, trained_plan
 
     cache = {} if cache is None else cache
@@ -185,13 +182,7 @@ def predict_step(
         # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
         # (all-to-all style): 1 / cp of every matmul, whatever its kind.
         flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
-    comm = comm_of_plan(
-        trained,
-        plan,
-        micro_batches=s.grad_accum,
-        accumulation=accumulation or s.accumulation,
-        replicate_adapters=s.replicate_adapters,
-    )
+    comm = comm_of_settings(model, s, accumulation=accumulation, cache=cache)
     itemsize = (compute or next(model.parameters()).dtype).itemsize
     acts = activation_collectives(model, unit_names, s, itemsize, trained=trained)
     memory_plan = memory_plan or plan_settings(model, s, cache)
@@ -290,13 +281,8 @@ def predict_step(
 def activation_collectives(
     model: nn.Module, unit_names: list[list[str]], s, itemsize: int, trained: nn.Module | None = None
 ) -> list[list[tuple]]:
-    """Per unit, one micro-batch's collectives on activations, ``(phase, kind, group, bytes)``, bytes as
-    `fsdp2kit.count_collectives` counts them: tensor parallelism's from the model's own plan (a rowwise or
-    vocabulary-parallel module all-reduces its output in forward, a colwise one its input's gradient in backward,
-    a gathered head all-gathers its output) and context parallelism's, by ``s.cp_style`` (docs/step_time.md).
-    ``unit_names`` name ``trained``'s modules (the model as trained: a LoRA model's blocks are under its peft
-    wrapper's names), ``model`` itself if not given."""
-    from fsdp2kit.blocks import find_blocks
+    """Per unit, one micro-batch's TP and CP collectives on activations, ``(phase, kind, group, bytes)``
+    (docs/step_time.md); ``unit_names`` name ``trained``'s modules (``model``'s if not given)."""
     from fsdp2kit.parallel.tensor_parallel import _pattern, model_tp_plan
 
     tokens = s.batch * s.seq // s.cp  # a rank's, with the whole batch (tp ranks share it)
@@ -322,10 +308,8 @@ def activation_collectives(
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    trained = model if trained is None else trained
-    names_of = {id(m): n for n, m in trained.named_modules()}
-    for block in find_blocks(trained):
-        unit = unit_of(names_of[id(block)])
+    for name in block_names(model if trained is None else trained):
+        unit = unit_of(name)
         if s.cp_style == "ring":
             # torch's ring (planner/trace.py, _RingAttention): k and v, repeated to the query heads, all-gathered in
             # forward and again in backward; dk and dv, in fp32, sent on to the next rank cp times

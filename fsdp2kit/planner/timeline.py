@@ -240,9 +240,8 @@ def replay(
     final_order: list[str] | None = None,
     final_transient: int = 0,
 ) -> Replayed:
-    """Run the recorded step's events through `FsdpTimeline` for ``units`` (fresh copies are used);
-    ``final_order`` names one module of each unit, in the order FSDP2's final callback visits them;
-    ``final_transient``: bytes allocated for a moment after it (replicated gradients' flat all-reduce)."""
+    """The recorded step through `FsdpTimeline` for copies of ``units``; ``final_order``: a module of each unit in
+    FSDP2's final callback's order; ``final_transient``: bytes for a moment after it (replicated grads' all-reduce)."""
     units = [copy.copy(u) for u in units]
     index_of = {n: i for i, names in enumerate(unit_names) for n in names}
     blocks = [index_of[n] for n in block_names]

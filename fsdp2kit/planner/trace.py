@@ -22,7 +22,7 @@ from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "meta_copy", "record_step", "step_model", "unit_modules"]
+__all__ = ["Recording", "block_names", "meta_copy", "record_step", "step_model", "unit_modules"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two hold a little
 # more than the rest (the embedding's and first block's outputs are still referenced), measured on Llama.
@@ -31,8 +31,8 @@ _LEAD = 3
 
 @dataclass
 class Recording:
-    """The events of one step. Op runs are ``("ops", rise, net)``: the highest live bytes above the
-    previous level within the run, and the level at its end, both relative to the previous level."""
+    """The events of one step; op runs are ``("ops", rise, net)``: the run's highest and final live bytes, both
+    relative to the level before it."""
 
     events: list[tuple] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)  # names of the blocks that ran, in forward order
@@ -45,12 +45,18 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, callback, *tensors):
         ctx.callback = callback
-        return tensors if len(tensors) > 1 else tensors[0]
+        return tensors
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s repeated blocks (`find_blocks`), in order."""
+    names_of = {id(m): n for n, m in model.named_modules()}
+    return [names_of[id(b)] for b in find_blocks(model)]
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -65,10 +71,8 @@ def meta_copy(
     shapes: dict[int, tuple[int, ...]] | None = None,
     own_dtype: frozenset[int] = frozenset(),
 ) -> nn.Module:
-    """A deep copy of ``model`` on the meta device, its floating parameters in ``dtype`` (None: as they are;
-    those whose id is in ``own_dtype`` keep theirs, as replicated adapters outside FSDP's cast do), with only
-    the blocks in ``keep`` if given and the parameters named by id in ``shapes`` given those shapes
-    (a tensor-parallel rank's slices). NF4 weights become (or stay) meta NF4 placeholders."""
+    """A meta deep copy of ``model``: floating parameters in ``dtype`` (None, or id in ``own_dtype``: theirs), only the
+    blocks in ``keep``, parameters (by id) in ``shapes`` so shaped (a TP rank's slices), NF4 as meta NF4."""
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
     for t in list(model.parameters()) + list(model.buffers()):
@@ -163,16 +167,19 @@ def _half_added(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, tail], dim=2)
 
 
+def _ring_kv(i: int, cp: int, k: torch.Tensor, v: torch.Tensor, every: torch.Tensor | None) -> tuple:
+    """Ring step ``i`` (forward and backward alike): k and v concatenated at every step but the last and
+    all-gathered at the first (``every``); the k, v blocks it attends to (after the first, views of ``every``)."""
+    if i < cp - 1:
+        sent = torch.cat([k.flatten(), v.flatten()])
+        every = sent.new_empty(cp * sent.numel()) if every is None else every
+        del sent
+    return every, *((k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0]))
+
+
 class _RingAttention(torch.autograd.Function):
-    """Attention as `fsdp2kit.apply_context_parallel`'s ring style runs it on a rank (parallel/context_parallel.py,
-    ``_Ring``), on meta tensors: the buffers torch's ring allocates, in its order, as
-    torch/distributed/tensor/experimental/_context_parallel/_attention.py (torch 2.13) has them.
-    ``_templated_ring_attention``: k and v concatenated and all-gathered once (``_AllGatherRotater``, the default
-    rotation: every rank's k and v held at once), each block's output and log-sum-exp merged in fp32
-    (``_SDPAMerger``, ``convert_to_f32``). ``_templated_ring_attention_backward``: k and v all-gathered again; dq,
-    dk, dv accumulated in fp32; dk and dv sent on round the ring after every block (``_AllToAllRotater``, cp
-    hops: they end at their owner). Traced as the last cp rank: after the first block each step runs its whole q
-    against half a k/v block (the load balance's ``i <= rank``), the largest outputs."""
+    """The ring style's attention on the last cp rank (the largest blocks), allocating what torch 2.13's ring does,
+    in its order (docs/memory_planner.md, "The ring style")."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp):
@@ -180,11 +187,7 @@ class _RingAttention(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()
         every = out = lse = None  # the rotater's gathered k and v; the merger's output and log-sum-exp
         for i in range(cp):
-            if i < cp - 1:  # k and v concatenated at every step but the last, all-gathered at the first
-                sent = torch.cat([k.flatten(), v.flatten()])
-                every = sent.new_empty(cp * sent.numel()) if every is None else every
-                del sent
-            kb, vb = (k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0])  # views of `every`
+            every, kb, vb = _ring_kv(i, cp, k, v, every)
             # the block's output stays referenced until the next block's, as torch's loop variable
             o, o_lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, kb, vb, None, True, 0.0, i == 0)[:2]
             o32, l32 = o.float(), o_lse.unsqueeze(-1)
@@ -207,11 +210,7 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         every = sent = arrived = None  # gathered k and v; the dk, dv sent (torch's next_grad_kv) and arriving
         for i in range(ctx.cp):
-            if i < ctx.cp - 1:
-                kv = torch.cat([k.flatten(), v.flatten()])
-                every = kv.new_empty(ctx.cp * kv.numel()) if every is None else every
-                del kv
-            kb, vb = (k, v) if i == 0 else (k.chunk(2, dim=2)[0], v.chunk(2, dim=2)[0])
+            every, kb, vb = _ring_kv(i, ctx.cp, k, v, every)
             dq_, dk_, dv_ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
                 grad, q, kb, vb, None, out, lse, seed, seed, 0.0, (True, True, True, False), i == 0
             )[:3]
@@ -271,11 +270,8 @@ def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
 
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
-    """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How"), diverted for
-    this thread only (`divert`; not a TorchFunctionMode: none is active while backward recomputes checkpointed
-    blocks): transformers' tracing guesses (a seq x seq mask, packed positions) say no, as for plain causal
-    batches; SDPA runs the CPU flash kernel, not the math path (which saves the weights); MoE experts take
-    transformers' fallback op where torch's meta grouped_mm (bf16 only) cannot run: the same saved tensors."""
+    """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How" and "MoE"),
+    diverted for this thread only: not a TorchFunctionMode, none is active while backward recomputes a block."""
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
         for name, answer in (("is_tracing", False), ("find_packed_sequence_indices", None)):
@@ -303,10 +299,8 @@ def step_model(
     lead: int | None,
     own_dtype: frozenset[int] = frozenset(),
 ) -> tuple[nn.Module, dict[str, nn.Module], list[str], int]:
-    """A meta copy of ``model`` set up for a training step: ``(copy, its modules by the original's names, the
-    kept blocks' names, repeat)``, the parameters in ``own_dtype`` not cast (`meta_copy`). With ``lead`` and
-    identical blocks after the first ``lead``, only those, ``blocks[lead]`` (standing for the ``repeat`` middle
-    blocks that do not run) and the last are kept."""
+    """``(meta copy set up for a step, its modules by the original's names, kept blocks' names, repeat)``; with ``lead``
+    and identical blocks after it, only ``blocks[:lead + 1]`` (the last standing for ``repeat``) and the last run."""
     from fsdp2kit.wrappers.activation import apply_activation_checkpointing
 
     blocks = find_blocks(model)
@@ -328,11 +322,10 @@ def step_model(
         activation_checkpointing(clone)
     elif activation_checkpointing is not None:
         apply_activation_checkpointing(clone, mode=activation_checkpointing)
-    names_of = {id(m): n for n, m in model.named_modules()}
-    kept = [names_of[id(b)] for b in (keep or blocks)]
+    names = block_names(model)
+    kept = names if keep is None else [*names[: lead + 1], names[-1]]
     # In the copy, the kept blocks are renumbered (layers.0, layers.1, layers.2): map them back.
-    clone_name = {id(m): n for n, m in clone.named_modules()}
-    rename = {clone_name[id(c)]: k for c, k in zip(find_blocks(clone), kept)}
+    rename = dict(zip(block_names(clone), kept))
     return clone, {rename.get(n, n): m for n, m in clone.named_modules()}, kept, repeat
 
 
@@ -354,11 +347,8 @@ def record_step(
     cp_style: str = "all_to_all",
     own_dtype: frozenset[int] = frozenset(),
 ) -> Recording:
-    """Run one forward + backward of (a copy of) ``model`` on meta tensors and record its memory events.
-
-    Events name units by their index in ``unit_names`` (each unit's module names, children first). ``seq``
-    is the tokens a rank holds: with ``cp > 1``, its share of a ``seq * cp``-token sequence, attention run
-    as `fsdp2kit.apply_context_parallel`'s ``cp_style`` does; the parameters in ``own_dtype`` in their dtype."""
+    """One forward + backward of a meta copy of ``model``, its memory events naming units by index in ``unit_names``;
+    ``seq``: a rank's tokens (with ``cp > 1``, its share, attention as ``cp_style`` runs it)."""
     clone, modules, kept_names, repeat = step_model(
         model, compute_dtype, activation_checkpointing, _LEAD if truncate else None, own_dtype
     )
@@ -410,7 +400,7 @@ def record_step(
 
             args = list(args)
             wrapped = _PostBackward.apply(post_backward, *[args[i] for i in grad_inputs])
-            for i, w in zip(grad_inputs, wrapped if isinstance(wrapped, tuple) else (wrapped,)):
+            for i, w in zip(grad_inputs, wrapped):
                 args[i] = w
             return tuple(args), kwargs
 

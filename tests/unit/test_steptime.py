@@ -264,3 +264,16 @@ def test_cp_collectives_of_a_lora_model_are_its_blocks(demo, monkeypatch):
     per_unit = {" + ".join(n): len(a) for n, a in zip(names, acts) if a}
     blocks = [f"base_model.model.model.layers.{i}" for i in range(demo.config.num_hidden_layers)]
     assert per_unit == dict.fromkeys(blocks, 6), per_unit  # q, k and v, out; forward and backward
+
+
+def test_replicated_adapters_with_cpu_offload_refused_with_a_memory_plan_given(demo):
+    # One check on both paths: predict_step(memory_plan=...) does not re-plan, and must refuse it all the same.
+    cache = {}
+    plan = plan_settings(demo, _settings(lora=4, replicate_adapters=True), cache)
+    bad = _settings(lora=4, replicate_adapters=True, cpu_offload=True)
+    for call in (
+        lambda: plan_settings(demo, bad, cache),
+        lambda: predict_step(demo, bad, GPUS["h100"], memory_plan=plan),
+    ):
+        with pytest.raises(ValueError, match="replicate_adapters=True with cpu_offload=True"):
+            call()
