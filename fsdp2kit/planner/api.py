@@ -22,7 +22,6 @@ from fsdp2kit.planner.report import PART_NAMES, MemoryPlan
 from fsdp2kit.planner.timeline import replay
 from fsdp2kit.planner.trace import block_names, record_step
 from fsdp2kit.precision import resolve_precision
-from fsdp2kit.replicated import check_replicable
 from fsdp2kit.shard import estimate_plan
 from fsdp2kit.weights.adapters import is_peft_model
 from fsdp2kit.wrappers.activation import resolve_ac_mode
@@ -256,9 +255,8 @@ def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module,
         strategy=s.strategy,
         mixed_precision=prec,
         cpu_offload=s.cpu_offload,
+        replicate_adapters=s.replicate_adapters,  # refused with cpu_offload here, for predict_step(memory_plan=...) too
     )
-    if s.replicate_adapters:  # here, so predict_step(memory_plan=...) refuses what plan_settings does
-        check_replicable(model, s.cpu_offload)
     return model, plan
 
 
@@ -333,8 +331,6 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
 
     params = plan.param_bytes_per_rank
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")
-    if kept:  # the plan counts them sharded
-        params += trainable - sum(n * dt.itemsize for n, dt, _ in rank_shards(model, shard_size, prec))
     opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
     grads = step.grads_sharded
 
