@@ -264,7 +264,45 @@ def offloaded(root: str) -> dict:
         _step(again, opt, *_batch(rank, 2), torch.float32)
         out[label] = _diff(end, _full(again))
     ck.close()
+    out["overlap"] = {mode: _offload_vs_adamw(rank, mode) for mode in ("plain", "clip", "no_sync", "twice")}
     return out
+
+
+def _offload_vs_adamw(rank: int, mode: str) -> dict:
+    """2 steps of torch's AdamW and of OffloadedAdamW from the same init: each backward whole ("plain"), then
+    clip_grad_norm_ ("clip"), two half batches under no_sync then synced ("no_sync"), or both synced ("twice").
+    The largest parameter difference, OffloadedAdamW's copy counts (hook / step), and its hooks left on the
+    parameters once it is deleted."""
+    import gc
+    from contextlib import nullcontext
+
+    from fsdp2kit.optim_offload import OffloadedAdamW
+
+    ends, norms = [], []
+    for kind in ("adamw", "offloaded"):
+        torch.manual_seed(0)
+        model = Net()
+        fk.shard_model(model, fk.make_mesh())
+        opt = (OffloadedAdamW if kind == "offloaded" else torch.optim.AdamW)(
+            model.parameters(), lr=LR, weight_decay=0.1
+        )
+        for step in range(2):
+            x, y = _batch(rank, step)
+            if mode in ("no_sync", "twice"):
+                with fk.no_sync(model) if mode == "no_sync" else nullcontext():
+                    _loss(model, x[:2], y[:2], torch.float32).backward()
+                x, y = x[2:], y[2:]
+            _loss(model, x, y, torch.float32).backward()
+            if mode == "clip":
+                norms.append(fk.clip_grad_norm_(model.parameters(), max_norm=0.05).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        ends.append(_full(model))
+    copies = dict(opt._copies)
+    del opt
+    gc.collect()
+    hooks = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    return {"diff": _diff(*ends), "copies": copies, "params": len(ends[0]), "norms": norms, "hooks_left": hooks}
 
 
 def run_cases(root: str, names: tuple[str, ...]) -> dict:
