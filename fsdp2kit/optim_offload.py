@@ -56,7 +56,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                 self._buffers[p] = (host[0], host[1])  # the parameter's and the gradient's way through the host
                 # Made now, not at the first step: a checkpoint loads into them before any step.
                 self.state[p].update(step=torch.tensor(0.0), exp_avg=_like(p, host[2]), exp_avg_sq=_like(p, host[3]))
-        # p -> {"param"/"grad": (the shard copied, its _version then)}, "event": the copies' CUDA event
+        # p -> {"param"/"grad": (a weak reference to the shard copied, its _version then), "event": CUDA event}
         self._copied: dict[torch.Tensor, dict] = {}
         self._copies = Counter()  # shards copied in the hook and in step (tests read it)
         hook = partial(_on_grad, weakref.ref(self))
@@ -72,7 +72,7 @@ class OffloadedAdamW(torch.optim.AdamW):
             if name in which:
                 src = local_shard(p if name == "param" else p.grad)
                 buf.copy_(src, non_blocking=True)
-                done[name] = (src, src._version)
+                done[name] = (weakref.ref(src), src._version)  # weak: a gradient dropped before step() is freed
                 self._copies[f"{name} in {where}"] += 1
         if local_shard(p).device.type == "cuda":
             done["event"] = torch.cuda.current_stream(local_shard(p).device).record_event()
@@ -109,7 +109,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                 stale = [
                     n
                     for n, t in (("param", p), ("grad", p.grad))
-                    if n not in done or done[n][0] is not local_shard(t) or done[n][1] != local_shard(t)._version
+                    if n not in done or done[n][0]() is not local_shard(t) or done[n][1] != local_shard(t)._version
                 ]
                 if stale:
                     self._copy_out(p, "step", stale)

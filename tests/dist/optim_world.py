@@ -312,6 +312,7 @@ def run_cases(root: str, names: tuple[str, ...]) -> dict:
     mesh = tuple(n for n in names if n != "adamw_bf16sr")  # stochastic rounding: other draws on other shapes
     one = mesh_states(mesh, sharded=False) if dist.get_rank() == 0 else None  # no collective inside
     out["mesh"] = {"world": mesh_states(mesh), "one": one}
+    out["tp"] = tp_states()
     return out
 
 
@@ -403,3 +404,29 @@ def hsdp_to_flat(root: str, names: tuple[str, ...]) -> dict:
 def world3_cases(root: str, mesh_names: tuple[str, ...], hop_names: tuple[str, ...]) -> dict:
     """World 3's spawn: the mesh-independence states, and the 2 -> 3 hop of the reshard chain."""
     return {"mesh": mesh_states(mesh_names), "hop": reshard_hop(root, f"{root}/w3", hop_names)}
+
+
+def tp_states(name: str = "adamw4bit") -> dict:
+    """A 128 x 256 Linear split row-wise over tp=2 (weight Shard(1): 128-element local rows, a multiple of
+    4-bit's block of 128) and in one process, the same 3 steps on the same batches: each one's state summary."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    out = {}
+    for label in ("tp", "one"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2 * DIM, DIM))
+        if label == "tp":
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+            parallelize_module(model, mesh, {"0": RowwiseParallel(input_layouts=Replicate())})
+        elif dist.get_rank() != 0:
+            break
+        opt = fk.make_optimizer(model, name, lr=LR, weight_decay=0.1)
+        for step in range(MESH_STEPS):
+            g = torch.Generator().manual_seed(700 + step)
+            x, y = torch.randn(BATCH, 2 * DIM, generator=g), torch.randn(BATCH, DIM, generator=g)
+            _step(model, opt, x, y, torch.float32)
+        out[label] = _state_summary(opt, model)
+        out[f"{label}_placements"] = [str(p.placements) for p in model.parameters() if isinstance(p, DTensor)]
+    return out

@@ -171,6 +171,17 @@ def _state_agrees(a: dict, b: dict, quantized: bool) -> tuple[bool, str]:
     return bool(diff.max() <= scale / 32 and mean <= 1e-4 * scale), why
 
 
+def test_state_under_tp_shard1_is_the_one_process_state(world2):
+    """A row-wise TP weight (Shard(1)) whose local row is a multiple of the block: every block of a local row is
+    a block of the whole row, so tp=2's state is one process's (4-bit: within fp32 rounding, as at world 2)."""
+    tp = world2[0]["tp"]
+    assert "(Shard(dim=1),)" in tp["tp_placements"] and not tp["one_placements"], tp["tp_placements"]
+    assert tp["tp"]["0.weight.exp_avg"]["type"] == "OptimState4bit", tp["tp"]["0.weight.exp_avg"]["type"]
+    for key, one in tp["one"].items():
+        ok, why = _state_agrees(tp["tp"][key], one, quantized=True)
+        assert ok, (key, why)
+
+
 @pytest.mark.timeout(600)
 def test_state_is_the_same_on_every_mesh(world2, world3):
     mesh = world2[0]["mesh"]
