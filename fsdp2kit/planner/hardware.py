@@ -30,13 +30,23 @@ class Hardware:
     network_bytes_per_s: float  # inter-node, per node, one direction
     # host <-> GPU, one direction (offload's transfers): PCIe Gen5 x16, the datasheets' 128 GB/s being both ways
     host_bytes_per_s: float = 64e9
+    # host memory bandwidth per GPU (optimizer offload's host AdamW step): an assumption, not measured: a
+    # 2-socket DDR5-4800 host, 8 channels a socket (2 x 307 GB/s peak), shared by 8 GPUs
+    host_memory_bytes_per_s: float = 76.8e9
     gpus_per_node: int = 8
     latency_s: float = 10e-6  # per collective step: NCCL's small-message floor is ~10 us intra-node
     efficiency: float = 0.5  # achievable fraction of bf16_flops for the step's matmuls (the one fit)
     source: str = ""  # where the figures come from
 
     def check(self) -> None:
-        for f in ("bf16_flops", "hbm_bytes_per_s", "nvlink_bytes_per_s", "network_bytes_per_s", "host_bytes_per_s"):
+        for f in (
+            "bf16_flops",
+            "hbm_bytes_per_s",
+            "nvlink_bytes_per_s",
+            "network_bytes_per_s",
+            "host_bytes_per_s",
+            "host_memory_bytes_per_s",
+        ):
             if not getattr(self, f) > 0:
                 raise ValueError(f"gpu {self.name!r}: {f}={getattr(self, f)!r} must be > 0")
         if self.memory_bytes <= 0 or self.gpus_per_node < 1 or self.latency_s < 0:
@@ -60,6 +70,7 @@ GPUS: dict[str, Hardware] = {
         nvlink_bytes_per_s=300e9,  # NVLink 3: 600 GB/s both directions
         network_bytes_per_s=8 * 200 * _GBIT,  # DGX A100: 8 x 200 Gb/s HDR InfiniBand (compute fabric)
         host_bytes_per_s=32e9,  # PCIe Gen4 x16: the datasheet's 64 GB/s is both directions
+        host_memory_bytes_per_s=51.2e9,  # assumed: 2 sockets of 8-channel DDR4-3200 shared by 8 GPUs
         efficiency=_A100_EFF,
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); DGX A100 datasheet (8x HDR 200 Gb/s)",
     ),

@@ -20,6 +20,19 @@ __all__ = ["DEFAULT_PRICE", "StepTime", "default_nodes", "predict_step", "simula
 # US$ per GPU-hour: an illustrative on-demand H100 price, not a quote; pass --price-per-gpu-hour.
 DEFAULT_PRICE = 2.50
 
+# torch's fused CPU AdamW reaches this fraction of the memory bandwidth of an in-place streaming op (measured 1.02,
+# rounds 0.99-1.06: benchmarks/results/host_adamw_speed.md): it runs at the memory's speed
+HOST_ADAMW_EFFICIENCY = 1.0
+
+
+def offload_step_seconds(
+    param_bytes: float, grad_bytes: float, state_bytes: float, hw: Hardware, efficiency: float = HOST_ADAMW_EFFICIENCY
+) -> float:
+    """Optimizer offload's step: parameters and gradients to the host and parameters back, then the host AdamW
+    step, memory-bound (reads parameters, gradients and state; writes parameters and state)."""
+    touched = 2 * param_bytes + grad_bytes + 2 * state_bytes
+    return (2 * param_bytes + grad_bytes) / hw.host_bytes_per_s + touched / (hw.host_memory_bytes_per_s * efficiency)
+
 
 @dataclass
 class StepTime:
@@ -254,13 +267,18 @@ def predict_step(
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = 0.0 if s.cpu_offload else opt_bytes / hw.hbm_bytes_per_s
-    if s.optimizer_offload:  # each trainable parameter and its gradient to the host, the updated parameter back
-        moved = 2 * memory_plan.trainable_param_bytes + memory_plan.grad_bytes
-        optimizer_s = moved / hw.host_bytes_per_s
+    if s.optimizer_offload:
+        m_ = memory_plan
+        optimizer_s = offload_step_seconds(m_.trainable_param_bytes, m_.grad_bytes, m_.optimizer_bytes, hw)
     comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
     notes = []
     if s.cpu_offload or s.optimizer_offload:
-        notes.append("offload: host transfers modelled, the CPU optimizer step not: a lower bound")
+        notes.append(
+            "offload: host transfers modelled, the CPU optimizer step not: a lower bound"
+            if s.cpu_offload
+            else f"optimizer offload: transfers not overlapped, host AdamW step memory-bound at "
+            f"{hw.host_memory_bytes_per_s / 1e9:.0f} GB/s per GPU (assumed: a 2-socket host shared by 8 GPUs)"
+        )
     return StepTime(
         hardware=hw,
         nodes=nodes,

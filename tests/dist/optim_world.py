@@ -264,7 +264,45 @@ def offloaded(root: str) -> dict:
         _step(again, opt, *_batch(rank, 2), torch.float32)
         out[label] = _diff(end, _full(again))
     ck.close()
+    out["overlap"] = {mode: _offload_vs_adamw(rank, mode) for mode in ("plain", "clip", "no_sync", "twice")}
     return out
+
+
+def _offload_vs_adamw(rank: int, mode: str) -> dict:
+    """2 steps of torch's AdamW and of OffloadedAdamW from the same init: each backward whole ("plain"), then
+    clip_grad_norm_ ("clip"), two half batches under no_sync then synced ("no_sync"), or both synced ("twice").
+    The largest parameter difference, OffloadedAdamW's copy counts (hook / step), and its hooks left on the
+    parameters once it is deleted."""
+    import gc
+    from contextlib import nullcontext
+
+    from fsdp2kit.optim_offload import OffloadedAdamW
+
+    ends, norms = [], []
+    for kind in ("adamw", "offloaded"):
+        torch.manual_seed(0)
+        model = Net()
+        fk.shard_model(model, fk.make_mesh())
+        opt = (OffloadedAdamW if kind == "offloaded" else torch.optim.AdamW)(
+            model.parameters(), lr=LR, weight_decay=0.1
+        )
+        for step in range(2):
+            x, y = _batch(rank, step)
+            if mode in ("no_sync", "twice"):
+                with fk.no_sync(model) if mode == "no_sync" else nullcontext():
+                    _loss(model, x[:2], y[:2], torch.float32).backward()
+                x, y = x[2:], y[2:]
+            _loss(model, x, y, torch.float32).backward()
+            if mode == "clip":
+                norms.append(fk.clip_grad_norm_(model.parameters(), max_norm=0.05).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        ends.append(_full(model))
+    copies = dict(opt._copies)
+    del opt
+    gc.collect()
+    hooks = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    return {"diff": _diff(*ends), "copies": copies, "params": len(ends[0]), "norms": norms, "hooks_left": hooks}
 
 
 def run_cases(root: str, names: tuple[str, ...]) -> dict:
@@ -274,6 +312,7 @@ def run_cases(root: str, names: tuple[str, ...]) -> dict:
     mesh = tuple(n for n in names if n != "adamw_bf16sr")  # stochastic rounding: other draws on other shapes
     one = mesh_states(mesh, sharded=False) if dist.get_rank() == 0 else None  # no collective inside
     out["mesh"] = {"world": mesh_states(mesh), "one": one}
+    out["tp"] = tp_states()
     return out
 
 
@@ -365,3 +404,29 @@ def hsdp_to_flat(root: str, names: tuple[str, ...]) -> dict:
 def world3_cases(root: str, mesh_names: tuple[str, ...], hop_names: tuple[str, ...]) -> dict:
     """World 3's spawn: the mesh-independence states, and the 2 -> 3 hop of the reshard chain."""
     return {"mesh": mesh_states(mesh_names), "hop": reshard_hop(root, f"{root}/w3", hop_names)}
+
+
+def tp_states(name: str = "adamw4bit") -> dict:
+    """A 128 x 256 Linear split row-wise over tp=2 (weight Shard(1): 128-element local rows, a multiple of
+    4-bit's block of 128) and in one process, the same 3 steps on the same batches: each one's state summary."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    out = {}
+    for label in ("tp", "one"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2 * DIM, DIM))
+        if label == "tp":
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+            parallelize_module(model, mesh, {"0": RowwiseParallel(input_layouts=Replicate())})
+        elif dist.get_rank() != 0:
+            break
+        opt = fk.make_optimizer(model, name, lr=LR, weight_decay=0.1)
+        for step in range(MESH_STEPS):
+            g = torch.Generator().manual_seed(700 + step)
+            x, y = torch.randn(BATCH, 2 * DIM, generator=g), torch.randn(BATCH, DIM, generator=g)
+            _step(model, opt, x, y, torch.float32)
+        out[label] = _state_summary(opt, model)
+        out[f"{label}_placements"] = [str(p.placements) for p in model.parameters() if isinstance(p, DTensor)]
+    return out

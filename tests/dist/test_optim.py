@@ -138,6 +138,25 @@ def test_offloaded_adamw_steps_and_checkpoints_like_adamw(world2):
         assert o["into_adamw_2x1"] <= 1e-6 and o["into_offloaded"] == 0.0, o
 
 
+def test_offloaded_adamw_copies_from_the_grad_hook(world2):
+    """FSDP2 calls a sharded parameter's post-accumulate-grad hooks after each synced reduce-scatter (none
+    under no_sync): OffloadedAdamW starts its copies there, and step() copies again what changed since
+    (clip_grad_norm_ scales every gradient in place; a second backward accumulates into the gradients
+    that share its unit's storage) or what no hook copied. The update is torch's AdamW's either way."""
+    for r in world2:
+        o = r["offloaded"]["overlap"]
+        n = 2 * o["plain"]["params"]  # 2 steps
+        for mode, case in o.items():
+            assert case["diff"] <= 1e-6 and case["hooks_left"] == 0, (mode, case)
+        assert o["plain"]["copies"] == {"param in hook": n, "grad in hook": n}, o["plain"]
+        assert o["no_sync"]["copies"] == {"param in hook": n, "grad in hook": n}, o["no_sync"]
+        assert min(o["clip"]["norms"]) > 0.05, o["clip"]  # it did scale
+        assert o["clip"]["copies"] == {"param in hook": n, "grad in hook": n, "grad in step": n}, o["clip"]
+        twice = o["twice"]["copies"]
+        assert twice["grad in hook"] == 2 * n and twice["param in hook"] == 2 * n, twice
+        assert 0 < twice.get("grad in step", 0) < n and "param in step" not in twice, twice
+
+
 def _state_agrees(a: dict, b: dict, quantized: bool) -> tuple[bool, str]:
     import numpy as np
 
@@ -150,6 +169,17 @@ def _state_agrees(a: dict, b: dict, quantized: bool) -> tuple[bool, str]:
     mean = float(diff.mean())
     why = f"max {diff.max():.3g}, mean {mean:.3g} of {scale:.3g}"
     return bool(diff.max() <= scale / 32 and mean <= 1e-4 * scale), why
+
+
+def test_state_under_tp_shard1_is_the_one_process_state(world2):
+    """A row-wise TP weight (Shard(1)) whose local row is a multiple of the block: every block of a local row is
+    a block of the whole row, so tp=2's state is one process's (4-bit: within fp32 rounding, as at world 2)."""
+    tp = world2[0]["tp"]
+    assert "(Shard(dim=1),)" in tp["tp_placements"] and not tp["one_placements"], tp["tp_placements"]
+    assert tp["tp"]["0.weight.exp_avg"]["type"] == "OptimState4bit", tp["tp"]["0.weight.exp_avg"]["type"]
+    for key, one in tp["one"].items():
+        ok, why = _state_agrees(tp["tp"][key], one, quantized=True)
+        assert ok, (key, why)
 
 
 @pytest.mark.timeout(600)
