@@ -235,8 +235,9 @@ def _describe(cost: float) -> str:
 def rank_by_step_time(
     model: nn.Module, s: Settings, changes: list[dict], hardware, *, nodes: int = 1, baseline=None
 ) -> list[dict]:
-    """``changes`` (`cheapest_changes`'s) ranked by predicted step time on ``hardware``: LoRA last, offload (its CPU
-    step not modelled) after the changes timed in full, one whose settings its label cannot rebuild after all."""
+    """``changes`` (`cheapest_changes`'s) ranked by predicted step time on ``hardware``: LoRA last, cpu_offload (its
+    CPU optimizer step not modelled) after the changes timed in full, one whose settings its label cannot rebuild
+    after all."""
     import math
 
     from fsdp2kit.planner.steptime import predict_step
@@ -259,11 +260,11 @@ def rank_by_step_time(
         what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
         if baseline is not None:
             what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
-        # Offload's CPU optimizer step is not in the model: its time is a lower
+        # cpu_offload's CPU optimizer step is not in the model: its time is a lower
         # bound, so it is ranked after the changes whose time is whole.
-        partial = any(getattr(settings, k) and not getattr(s, k) for k in ("cpu_offload", "optimizer_offload"))
+        partial = settings.cpu_offload and not s.cpu_offload
         if partial:
-            what += " at best (offload's CPU optimizer step not modelled)"
+            what += " at best (cpu_offload's CPU optimizer step not modelled)"
         if change["cost_fraction"] >= 1.0:
             what += ", changes what is trained"
         timed = {
