@@ -135,17 +135,15 @@ def peft_view(
     )
 
 
-def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float, bool]]) -> torch.Tensor:
-    """``weight + sum(scaling * B @ A)``, bit for bit peft's ``merge_and_unload()`` (summed in the wider
-    dtype, rounded to the weight's); an NF4 weight is dequantized first."""
+def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, LoraMerge]]) -> torch.Tensor:
+    """``weight + sum(scaling * B @ A)`` over ``(A, B, merge)``, bit for bit peft's ``merge_and_unload()``
+    (summed in the wider dtype, rounded to the weight's); an NF4 weight is dequantized first."""
     if is_nf4(weight):
         weight = weight.get_original_weight()
     out = weight
-    for a, b, scaling, fan_in_fan_out in factors:
-        delta = b @ a
-        if fan_in_fan_out:
-            delta = delta.T
-        delta = delta * scaling
+    for a, b, merge in factors:
+        delta = (b @ a).T if merge.fan_in_fan_out else b @ a
+        delta = delta * merge.scaling
         out = (out.to(torch.promote_types(out.dtype, delta.dtype)) + delta).to(weight.dtype)
     return out
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +140,14 @@ def export_hf(
         if not is_peft_model(model):
             name = type(model).__name__
             raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
-        model, tensors, aliases, full_of = _merged_source(model, tensors, aliases)  # the wrapped model
+        lora = tensors
+        model, tensors, aliases, merges = peft_view(model, lora, aliases, for_merge=True)  # the wrapped model
+
+        def full_of(name: str) -> torch.Tensor:  # the base weight with the active adapters folded in
+            weight = gather_full(tensors[name])
+            factors = [(gather_full(lora[m.lora_a]), gather_full(lora[m.lora_b]), m) for m in merges.get(name, [])]
+            return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
+
     out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf")
     tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks
     if is_peft_model(model):
@@ -172,24 +178,6 @@ def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok
     return out.finish(last)
 
 
-def _merged_source(
-    model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]
-) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], Callable[[str], torch.Tensor]]:
-    """What export_hf writes for ``merge=True``: the wrapped model, its tensors under its own names,
-    and a collective function that gathers one of them with the active LoRA adapters folded in."""
-    inner, base, base_aliases, merges = peft_view(model, tensors, aliases, for_merge=True)
-
-    def full_of(name: str) -> torch.Tensor:
-        weight = gather_full(base[name])
-        factors = []
-        for merge in merges.get(name, []):  # gathered on every rank, in order
-            a, b = gather_full(tensors[merge.lora_a]), gather_full(tensors[merge.lora_b])
-            factors.append((a, b, merge.scaling, merge.fan_in_fan_out))
-        return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
-
-    return inner, base, base_aliases, full_of
-
-
 def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
     """PEFT's adapter directory, written by peft's ``save_pretrained`` from the full adapter tensors
     (gathered one at a time, kept on the writing rank's CPU): what peft writes for an unsharded model."""
@@ -204,12 +192,7 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
             save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
             out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
             fulls.clear()  # written: not held through the next adapter's gathers
-
-    def last() -> None:
-        if tok is not None:
-            tok.save_pretrained(str(out.dir))
-
-    return out.finish(last)
+    return out.finish(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
 
 
 def _meta_model(config: Any, step_dir: Path) -> nn.Module:
