@@ -78,11 +78,8 @@ def base_name(name: str) -> str:
 def peft_view(
     model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], *, for_merge: bool = False
 ) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], dict[str, list[LoraMerge]]]:
-    """A PEFT model's frozen base under the names of the model it wraps (``...q_proj.base_layer.weight``
-    is ``...q_proj.weight``): that model, its tensors and tied-name aliases, and with ``for_merge``
-    each LoRA-wrapped weight's `LoraMerge` for each active adapter;
-    what a plain merge cannot express (DoRA, LoRA biases, other layers or tuners,
-    ``modules_to_save``) is a ``ValueError`` naming it."""
+    """A PEFT model's frozen base under the wrapped model's names: that model, its tensors and tied-name aliases,
+    and with ``for_merge`` each LoRA-wrapped weight's `LoraMerge`s (DoRA, LoRA biases... are a ``ValueError``)."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 

@@ -73,9 +73,8 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
 
 
 def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
-    """The config and generation config (copies: the model is not changed), with ``dtype`` and the
-    tokenizer's BOS/EOS/PAD ids (PAD: EOS when it has none), so ``generate`` stops at the tokenizer's
-    EOS (a named config carries Llama's ids otherwise), and the tokenizer beside them."""
+    """Copies of the config and generation config with ``dtype`` and the tokenizer's BOS/EOS/PAD ids (PAD: EOS
+    when it has none; ``generate`` stops at the tokenizer's EOS), and the tokenizer beside them."""
     import copy
 
     ids = {}

@@ -67,9 +67,8 @@ class ShardedWriter:
 
 
 class FirstRankWriter:
-    """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``
-    that `finish` renames into place. Its errors are kept, so that it still takes part in every
-    gather (the others would hang), and raised on every rank by `finish`."""
+    """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``, renamed
+    into place by `finish`; its errors are kept (it still joins every gather) and raised on every rank there."""
 
     def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, what: str, *, alone: bool = False):
         self.model = model

@@ -43,10 +43,8 @@ def _in_place(name: str) -> bool:
 
 
 class _Replay(TorchFunctionMode):
-    """Runs init calls with full-size plain tensors in place of a module's sharded parameters, the same
-    on every rank; each keeps its rows. Inside, an in-place op on another module's whole sharded
-    parameter gives it a full stand-in that the rest of the call reads and writes instead; on a slice
-    or copy (``.data``) it is an error."""
+    """Runs init calls on full-size plain stand-ins of sharded parameters (a module's own, and any other
+    whole one an in-place op writes), the same on every rank; each keeps its rows (docs/internals.md)."""
 
     def __init__(self, model: nn.Module, device: torch.device, write: set[str]):
         super().__init__()

@@ -22,9 +22,8 @@ def _shard_group(t: torch.Tensor):
 
 
 def allocate_nf4(model: nn.Module, device: torch.device) -> None:
-    """Give every meta NF4 weight real, empty storage for all five inner tensors (torchao's ``empty_like``
-    leaves the scalers' mean and the table on meta), through ``Module._apply`` so FSDP2 re-registers
-    each new shard; the model's other tensors are left as they are."""
+    """Empty storage for all five inner tensors of every meta NF4 weight (torchao's ``empty_like`` leaves two
+    on meta), through ``Module._apply`` so that FSDP2 re-registers each new shard."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
 
     if not any(p.is_meta and is_nf4(p) for p in model.parameters()):
@@ -57,9 +56,8 @@ def _agreed_mean(absmax: torch.Tensor, group) -> torch.Tensor:
 def quantize_rows(
     rows: torch.Tensor, block_size: int, scaler_block_size: int, *, group=None
 ) -> dict[str, torch.Tensor]:
-    """NF4's inner tensors for ``rows`` (one rank's row block of a weight), bit for bit this rank's part
-    of ``to_nf4(full weight)``: torchao's ``double_quantize_scalers`` with the scalers' mean agreed
-    over ``group`` (collective), the one value that depends on the whole weight."""
+    """NF4's inner tensors for one rank's rows of a weight, bit for bit its part of ``to_nf4(full weight)``: the
+    scalers' mean, the one value that depends on the whole weight, is agreed over ``group`` (collective)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, get_block_absmax, to_nf4
 
     flat = rows.reshape(-1)
