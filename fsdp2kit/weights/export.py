@@ -194,25 +194,6 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
     return out.finish(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
 
 
-def _meta_model(config: Any, step_dir: Path) -> nn.Module:
-    """The model of ``config`` (a transformers config or a path; default: the step's, else the root's
-    config.json) on the meta device, as the first class of its ``architectures``."""
-    import transformers
-
-    if not isinstance(config, transformers.PretrainedConfig):
-        where = config or next((d for d in (step_dir, step_dir.parent) if (d / "config.json").is_file()), None)
-        if where is None:
-            raise FileNotFoundError(
-                f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
-                "directory / file holding config.json)"
-            )
-        config = transformers.AutoConfig.from_pretrained(str(where), local_files_only=True)
-    classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
-    build = next((c for c in classes if isinstance(c, type)), transformers.AutoModelForCausalLM.from_config)
-    with torch.device("meta"):
-        return build(config)
-
-
 def dcp_to_hf(
     checkpoint: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -249,7 +230,19 @@ def dcp_to_hf(
         return export_hf(model, out_dir, **kwargs)
     if merge:
         raise ValueError(f"merge=True folds LoRA adapters into their base; {step_dir} is a full model's checkpoint")
-    model = _meta_model(config, step_dir)
+    import transformers
+
+    if not isinstance(config, transformers.PretrainedConfig):  # a path, or the step's / the root's config.json
+        where = config or next((d for d in (step_dir, step_dir.parent) if (d / "config.json").is_file()), None)
+        if where is None:
+            raise FileNotFoundError(
+                f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
+                "directory / file holding config.json)"
+            )
+        config = transformers.AutoConfig.from_pretrained(str(where), local_files_only=True)
+    classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+    with torch.device("meta"):  # the first class of its architectures
+        model = next((c for c in classes if isinstance(c, type)), transformers.AutoModelForCausalLM.from_config)(config)
     tok = _resolve_tokenizer(tokenizer, model)
     metadata = read_metadata(step_dir)
     stored = {  # the model's tensors, under the Checkpointer's "model" key
