@@ -15,7 +15,7 @@ from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, merged_weight, peft_view
-from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
+from fsdp2kit.weights.hf_layout import model_tensors, save_layout
 from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
@@ -160,14 +160,14 @@ def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok
     """``names`` in the model's checkpoint layout, a conversion group at a time (``full_of`` may be
     collective: it runs on every rank), then the configs and the tokenizer."""
     writer = ShardedWriter(out.dir, max_bytes)  # touches the disk only in the writing rank's calls
-    layout = SaveLayout(model)
+    groups, to_hf = save_layout(model, list(names))
 
     def write(fulls: dict[str, torch.Tensor]) -> None:
-        for name, t in layout.to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
+        for name, t in to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
             writer.add(name, t)
 
     with torch.no_grad():
-        for group in layout.groups(list(names)):
+        for group in groups:
             out.do(functools.partial(write, {n: full_of(n) for n in group}))  # gathered on every rank, in order
 
     def last() -> None:
