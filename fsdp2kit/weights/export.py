@@ -57,11 +57,11 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
         return None
     if tokenizer is None:  # the local directory the model's config was read from, if it holds one
         directory = getattr(getattr(model, "config", None), "_name_or_path", None)
-        if not (isinstance(directory, str) and directory and Path(directory).is_dir() and has_tokenizer(directory)):
+        if not (isinstance(directory, str) and directory and has_tokenizer(directory)):
             return None
     elif isinstance(tokenizer, (str, os.PathLike)):
         directory = tokenizer
-        if not Path(directory).is_dir() or not has_tokenizer(directory):
+        if not has_tokenizer(directory):
             raise FileNotFoundError(f"tokenizer={str(directory)!r} is not a directory holding a tokenizer")
     elif hasattr(tokenizer, "save_pretrained"):
         return tokenizer
@@ -112,13 +112,10 @@ def export_hf(
 ) -> Path | None:
     """Write a (sharded) model as a Hugging Face checkpoint that ``from_pretrained`` loads, with its tokenizer.
 
-    Collective: call it on every rank of the mesh. Tensors are gathered one at a time (a reverse
-    weight conversion's few inputs together) and the mesh's first rank writes a file whenever
-    ``max_shard_size`` bytes have accumulated; only it touches the disk. The files follow the
-    model's usual layout, as ``save_pretrained`` writes it (docs/internals.md), with the config.
-    A peft ``PeftModel`` is written as peft writes it (its adapters, for
-    ``PeftModel.from_pretrained``), or with ``merge=True`` as the wrapped model with the active
-    LoRA adapters folded in, as ``merge_and_unload`` does (docs/lora.md).
+    Collective: call it on every rank of the mesh. Tensors are gathered one at a time; the mesh's first
+    rank alone writes them, in the model's usual layout as ``save_pretrained`` does (docs/internals.md).
+    A peft ``PeftModel`` is written as peft writes it (its adapters), or with ``merge=True`` as the
+    wrapped model with the active LoRA adapters folded in, as ``merge_and_unload`` does (docs/lora.md).
 
     Args:
         dtype: cast floating tensors (e.g. ``torch.bfloat16``); default: as held (the master dtype).
@@ -209,10 +206,10 @@ def dcp_to_hf(
     """Convert a DCP checkpoint of a transformers model to Hugging Face safetensors, in one process.
 
     ``checkpoint`` is a step directory or a Checkpointer root (its newest complete step). The state
-    under "model" is read one file's worth at a time, without a process group, and written as
-    `export_hf` writes it. The config comes from ``config`` (a transformers config, or a path),
-    else the ``config.json`` in the step directory, else in the root; a checkpoint that does not
-    match the model built from it is a ``ValueError`` naming the keys. A LoRA / QLoRA step (saved
+    under "model" is read a tensor at a time, without a process group, and written as `export_hf` writes
+    it. The config comes from ``config`` (a transformers config, or a path), else the ``config.json`` in
+    the step directory, else in the root; a checkpoint that does not match the model built from it is a
+    ``ValueError`` naming the keys. A LoRA / QLoRA step (saved
     ``trainable_only``) needs ``base``, the pretrained directory the run started from: the PEFT
     model is rebuilt around it in memory (``merge`` as for `export_hf`). ``tokenizer`` as for
     `export_hf`; by default the one in ``base``, else in the ``config`` directory, else in the
