@@ -16,7 +16,7 @@ from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, merged_weight, peft_view
 from fsdp2kit.weights.hf_layout import model_tensors, save_layout
-from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter
+from fsdp2kit.weights.hf_writer import FirstRankWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -144,31 +144,30 @@ def export_hf(
             factors = [(gather_full(lora[m.lora_a]), gather_full(lora[m.lora_b]), m) for m in merges.get(name, [])]
             return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
 
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf")
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf", max_bytes=max_bytes)
     tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks
     if is_peft_model(model):
         return _export_adapters(model, out, tensors, dtype, tok)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     names = _export_names(model, tensors, aliases)
-    return _write(model, out, names, full_of, dtype, dtype or held, tok, max_bytes)
+    return _write(model, out, names, full_of, dtype, dtype or held, tok)
 
 
-def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok, max_bytes: int):
+def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok):
     """``names`` in the model's checkpoint layout, a conversion group at a time (``full_of`` may be
     collective: it runs on every rank), then the configs and the tokenizer."""
-    writer = ShardedWriter(out.dir, max_bytes)  # touches the disk only in the writing rank's calls
     groups, to_hf = save_layout(model, list(names))
 
     def write(fulls: dict[str, torch.Tensor]) -> None:
         for name, t in to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
-            writer.add(name, t)
+            out.add(name, t)
 
     with torch.no_grad():
         for group in groups:
             out.do(functools.partial(write, {n: full_of(n) for n in group}))  # gathered on every rank, in order
 
     def last() -> None:
-        writer.finish()
+        out.write_index()
         _save_config(model, out.dir, config_dtype, tok)
 
     return out.finish(last)
@@ -267,7 +266,7 @@ def dcp_to_hf(
     max_bytes = parse_size(max_shard_size)
     dtypes = {n: stored[source[n]].properties.dtype for n in names}
     held = next((d for d in dtypes.values() if d.is_floating_point), None)
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", alone=True)
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", max_bytes=max_bytes, alone=True)
 
     def read(name: str) -> torch.Tensor:  # one dcp.load a tensor: ~6 ms each, against seconds of reading
         state = {source[name]: torch.empty(stored[source[name]].size, dtype=dtypes[name])}
@@ -275,4 +274,4 @@ def dcp_to_hf(
         return state[source[name]]
 
     full_of = lambda name: out.do(functools.partial(read, name))  # an error is kept for out.finish
-    return _write(model, out, names, full_of, dtype, dtype or held, tok, max_bytes)
+    return _write(model, out, names, full_of, dtype, dtype or held, tok)
