@@ -89,10 +89,7 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
     """The model whose checkpoint is read, and its tensors under that checkpoint's names (a peft
     model's base under the base's own names, the adapters left out)."""
     tensors, aliases = model_tensors(model)
-    if not is_peft_model(model):
-        return model, tensors, aliases
-    base_model, base_tensors, base_aliases, _ = peft_view(model, tensors, aliases)  # no merges: for_merge is off
-    return base_model, base_tensors, base_aliases
+    return peft_view(model, tensors, aliases)[:3] if is_peft_model(model) else (model, tensors, aliases)
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
