@@ -108,18 +108,13 @@ class Group:
         holding rows [a, b) then converts sources a..b-1 alone (dim-0 sharding commutes)."""
         from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose  # as the converter
 
-        if len(self.targets) != 1:
-            return False
         ops = list(self.converter.operations)
-        if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+        if len(self.targets) != 1 or not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
             return False
-        for op in ops[1:]:
-            if type(op) is Concatenate and op.dim >= 1:
-                continue
-            if type(op) is Transpose and op.dim0 >= 1 and op.dim1 >= 1:
-                continue
-            return False
-        return True
+        return all(  # later ops that leave dim 0 alone
+            (type(op) is Concatenate and op.dim >= 1) or (type(op) is Transpose and op.dim0 >= 1 and op.dim1 >= 1)
+            for op in ops[1:]
+        )
 
 
 @dataclass
