@@ -96,10 +96,9 @@ def peft_view(
         if config_types != ["LORA"]:
             raise ValueError(f"export_hf(merge=True) merges LoRA adapters only; this model has {config_types}")
         active = list(model.active_adapters)
-        modnames = {id(m): clean_fqn(n) for n, m in model.named_modules()}
         bad = []
-        for module in model.modules():
-            label = modnames[id(module)]
+        for name, module in model.named_modules():
+            label = clean_fqn(name)
             if ".modules_to_save" in label:
                 bad.append(f"{label} (modules_to_save)")
             if not isinstance(module, LoraLayer):
@@ -110,18 +109,17 @@ def peft_view(
                 bad.append(f"{label} (DoRA)")
             elif any(getattr(module.lora_B[a], "bias", None) is not None for a in active if a in module.lora_B):
                 bad.append(f"{label} (lora_bias)")
-            if bad:
-                continue
-            weight = base_name(f"{label}.base_layer.weight")
-            for a in active:
-                if a in module.lora_A:
-                    merge = LoraMerge(
-                        lora_a=f"{label}.lora_A.{a}.weight",
-                        lora_b=f"{label}.lora_B.{a}.weight",
-                        scaling=module.scaling[a],
-                        fan_in_fan_out=module.fan_in_fan_out,
+            if not bad:
+                merges[base_name(f"{label}.base_layer.weight")] = [
+                    LoraMerge(
+                        f"{label}.lora_A.{a}.weight",
+                        f"{label}.lora_B.{a}.weight",
+                        module.scaling[a],
+                        module.fan_in_fan_out,
                     )
-                    merges.setdefault(weight, []).append(merge)
+                    for a in active
+                    if a in module.lora_A
+                ]
         if bad:
             raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
     return (
