@@ -270,7 +270,7 @@ def dcp_to_hf(
 
     def read(name: str) -> torch.Tensor:  # one dcp.load a tensor: ~6 ms each, against seconds of reading
         state = {source[name]: torch.empty(stored[source[name]].size, dtype=dtypes[name])}
-        load_alone({"model": state}, step_dir)
+        load_alone({"model": state}, step_dir, metadata)  # the metadata read above, not unpickled again
         return state[source[name]]
 
     full_of = lambda name: out.do(functools.partial(read, name))  # an error is kept for out.finish
