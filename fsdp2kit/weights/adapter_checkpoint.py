@@ -18,10 +18,10 @@ from fsdp2kit.checkpoint.unpickler import SafeReader
 from fsdp2kit.weights.nf4 import quantize_nf4
 
 
-def load_alone(state: dict, step_dir: Path) -> None:
+def load_alone(state: dict, step_dir: Path, metadata=None) -> None:
     """``dcp.load`` without a process group (DCP's warning that it assumes one process silenced: it does)."""
     with quiet_dcp(True):
-        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(step_dir, metadata), no_dist=True)
 
 
 def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Module:

@@ -78,11 +78,8 @@ def base_name(name: str) -> str:
 def peft_view(
     model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], *, for_merge: bool = False
 ) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], dict[str, list[LoraMerge]]]:
-    """A PEFT model's frozen base under the names of the model it wraps (``...q_proj.base_layer.weight``
-    is ``...q_proj.weight``): that model, its tensors and tied-name aliases, and with ``for_merge``
-    each LoRA-wrapped weight's `LoraMerge` for each active adapter;
-    what a plain merge cannot express (DoRA, LoRA biases, other layers or tuners,
-    ``modules_to_save``) is a ``ValueError`` naming it."""
+    """A PEFT model's frozen base under the wrapped model's names: that model, its tensors and tied-name aliases,
+    and with ``for_merge`` each LoRA-wrapped weight's `LoraMerge`s (DoRA, LoRA biases... are a ``ValueError``)."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
@@ -99,10 +96,9 @@ def peft_view(
         if config_types != ["LORA"]:
             raise ValueError(f"export_hf(merge=True) merges LoRA adapters only; this model has {config_types}")
         active = list(model.active_adapters)
-        modnames = {id(m): clean_fqn(n) for n, m in model.named_modules()}
         bad = []
-        for module in model.modules():
-            label = modnames[id(module)]
+        for name, module in model.named_modules():
+            label = clean_fqn(name)
             if ".modules_to_save" in label:
                 bad.append(f"{label} (modules_to_save)")
             if not isinstance(module, LoraLayer):
@@ -113,18 +109,17 @@ def peft_view(
                 bad.append(f"{label} (DoRA)")
             elif any(getattr(module.lora_B[a], "bias", None) is not None for a in active if a in module.lora_B):
                 bad.append(f"{label} (lora_bias)")
-            if bad:
-                continue
-            weight = base_name(f"{label}.base_layer.weight")
-            for a in active:
-                if a in module.lora_A:
-                    merge = LoraMerge(
-                        lora_a=f"{label}.lora_A.{a}.weight",
-                        lora_b=f"{label}.lora_B.{a}.weight",
-                        scaling=module.scaling[a],
-                        fan_in_fan_out=module.fan_in_fan_out,
+            if not bad:
+                merges[base_name(f"{label}.base_layer.weight")] = [
+                    LoraMerge(
+                        f"{label}.lora_A.{a}.weight",
+                        f"{label}.lora_B.{a}.weight",
+                        module.scaling[a],
+                        module.fan_in_fan_out,
                     )
-                    merges.setdefault(weight, []).append(merge)
+                    for a in active
+                    if a in module.lora_A
+                ]
         if bad:
             raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
     return (
@@ -135,17 +130,15 @@ def peft_view(
     )
 
 
-def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float, bool]]) -> torch.Tensor:
-    """``weight + sum(scaling * B @ A)``, bit for bit peft's ``merge_and_unload()`` (summed in the wider
-    dtype, rounded to the weight's); an NF4 weight is dequantized first."""
+def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, LoraMerge]]) -> torch.Tensor:
+    """``weight + sum(scaling * B @ A)`` over ``(A, B, merge)``, bit for bit peft's ``merge_and_unload()``
+    (summed in the wider dtype, rounded to the weight's); an NF4 weight is dequantized first."""
     if is_nf4(weight):
         weight = weight.get_original_weight()
     out = weight
-    for a, b, scaling, fan_in_fan_out in factors:
-        delta = b @ a
-        if fan_in_fan_out:
-            delta = delta.T
-        delta = delta * scaling
+    for a, b, merge in factors:
+        delta = (b @ a).T if merge.fan_in_fan_out else b @ a
+        delta = delta * merge.scaling
         out = (out.to(torch.promote_types(out.dtype, delta.dtype)) + delta).to(weight.dtype)
     return out
 

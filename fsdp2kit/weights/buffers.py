@@ -37,11 +37,9 @@ def _rebuild_from_attributes(module: nn.Module) -> nn.Module:
     return cls(**kwargs)
 
 
-def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
-    """CPU values for the buffers ``names`` as constructing their owners gives them: transformers models
-    rebuilt whole from their config, other owners from their attributes; buffers found neither way left out."""
-    if not names:
-        return {}
+def fill_buffers(model: nn.Module, names: set[str], *, missing_ok: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Copy into the buffers ``names`` the values constructing their owners gives them (transformers models
+    rebuilt whole from their config, other owners from their attributes); returns them, and the names not found."""
     found: dict[str, torch.Tensor] = {}
     modules = dict(model.named_modules(remove_duplicate=False))
 
@@ -77,21 +75,15 @@ def _construction_buffers(model: nn.Module, names: set[str]) -> dict[str, torch.
     # Whatever is left: the owning module, rebuilt from its attributes.
     for owner in dict.fromkeys(n.rpartition(".")[0] for n in sorted(names) if n not in found):
         twin_buffers(owner, lambda module=modules[owner]: _rebuild_from_attributes(module))
-    return found
-
-
-def fill_buffers(model: nn.Module, names: set[str], *, missing_ok: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Copy construction values into the buffers ``names``; returns them, and the names not found."""
-    values = _construction_buffers(model, names)
-    copy_buffers(model, values)
-    unfound = sorted(set(names) - set(values))
+    copy_buffers(model, found)
+    unfound = sorted(set(names) - set(found))
     if unfound and not missing_ok:
         raise ValueError(
             f"cannot recompute buffers {unfound}: their modules could not be rebuilt on CPU (not a "
             "transformers model, and constructor arguments not kept as attributes of the same name). "
             "Pass materialize(model, init_fn=...) and fill them there, or build those modules on a real device."
         )
-    return values, unfound
+    return found, unfound
 
 
 def copy_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:

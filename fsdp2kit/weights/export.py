@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, merged_weight, peft_view
-from fsdp2kit.weights.hf_layout import SaveLayout, model_tensors
-from fsdp2kit.weights.hf_writer import FirstRankWriter, ShardedWriter
+from fsdp2kit.weights.hf_layout import model_tensors, save_layout
+from fsdp2kit.weights.hf_writer import FirstRankWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -58,11 +57,11 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
         return None
     if tokenizer is None:  # the local directory the model's config was read from, if it holds one
         directory = getattr(getattr(model, "config", None), "_name_or_path", None)
-        if not (isinstance(directory, str) and directory and Path(directory).is_dir() and has_tokenizer(directory)):
+        if not (isinstance(directory, str) and directory and has_tokenizer(directory)):
             return None
     elif isinstance(tokenizer, (str, os.PathLike)):
         directory = tokenizer
-        if not Path(directory).is_dir() or not has_tokenizer(directory):
+        if not has_tokenizer(directory):
             raise FileNotFoundError(f"tokenizer={str(directory)!r} is not a directory holding a tokenizer")
     elif hasattr(tokenizer, "save_pretrained"):
         return tokenizer
@@ -74,9 +73,8 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
 
 
 def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
-    """The config and generation config (copies: the model is not changed), with ``dtype`` and the
-    tokenizer's BOS/EOS/PAD ids (PAD: EOS when it has none), so ``generate`` stops at the tokenizer's
-    EOS (a named config carries Llama's ids otherwise), and the tokenizer beside them."""
+    """Copies of the config and generation config with ``dtype`` and the tokenizer's BOS/EOS/PAD ids (PAD: EOS
+    when it has none; ``generate`` stops at the tokenizer's EOS), and the tokenizer beside them."""
     import copy
 
     ids = {}
@@ -114,13 +112,10 @@ def export_hf(
 ) -> Path | None:
     """Write a (sharded) model as a Hugging Face checkpoint that ``from_pretrained`` loads, with its tokenizer.
 
-    Collective: call it on every rank of the mesh. Tensors are gathered one at a time (a reverse
-    weight conversion's few inputs together) and the mesh's first rank writes a file whenever
-    ``max_shard_size`` bytes have accumulated; only it touches the disk. The files follow the
-    model's usual layout, as ``save_pretrained`` writes it (docs/internals.md), with the config.
-    A peft ``PeftModel`` is written as peft writes it (its adapters, for
-    ``PeftModel.from_pretrained``), or with ``merge=True`` as the wrapped model with the active
-    LoRA adapters folded in, as ``merge_and_unload`` does (docs/lora.md).
+    Collective: call it on every rank of the mesh. Tensors are gathered one at a time; the mesh's first
+    rank alone writes them, in the model's usual layout as ``save_pretrained`` does (docs/internals.md).
+    A peft ``PeftModel`` is written as peft writes it (its adapters), or with ``merge=True`` as the
+    wrapped model with the active LoRA adapters folded in, as ``merge_and_unload`` does (docs/lora.md).
 
     Args:
         dtype: cast floating tensors (e.g. ``torch.bfloat16``); default: as held (the master dtype).
@@ -141,47 +136,41 @@ def export_hf(
         if not is_peft_model(model):
             name = type(model).__name__
             raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
-        model, tensors, aliases, full_of = _merged_source(model, tensors, aliases)  # the wrapped model
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf")
+        lora = tensors
+        model, tensors, aliases, merges = peft_view(model, lora, aliases, for_merge=True)  # the wrapped model
+
+        def full_of(name: str) -> torch.Tensor:  # the base weight with the active adapters folded in
+            weight = gather_full(tensors[name])
+            factors = [(gather_full(lora[m.lora_a]), gather_full(lora[m.lora_b]), m) for m in merges.get(name, [])]
+            return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
+
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf", max_bytes=max_bytes)
     tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks
     if is_peft_model(model):
         return _export_adapters(model, out, tensors, dtype, tok)
-    names = _export_names(model, tensors, aliases)
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    writer = ShardedWriter(out.dir, max_bytes)  # touches the disk only in the writing rank's calls
-    layout = SaveLayout(model)
+    names = _export_names(model, tensors, aliases)
+    return _write(model, out, names, full_of, dtype, dtype or held, tok)
+
+
+def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok):
+    """``names`` in the model's checkpoint layout, a conversion group at a time (``full_of`` may be
+    collective: it runs on every rank), then the configs and the tokenizer."""
+    groups, to_hf = save_layout(model, list(names))
 
     def write(fulls: dict[str, torch.Tensor]) -> None:
-        for name, t in layout.to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
-            writer.add(name, t)
+        for name, t in to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
+            out.add(name, t)
 
     with torch.no_grad():
-        for group in layout.groups(list(names)):
+        for group in groups:
             out.do(functools.partial(write, {n: full_of(n) for n in group}))  # gathered on every rank, in order
 
     def last() -> None:
-        writer.finish()
-        _save_config(model, out.dir, dtype or held, tok)
+        out.write_index()
+        _save_config(model, out.dir, config_dtype, tok)
 
     return out.finish(last)
-
-
-def _merged_source(
-    model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]
-) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], Callable[[str], torch.Tensor]]:
-    """What export_hf writes for ``merge=True``: the wrapped model, its tensors under its own names,
-    and a collective function that gathers one of them with the active LoRA adapters folded in."""
-    inner, base, base_aliases, merges = peft_view(model, tensors, aliases, for_merge=True)
-
-    def full_of(name: str) -> torch.Tensor:
-        weight = gather_full(base[name])
-        factors = []
-        for merge in merges.get(name, []):  # gathered on every rank, in order
-            a, b = gather_full(tensors[merge.lora_a]), gather_full(tensors[merge.lora_b])
-            factors.append((a, b, merge.scaling, merge.fan_in_fan_out))
-        return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
-
-    return inner, base, base_aliases, full_of
 
 
 def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
@@ -198,31 +187,7 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
             save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
             out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
             fulls.clear()  # written: not held through the next adapter's gathers
-
-    def last() -> None:
-        if tok is not None:
-            tok.save_pretrained(str(out.dir))
-
-    return out.finish(last)
-
-
-def _meta_model(config: Any, step_dir: Path) -> nn.Module:
-    """The model of ``config`` (a transformers config or a path; default: the step's, else the root's
-    config.json) on the meta device, as the first class of its ``architectures``."""
-    import transformers
-
-    if not isinstance(config, transformers.PretrainedConfig):
-        where = config or next((d for d in (step_dir, step_dir.parent) if (d / "config.json").is_file()), None)
-        if where is None:
-            raise FileNotFoundError(
-                f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
-                "directory / file holding config.json)"
-            )
-        config = transformers.AutoConfig.from_pretrained(str(where), local_files_only=True)
-    classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
-    build = next((c for c in classes if isinstance(c, type)), transformers.AutoModelForCausalLM.from_config)
-    with torch.device("meta"):
-        return build(config)
+    return out.finish(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
 
 
 def dcp_to_hf(
@@ -240,10 +205,10 @@ def dcp_to_hf(
     """Convert a DCP checkpoint of a transformers model to Hugging Face safetensors, in one process.
 
     ``checkpoint`` is a step directory or a Checkpointer root (its newest complete step). The state
-    under "model" is read one file's worth at a time, without a process group, and written as
-    `export_hf` writes it. The config comes from ``config`` (a transformers config, or a path),
-    else the ``config.json`` in the step directory, else in the root; a checkpoint that does not
-    match the model built from it is a ``ValueError`` naming the keys. A LoRA / QLoRA step (saved
+    under "model" is read a tensor at a time, without a process group, and written as `export_hf` writes
+    it. The config comes from ``config`` (a transformers config, or a path), else the ``config.json`` in
+    the step directory, else in the root; a checkpoint that does not match the model built from it is a
+    ``ValueError`` naming the keys. A LoRA / QLoRA step (saved
     ``trainable_only``) needs ``base``, the pretrained directory the run started from: the PEFT
     model is rebuilt around it in memory (``merge`` as for `export_hf`). ``tokenizer`` as for
     `export_hf`; by default the one in ``base``, else in the ``config`` directory, else in the
@@ -261,7 +226,19 @@ def dcp_to_hf(
         return export_hf(model, out_dir, **kwargs)
     if merge:
         raise ValueError(f"merge=True folds LoRA adapters into their base; {step_dir} is a full model's checkpoint")
-    model = _meta_model(config, step_dir)
+    import transformers
+
+    if not isinstance(config, transformers.PretrainedConfig):  # a path, or the step's / the root's config.json
+        where = config or next((d for d in (step_dir, step_dir.parent) if (d / "config.json").is_file()), None)
+        if where is None:
+            raise FileNotFoundError(
+                f"no config.json in {step_dir} or {step_dir.parent}: pass config= (a transformers config, or a "
+                "directory / file holding config.json)"
+            )
+        config = transformers.AutoConfig.from_pretrained(str(where), local_files_only=True)
+    classes = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+    with torch.device("meta"):  # the first class of its architectures
+        model = next((c for c in classes if isinstance(c, type)), transformers.AutoModelForCausalLM.from_config)(config)
     tok = _resolve_tokenizer(tokenizer, model)
     metadata = read_metadata(step_dir)
     stored = {  # the model's tensors, under the Checkpointer's "model" key
@@ -289,31 +266,12 @@ def dcp_to_hf(
     max_bytes = parse_size(max_shard_size)
     dtypes = {n: stored[source[n]].properties.dtype for n in names}
     held = next((d for d in dtypes.values() if d.is_floating_point), None)
-    layout = SaveLayout(model)
-    batches: list[list[list[str]]] = [[]]  # groups of about one file's worth, read with one dcp.load
-    size = 0
-    for group in layout.groups(list(names)):
-        nbytes = sum(tensors[n].numel() * tensors[n].element_size() for n in group)
-        if batches[-1] and size + nbytes > max_bytes:
-            batches.append([])
-            size = 0
-        batches[-1].append(group)
-        size += nbytes
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", alone=True)
+    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", max_bytes=max_bytes, alone=True)
 
-    def write() -> None:
-        writer = ShardedWriter(out.dir, max_bytes)
-        for batch in batches:
-            loaded: dict[str, torch.Tensor] = {}  # key read -> tensor dcp.load fills
-            for group in batch:
-                for n in group:
-                    loaded[source[n]] = torch.empty(stored[source[n]].size, dtype=dtypes[n])
-            load_alone({"model": loaded}, step_dir)
-            for group in batch:
-                for name, t in layout.to_hf({n: _cast(loaded[source[n]], dtype) for n in group}).items():
-                    writer.add(name, t)
-        writer.finish()
-        _save_config(model, out.dir, dtype or held, tok)
+    def read(name: str) -> torch.Tensor:  # one dcp.load a tensor: ~6 ms each, against seconds of reading
+        state = {source[name]: torch.empty(stored[source[name]].size, dtype=dtypes[name])}
+        load_alone({"model": state}, step_dir, metadata)  # the metadata read above, not unpickled again
+        return state[source[name]]
 
-    out.do(write)
-    return out.finish()
+    full_of = lambda name: out.do(functools.partial(read, name))  # an error is kept for out.finish
+    return _write(model, out, names, full_of, dtype, dtype or held, tok)

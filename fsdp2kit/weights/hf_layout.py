@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,18 +108,13 @@ class Group:
         holding rows [a, b) then converts sources a..b-1 alone (dim-0 sharding commutes)."""
         from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose  # as the converter
 
-        if len(self.targets) != 1:
-            return False
         ops = list(self.converter.operations)
-        if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+        if len(self.targets) != 1 or not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
             return False
-        for op in ops[1:]:
-            if type(op) is Concatenate and op.dim >= 1:
-                continue
-            if type(op) is Transpose and op.dim0 >= 1 and op.dim1 >= 1:
-                continue
-            return False
-        return True
+        return all(  # later ops that leave dim 0 alone
+            (type(op) is Concatenate and op.dim >= 1) or (type(op) is Transpose and op.dim0 >= 1 and op.dim1 >= 1)
+            for op in ops[1:]
+        )
 
 
 @dataclass
@@ -216,33 +212,21 @@ def plan_load(
     return plan
 
 
-class SaveLayout:
-    """Writing a model in its usual checkpoint layout: transformers' conversions, looked up once, reversed."""
+def save_layout(model: nn.Module, keys: list[str]) -> tuple[list[list[str]], Callable[[dict], dict]]:
+    """``keys`` grouped so that every reverse conversion sees all of its inputs at once, and the function that
+    puts one group of full tensors under the checkpoint's keys: the model's usual layout, as transformers saves it."""
+    model = _as_built(model) if is_pretrained(model) else model
+    conversions = _conversions(model, for_saving=True)
+    if not conversions:
+        return [[k] for k in keys], lambda tensors: tensors
+    from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
 
-    def __init__(self, model: nn.Module):
-        self.model = _as_built(model) if is_pretrained(model) else model
-        self.conversions = _conversions(self.model, for_saving=True)
-
-    def groups(self, keys: list[str]) -> list[list[str]]:
-        """``keys`` in order, grouped so that every reverse conversion sees all of its inputs at once."""
-        if not self.conversions:
-            return [[k] for k in keys]
-        from transformers.core_model_loading import WeightConverter, apply_converters
-
-        converters = [t.reverse_transform() for t in self.conversions[::-1] if isinstance(t, WeightConverter)]
-        order: dict[str, list[str]] = {}
-        for key in keys:
-            renamed, pattern = apply_converters(key, converters)  # (key, None) where none applies
-            order.setdefault(renamed if pattern is not None else key, []).append(key)
-        return list(order.values())
-
-    def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One group of full tensors under model keys -> the same under the checkpoint's keys."""
-        if not self.conversions:
-            return tensors
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return revert_weight_conversion(self.model, tensors)
+    converters = [t.reverse_transform() for t in conversions[::-1] if isinstance(t, WeightConverter)]
+    order: dict[str, list[str]] = {}
+    for key in keys:
+        renamed, pattern = apply_converters(key, converters)  # (key, None) where none applies
+        order.setdefault(renamed if pattern is not None else key, []).append(key)
+    return list(order.values()), functools.partial(revert_weight_conversion, model)
 
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

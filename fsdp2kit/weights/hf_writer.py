@@ -18,16 +18,38 @@ from fsdp2kit._internal.dtensor import is_first_rank
 T = TypeVar("T")
 
 
-class ShardedWriter:
-    """Accumulates tensors and writes a file each time ``max_bytes`` would be exceeded."""
+class FirstRankWriter:
+    """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``, renamed
+    into place by `finish`; its errors are kept (it still joins every gather) and raised on every rank there.
+    `add` and `write_index` (in its `do` calls) write safetensors files of at most ``max_bytes``."""
 
-    def __init__(self, directory: Path, max_bytes: int):
-        self.dir = directory
-        self.max = max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
+    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, what: str, *, max_bytes=0, alone=False):
+        self.model, self.out, self.what, self.max = model, Path(out_dir), what, max_bytes
+        self.writes = alone or is_first_rank(model)
+        self.error: BaseException | None = None
+        self.dir: Path | None = None
+        self.pending: dict[str, torch.Tensor] = {}  # safetensors files: a new one each time max_bytes would be passed
+        self.pending_bytes = self.total = 0
         self.parts: list[tuple[Path, list[str]]] = []
-        self.total = 0
+        self.do(lambda: self._stage(overwrite))
+
+    def _stage(self, overwrite: bool) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"{self.out} exists and is not a directory")
+        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{self.out} exists and is not empty; pass overwrite=True to replace it")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+
+    def _commit(self) -> None:
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+            self.out.rename(old)
+        self.dir.rename(self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.pending or any(name in keys for _, keys in self.parts):
@@ -49,7 +71,8 @@ class ShardedWriter:
         self.parts.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
-    def finish(self) -> None:
+    def write_index(self) -> None:
+        """The pending tensors, then the files under their final names, with the index when there are several."""
         self.flush()
         if not self.parts:
             raise ValueError("nothing to write: the model has no parameters or persistent buffers")
@@ -64,39 +87,6 @@ class ShardedWriter:
             weight_map.update(dict.fromkeys(keys, name))
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-class FirstRankWriter:
-    """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``
-    that `finish` renames into place. Its errors are kept, so that it still takes part in every
-    gather (the others would hang), and raised on every rank by `finish`."""
-
-    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, what: str, *, alone: bool = False):
-        self.model = model
-        self.out = Path(out_dir)
-        self.writes = alone or is_first_rank(model)
-        self.what = what
-        self.error: BaseException | None = None
-        self.dir: Path | None = None
-        self.do(lambda: self._stage(overwrite))
-
-    def _stage(self, overwrite: bool) -> None:
-        if self.out.exists() and not self.out.is_dir():
-            raise FileExistsError(f"{self.out} exists and is not a directory")
-        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
-            raise FileExistsError(f"{self.out} exists and is not empty; pass overwrite=True to replace it")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
-        self.dir.mkdir()
-
-    def _commit(self) -> None:
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-            self.out.rename(old)
-        self.dir.rename(self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
     def do(self, fn: Callable[[], T]) -> T | None:
         """``fn()`` on the writing rank, unless an error came first (then kept for `finish`): its result,

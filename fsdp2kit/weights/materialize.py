@@ -38,15 +38,9 @@ def _dispatch(original: Callable, tensor: torch.Tensor, *args, **kwargs) -> torc
     return original(tensor, *args, **kwargs)
 
 
-def _in_place(name: str) -> bool:
-    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
-
-
 class _Replay(TorchFunctionMode):
-    """Runs init calls with full-size plain tensors in place of a module's sharded parameters, the same
-    on every rank; each keeps its rows. Inside, an in-place op on another module's whole sharded
-    parameter gives it a full stand-in that the rest of the call reads and writes instead; on a slice
-    or copy (``.data``) it is an error."""
+    """Runs init calls on full-size plain stand-ins of sharded parameters (a module's own, and any other
+    whole one an in-place op writes), the same on every rank; each keeps its rows (docs/internals.md)."""
 
     def __init__(self, model: nn.Module, device: torch.device, write: set[str]):
         super().__init__()
@@ -103,10 +97,11 @@ class _Replay(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
         # The written tensor: an in-place op's first (torch.nn.init passes it by keyword), or out=.
         target = kwargs.get("out") if "out" in kwargs else (args[0] if args else kwargs.get("tensor"))
         new = False
-        if isinstance(target, DTensor) and (_in_place(name) or "out" in kwargs):
+        if isinstance(target, DTensor) and (in_place or "out" in kwargs):
             if id(target) not in self.names:
                 raise RuntimeError(
                     f"{self.current}'s initialisation calls {name} on a sharded parameter through a slice or copy "

@@ -13,18 +13,9 @@ from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS, is_nf4
 _PIECE = 1 << 16  # weights quantized at once (a multiple of any block size up to 65536)
 
 
-def _shard_group(t: torch.Tensor):
-    """The process group over which ``t``'s rows are split (None: every rank holds all of them)."""
-    if not isinstance(t, DTensor):
-        return None
-    dims = [d for d, p in enumerate(t.placements) if isinstance(p, Shard) and t.device_mesh.size(d) > 1]
-    return t.device_mesh.get_group(dims[0]) if dims else None
-
-
 def allocate_nf4(model: nn.Module, device: torch.device) -> None:
-    """Give every meta NF4 weight real, empty storage for all five inner tensors (torchao's ``empty_like``
-    leaves the scalers' mean and the table on meta), through ``Module._apply`` so FSDP2 re-registers
-    each new shard; the model's other tensors are left as they are."""
+    """Empty storage for all five inner tensors of every meta NF4 weight (torchao's ``empty_like`` leaves two
+    on meta), through ``Module._apply`` so that FSDP2 re-registers each new shard."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, construct_nf4_args
 
     if not any(p.is_meta and is_nf4(p) for p in model.parameters()):
@@ -42,29 +33,22 @@ def allocate_nf4(model: nn.Module, device: torch.device) -> None:
     model._apply(fn)
 
 
-def _agreed_mean(absmax: torch.Tensor, group) -> torch.Tensor:
-    """The mean of every block scaler of the whole weight: gathered and reduced in order, as ``to_nf4``
-    does on the full weight (an all-reduce of partial sums could round differently)."""
-    if group is None:
-        return absmax.mean()
-    # Sent as bytes: the bits travel unchanged, and gloo has no int16 / bfloat16 all-gather.
-    wire = absmax.contiguous().view(torch.uint8)
-    parts = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, wire, group=group)
-    return torch.cat(parts).view(absmax.dtype).mean()
-
-
 def quantize_rows(
     rows: torch.Tensor, block_size: int, scaler_block_size: int, *, group=None
 ) -> dict[str, torch.Tensor]:
-    """NF4's inner tensors for ``rows`` (one rank's row block of a weight), bit for bit this rank's part
-    of ``to_nf4(full weight)``: torchao's ``double_quantize_scalers`` with the scalers' mean agreed
-    over ``group`` (collective), the one value that depends on the whole weight."""
+    """NF4's inner tensors for one rank's rows of a weight, bit for bit its part of ``to_nf4(full weight)``: the
+    scalers' mean, the one value that depends on the whole weight, is agreed over ``group`` (collective)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, get_block_absmax, to_nf4
 
     flat = rows.reshape(-1)
     absmax = get_block_absmax(flat, block_size)
-    mean = _agreed_mean(absmax, group)
+    if group is None:
+        mean = absmax.mean()
+    else:  # gathered and reduced in order, as to_nf4 does (an all-reduce of partial sums could round otherwise)
+        wire = absmax.contiguous().view(torch.uint8)  # bytes: gloo has no int16 / bfloat16 all-gather
+        parts = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, wire, group=group)
+        mean = torch.cat(parts).view(absmax.dtype).mean()
     centred = absmax - mean
     n_groups = centred.numel() // scaler_block_size
     group_absmax = get_block_absmax(centred, scaler_block_size).unsqueeze(-1).expand(n_groups, scaler_block_size)
@@ -95,6 +79,10 @@ def fill_nf4(target: torch.Tensor, rows: torch.Tensor) -> None:
     over its shard group)."""
     local = local_shard(target)
     rows = rows.to(device=local.quantized_data.device, dtype=local.dtype).contiguous()
-    parts = quantize_rows(rows, local.block_size, local.scaler_block_size, group=_shard_group(target))
+    group = None  # the group over which the rows are split (None: every rank holds all of them)
+    if isinstance(target, DTensor):
+        dims = [d for d, p in enumerate(target.placements) if isinstance(p, Shard) and target.device_mesh.size(d) > 1]
+        group = target.device_mesh.get_group(dims[0]) if dims else None
+    parts = quantize_rows(rows, local.block_size, local.scaler_block_size, group=group)
     for name, value in parts.items():
         getattr(local, name).copy_(value.reshape(getattr(local, name).shape))

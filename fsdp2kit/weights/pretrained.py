@@ -89,10 +89,7 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
     """The model whose checkpoint is read, and its tensors under that checkpoint's names (a peft
     model's base under the base's own names, the adapters left out)."""
     tensors, aliases = model_tensors(model)
-    if not is_peft_model(model):
-        return model, tensors, aliases
-    base_model, base_tensors, base_aliases, _ = peft_view(model, tensors, aliases)  # no merges: for_merge is off
-    return base_model, base_tensors, base_aliases
+    return peft_view(model, tensors, aliases)[:3] if is_peft_model(model) else (model, tensors, aliases)
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
@@ -115,17 +112,11 @@ def _load_group(model: nn.Module, group, tensors: dict[str, torch.Tensor], reade
             reader.read(group.source_keys[0], index, into=local_shard(target))
         return
     whole_inner = all(s.indices(n) == (0, n, 1) for s, n in zip(index[1:], target.shape[1:]))
-    if group.merges_dim0() and whole_inner:
-        # The target's dim 0 is the list of sources (experts) and only dim 0 is sharded: this
-        # rank reads its own experts and nothing else.
-        if local_shard(target).numel() == 0:
-            return
-        mine = [keys[i] for keys in group.sources.values() for i in range(*index[0].indices(len(keys)))]
-        parts = {k: reader.read(k) for k in mine}
-        _copy_into(target, group.convert(model, parts)[group.targets[0]])
+    # The target's dim 0 is the list of sources (experts) and only dim 0 is sharded: this rank converts
+    # its own experts and nothing else. Otherwise whole sources, and this rank's part of each output.
+    mine = group.merges_dim0() and whole_inner
+    if mine and local_shard(target).numel() == 0:
         return
-    # General conversion: whole sources for this one weight, then this rank's part of each output.
-    parts = {k: reader.read(k) for k in group.source_keys}
-    for name, full in group.convert(model, parts).items():
-        target = tensors[name]
-        _copy_into(target, full[local_index(target)])
+    mine_keys = [ks[i] for ks in group.sources.values() for i in range(*index[0].indices(len(ks)))] if mine else []
+    for name, full in group.convert(model, {k: reader.read(k) for k in mine_keys or group.source_keys}).items():
+        _copy_into(tensors[name], full if mine else full[local_index(tensors[name])])

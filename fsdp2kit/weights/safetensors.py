@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -50,25 +51,13 @@ def check_file(path: Path) -> list[str]:
     except SafetensorError as exc:
         size = path.stat().st_size
         message = f"{path} is not a valid safetensors file of {size} bytes"
-        end = _described_size(path)
-        if end is not None and end < size:
-            message += f" (its header describes {end} bytes: padded)"
-        elif end is not None and end > size:
-            message += f" (its header describes {end} bytes: truncated)"
-        raise ValueError(f"{message}: {exc}") from None
-
-
-def _described_size(path: Path) -> int | None:
-    """The file size a safetensors header describes (8 + header + its data region); None when the
-    header cannot be read."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        try:
+        with open(path, "rb") as f, contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, IndexError):
+            n = int.from_bytes(f.read(8), "little")  # the size the header describes: 8 + header + data region
             header = json.loads(f.read(min(n, 100_000_000)))
-            data_end = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
-            return 8 + n + data_end
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            return None
+            end = 8 + n + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+            if end != size:
+                message += f" (its header describes {end} bytes: {'padded' if end < size else 'truncated'})"
+        raise ValueError(f"{message}: {exc}") from None
 
 
 class SafetensorsReader:
