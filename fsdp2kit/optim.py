@@ -108,6 +108,10 @@ def state_bytes(numel: int, dtype: torch.dtype, name: str, shape: Sequence[int])
     return 2 * (codes + 4 * (numel // block) + table)
 
 
+def _on_host_of_accelerator(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and p.device_mesh.device_type != "cpu" and local_shard(p).device.type == "cpu"
+
+
 def make_optimizer(
     model: nn.Module,
     name: str = "adamw",
@@ -164,6 +168,10 @@ def make_optimizer(
                 "weights (mixed_precision='bf16') keep them.",
                 stacklevel=2,
             )
+        if "fused" not in kwargs and "foreach" not in kwargs and all(map(_on_host_of_accelerator, params)):
+            # shard_model(cpu_offload=True): torch picks its single-tensor loop for CPU parameters, ~7x slower
+            # than its fused CPU kernel (docs/optimizers.md, "Offload"); on a CPU mesh torch's choice stays
+            kwargs["fused"] = True
         return torch.optim.AdamW(params, **hyper, **kwargs)
 
     if name == "adamw_bf16sr":

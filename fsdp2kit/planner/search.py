@@ -235,9 +235,8 @@ def _describe(cost: float) -> str:
 def rank_by_step_time(
     model: nn.Module, s: Settings, changes: list[dict], hardware, *, nodes: int = 1, baseline=None
 ) -> list[dict]:
-    """``changes`` (`cheapest_changes`'s) ranked by predicted step time on ``hardware``: LoRA last, cpu_offload (its
-    CPU optimizer step not modelled) after the changes timed in full, one whose settings its label cannot rebuild
-    after all."""
+    """``changes`` (`cheapest_changes`'s) ranked by predicted step time on ``hardware``, LoRA last, then
+    one whose settings its label cannot rebuild."""
     import math
 
     from fsdp2kit.planner.steptime import predict_step
@@ -260,11 +259,6 @@ def rank_by_step_time(
         what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
         if baseline is not None:
             what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
-        # cpu_offload's CPU optimizer step is not in the model: its time is a lower
-        # bound, so it is ranked after the changes whose time is whole.
-        partial = settings.cpu_offload and not s.cpu_offload
-        if partial:
-            what += " at best (cpu_offload's CPU optimizer step not modelled)"
         if change["cost_fraction"] >= 1.0:
             what += ", changes what is trained"
         timed = {
@@ -273,9 +267,9 @@ def rank_by_step_time(
             "step_seconds": step.step_s,
             "tokens_per_second_per_gpu": step.tokens_per_second_per_gpu,
         }
-        ranked.append((change["cost_fraction"] >= 1.0, partial, step.step_s, len(ranked), timed))
-    ranked.sort(key=lambda t: t[:4])
-    return [t[4] for t in ranked] + unranked
+        ranked.append((change["cost_fraction"] >= 1.0, step.step_s, len(ranked), timed))
+    ranked.sort(key=lambda t: t[:3])
+    return [t[3] for t in ranked] + unranked
 
 
 def _settings_of(s: Settings, label: str) -> Settings | None:

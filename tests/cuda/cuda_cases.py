@@ -198,13 +198,15 @@ def case_cpu_offload() -> dict:
         "all_pinned": all(t.is_pinned() for t in locals_ if t.numel()),
     }
     batches = _batches(dist.get_world_size())
-    losses = _train_sharded(model, _optimizer("adamw", model.parameters()), batches, info.device)
+    opt = fk.make_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1, eps=1e-5)  # as _optimizer's, fused
+    losses = _train_sharded(model, opt, batches, info.device)
     ref_losses = _train_ref(ref, _optimizer("adamw", ref.parameters()), batches, info.device)
     grads_on = sorted({str(p.grad.to_local().device) for p in model.parameters() if p.grad is not None})
     return {
         **placement,
         "devices_after": sorted({str(p.to_local().device) for p in model.parameters()}),
         "grad_devices": grads_on,  # zero_grad(set_to_none) leaves none: [] is expected
+        "fused": opt.defaults["fused"],  # make_optimizer's fused CPU kernel for host shards on a GPU mesh
         "loss_rel": _loss_rel(losses, ref_losses),
         **_compare(start, _full(model), _full(ref)),
     }

@@ -89,6 +89,7 @@ def test_cpu_offload_pinned(world):
     for res in _results(world, "cpu_offload"):
         assert res["devices"] == ["cpu"] and res["devices_after"] == ["cpu"]
         assert res["all_pinned"], "offloaded shards must be in pinned memory for async host-device copies"
+        assert res["fused"] is True, res
         assert res["loss_rel"] < RTOL and res["worst_rel"] < RTOL, res
 
 

@@ -260,6 +260,8 @@ def offloaded(root: str) -> dict:
             if kind == "adamw"
             else OffloadedAdamW(again.parameters(), lr=LR, weight_decay=0.1)
         )
+        if kind == "adamw":  # CPU shards on a CPU mesh: torch's own choice of kernel, not make_optimizer's fused
+            out["fused_on_a_cpu_mesh"] = opt.defaults["fused"]
         assert ck.load(again, optimizer=opt) == 2
         _step(again, opt, *_batch(rank, 2), torch.float32)
         out[label] = _diff(end, _full(again))

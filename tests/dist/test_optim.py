@@ -136,6 +136,7 @@ def test_offloaded_adamw_steps_and_checkpoints_like_adamw(world2):
         o = r["offloaded"]
         assert o["param_diff"] <= 1e-6 and o["state_device"] == "cpu", o
         assert o["into_adamw_2x1"] <= 1e-6 and o["into_offloaded"] == 0.0, o
+        assert o["fused_on_a_cpu_mesh"] is None, o
 
 
 def test_offloaded_adamw_copies_from_the_grad_hook(world2):
