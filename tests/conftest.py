@@ -29,6 +29,18 @@ def parity_table() -> list:
     return _PARITY
 
 
+@pytest.fixture(scope="module")
+def selected(request):
+    """``selected(*names)``: the values of those parameters over this module's tests that the session runs, so a
+    spawned world trains only the cases some selected test reads (under -m "not slow", not the slow ones)."""
+
+    def values(*names: str) -> set:
+        items = [i for i in request.session.items if i.module is request.module and hasattr(i, "callspec")]
+        return {tuple(i.callspec.params[n] for n in names) for i in items if set(names) <= set(i.callspec.params)}
+
+    return values
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _PARITY:
         return

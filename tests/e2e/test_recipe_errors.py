@@ -82,18 +82,11 @@ FORMATS = "expected one of text, chat, completion; did you mean chat?"
 # (case, command-line arguments after --config demo.toml, the block); {w} is the work directory
 CASES = [
     ("typo", ["--train.stpes", "2"], "config error: unknown option --train.stpes; did you mean --train.steps?"),
-    ("abbreviation", ["--train.step", "2"], "config error: unknown option --train.step; did you mean --train.steps?"),
     (
         "enum-cli",
         ["--parallel.mixed_precision", "bfloat16"],
         f"config error: parallel.mixed_precision = 'bfloat16' (from the command line): {PRECISIONS}",
     ),
-    (
-        "enum-toml",
-        ["--config", "{w}/format.toml"],
-        f"config error: data.format = 'chats' (from {{w}}/format.toml): {FORMATS}",
-    ),
-    ("data-missing", ["--data.files", "{w}/nope.jsonl"], "data error: data file {w}/nope.jsonl does not exist"),
     (
         "data-bad-record",
         ["--data.files", "{w}/bad.jsonl", "--data.format", "chat"],
@@ -112,20 +105,31 @@ CASES = [
         "config error: lora.replicate_adapters = true replicates LoRA adapters: set lora.r (> 0) too",
     ),
     (
-        "seq-len-over-positions",
-        ["--model.name", "{w}/pos256", "--data.seq_len", "512"],
-        "config error: data.seq_len 512 exceeds the model's max_position_embeddings 256 ({w}/pos256): lower "
-        "--data.seq_len, or raise the limit explicitly with --model.max_position_embeddings 512",
-    ),
-    (
         "mesh",
         ["--parallel.shard", "3"],
         "config error: [parallel] shard=3, replicate=1 does not fit the world size 2; sizes that work: "
         "(shard=2, replicate=1), (shard=1, replicate=2), (shard=1, replicate=1, tp=2)",
     ),
 ]
-# Rarer variants of the classes above: make test-all.
+# Rarer variants of the classes above: make test-all. Each message keeps a default-tier test elsewhere (named).
 SLOW_CASES = [
+    # an abbreviated option: tests/unit/test_config_data.py (--a.step); launched: the typo case, torchrun
+    ("abbreviation", ["--train.step", "2"], "config error: unknown option --train.step; did you mean --train.steps?"),
+    # a TOML file's value named with its file: tests/unit/test_config_data.py (b.mode from the file)
+    (
+        "enum-toml",
+        ["--config", "{w}/format.toml"],
+        f"config error: data.format = 'chats' (from {{w}}/format.toml): {FORMATS}",
+    ),
+    # tests/unit/test_finetune_data.py (data file ... does not exist), rendered: tests/unit/test_usage_errors.py
+    ("data-missing", ["--data.files", "{w}/nope.jsonl"], "data error: data file {w}/nope.jsonl does not exist"),
+    # the same recipe and block, exact stderr: tests/e2e/test_recipe_plans.py (one process)
+    (
+        "seq-len-over-positions",
+        ["--model.name", "{w}/pos256", "--data.seq_len", "512"],
+        "config error: data.seq_len 512 exceeds the model's max_position_embeddings 256 ({w}/pos256): lower "
+        "--data.seq_len, or raise the limit explicitly with --model.max_position_embeddings 512",
+    ),
     (
         "enum-cli-format",
         ["--data.format", "chats"],
