@@ -49,7 +49,7 @@ def adamw_call(kind: str, numel: int):
 
 def offloaded_step(numel: int, tensors: int):
     """OffloadedAdamW over ``tensors`` fp32 parameters of ``numel`` elements in all, each with a gradient set
-    directly (no backward, so no hook: step() copies every shard, as the planner counts the transfers)."""
+    directly (step() copies every shard, as the planner counts the transfers)."""
     params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)

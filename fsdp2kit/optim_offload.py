@@ -1,15 +1,9 @@
 """Optimizer-state offload: parameters and gradients stay on the GPU, AdamW's state and step live in
-pinned host memory, and the update runs on the CPU (`make_optimizer(..., offload=True)`). Each shard's
-copies to the host start in a post-accumulate-grad hook, which FSDP2 calls after the unit's
-reduce-scatter, so they overlap the rest of the backward. How it works, its limits, and why not
-torchao's ``CPUOffloadOptimizer``: docs/optimizers.md, "Offload".
+pinned host memory, and the update runs on the CPU (`make_optimizer(..., offload=True)`). How it works,
+what it does not do yet, and why not torchao's ``CPUOffloadOptimizer``: docs/optimizers.md, "Offload".
 """
 
 from __future__ import annotations
-
-import weakref
-from collections import Counter
-from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,17 +23,6 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return _from_local_no_grad(local, p._spec)
 
 
-def _on_grad(opt_ref, p: torch.Tensor) -> None:
-    opt = opt_ref()  # a weak reference: the hook neither keeps the optimizer alive nor acts after it is gone
-    if opt is not None and p in opt._buffers:
-        opt._copy_out(p, "hook")
-
-
-def _remove(handles) -> None:
-    for h in handles:
-        h.remove()
-
-
 class OffloadedAdamW(torch.optim.AdamW):
     """torch's AdamW (decoupled weight decay) with its state and update in host memory, pinned for parameters
     on an accelerator. ``amsgrad``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are not offered.
@@ -56,26 +39,6 @@ class OffloadedAdamW(torch.optim.AdamW):
                 self._buffers[p] = (host[0], host[1])  # the parameter's and the gradient's way through the host
                 # Made now, not at the first step: a checkpoint loads into them before any step.
                 self.state[p].update(step=torch.tensor(0.0), exp_avg=_like(p, host[2]), exp_avg_sq=_like(p, host[3]))
-        # p -> {"param"/"grad": (a weak reference to the shard copied, its _version then), "event": CUDA event}
-        self._copied: dict[torch.Tensor, dict] = {}
-        self._copies = Counter()  # shards copied in the hook and in step (tests read it)
-        hook = partial(_on_grad, weakref.ref(self))
-        handles = [p.register_post_accumulate_grad_hook(hook) for p in self._buffers if p.requires_grad]
-        weakref.finalize(self, _remove, handles)
-
-    @torch.no_grad()
-    def _copy_out(self, p: torch.Tensor, where: str, which=("param", "grad")) -> None:
-        """Start copying ``p``'s shard and/or its gradient's into the host buffers, on the current stream (in
-        the hook: FSDP2's post-reduce stream, after the reduce-scatter wrote the gradient)."""
-        done = self._copied.setdefault(p, {})
-        for name, buf in zip(("param", "grad"), self._buffers[p]):
-            if name in which:
-                src = local_shard(p if name == "param" else p.grad)
-                buf.copy_(src, non_blocking=True)
-                done[name] = (weakref.ref(src), src._version)  # weak: a gradient dropped before step() is freed
-                self._copies[f"{name} in {where}"] += 1
-        if local_shard(p).device.type == "cuda":
-            done["event"] = torch.cuda.current_stream(local_shard(p).device).record_event()
 
     def load_state_dict(self, state_dict) -> None:
         # torch's load moves each state tensor to its parameter's device (the GPU); copy the loaded
@@ -95,29 +58,17 @@ class OffloadedAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        copied, self._copied = self._copied, {}
-        for done in copied.values():  # the hooks' copies are done before a copy below writes the same buffers
-            if "event" in done:
-                done["event"].synchronize()
         todo = []  # (group, its parameters that have a gradient)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
-                done = copied.get(p, {})
-                # copy now what no hook copied or what changed since (clip_grad_norm_ scales in place, a second
-                # backward accumulates, a load writes the parameter): the update is the same either way
-                stale = [
-                    n
-                    for n, t in (("param", p), ("grad", p.grad))
-                    if n not in done or done[n][0]() is not local_shard(t) or done[n][1] != local_shard(t)._version
-                ]
-                if stale:
-                    self._copy_out(p, "step", stale)
+                param_buf, grad_buf = self._buffers[p]
+                param_buf.copy_(local_shard(p), non_blocking=True)
+                grad_buf.copy_(local_shard(p.grad), non_blocking=True)
             todo.append((group, params))
-        for done in self._copied.values():  # the host update reads what the device-to-host copies wrote
-            if "event" in done:
-                done["event"].synchronize()
-        self._copied = {}
+        devices = {local_shard(p).device for _, params in todo for p in params if local_shard(p).device.type == "cuda"}
+        for device in devices:  # the host update reads what the device-to-host copies wrote
+            torch.cuda.current_stream(device).synchronize()
         for group, params in todo:
             if not params:
                 continue

@@ -360,7 +360,6 @@ def case_state_offload() -> dict:
         "state_pinned": all(t.is_pinned() for t in states if t.numel()),
         "param_devices": sorted({str(p.to_local().device) for p in model.parameters()}),
         "loss_rel": _loss_rel(losses, ref_losses),
-        "copies": dict(opt._copies),  # made in the post-reduce-scatter hook vs in step()
         **_compare(start, _full(model), _full(ref)),
     }
 

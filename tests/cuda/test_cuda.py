@@ -120,8 +120,6 @@ def test_state_offload_keeps_parameters_on_the_gpu(world):
         assert res["optimizer"] == "OffloadedAdamW" and res["param_devices"] == [f"cuda:{rank}"], res
         assert res["state_devices"] == ["cpu"] and res["state_pinned"], res
         assert res["loss_rel"] < RTOL and res["worst_rel"] < RTOL, res
-        # every shard's copies started in the hook FSDP2 calls after its reduce-scatter, none in step() (no clipping)
-        assert set(res["copies"]) == {"param in hook", "grad in hook"}, res["copies"]
 
 
 @pytest.mark.timeout(540)

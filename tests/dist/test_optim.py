@@ -139,23 +139,16 @@ def test_offloaded_adamw_steps_and_checkpoints_like_adamw(world2):
         assert o["fused_on_a_cpu_mesh"] is None, o
 
 
-def test_offloaded_adamw_copies_from_the_grad_hook(world2):
-    """FSDP2 calls a sharded parameter's post-accumulate-grad hooks after each synced reduce-scatter (none
-    under no_sync): OffloadedAdamW starts its copies there, and step() copies again what changed since
-    (clip_grad_norm_ scales every gradient in place; a second backward accumulates into the gradients
-    that share its unit's storage) or what no hook copied. The update is torch's AdamW's either way."""
+def test_offloaded_adamw_sees_every_change_between_backward_and_step(world2):
+    """OffloadedAdamW copies the shards in step(), so what happens to the gradients between backward and step
+    (either clip_grad_norm_, no_sync accumulation, a second backward) is in its update, as in torch's AdamW.
+    Copies started from the post-accumulate-grad hook could not be trusted here: torch's foreach clip scales
+    DTensor gradients without moving a version counter (docs/optimizers.md, "Offload")."""
     for r in world2:
-        o = r["offloaded"]["overlap"]
-        n = 2 * o["plain"]["params"]  # 2 steps
+        o = r["offloaded"]["between"]
         for mode, case in o.items():
-            assert case["diff"] <= 1e-6 and case["hooks_left"] == 0, (mode, case)
-        assert o["plain"]["copies"] == {"param in hook": n, "grad in hook": n}, o["plain"]
-        assert o["no_sync"]["copies"] == {"param in hook": n, "grad in hook": n}, o["no_sync"]
-        assert min(o["clip"]["norms"]) > 0.05, o["clip"]  # it did scale
-        assert o["clip"]["copies"] == {"param in hook": n, "grad in hook": n, "grad in step": n}, o["clip"]
-        twice = o["twice"]["copies"]
-        assert twice["grad in hook"] == 2 * n and twice["param in hook"] == 2 * n, twice
-        assert 0 < twice.get("grad in step", 0) < n and "param in step" not in twice, twice
+            assert case["diff"] <= 1e-6, (mode, case)
+        assert min(o["clip"]["norms"] + o["foreach_clip"]["norms"]) > 0.05, o  # both did scale
 
 
 def _state_agrees(a: dict, b: dict, quantized: bool) -> tuple[bool, str]:
