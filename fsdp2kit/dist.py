@@ -50,7 +50,10 @@ def init_distributed(*, timeout: timedelta | float = timedelta(minutes=10), devi
     if dev_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
 
-    local_rank = int(os.environ.get("LOCAL_RANK") or 0)  # torchrun sets it
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK") or 0)  # torchrun sets it
+    except ValueError:
+        raise ValueError(f"environment variable LOCAL_RANK={os.environ['LOCAL_RANK']!r} is not an integer") from None
     dev = torch.device("cuda", local_rank) if dev_type == "cuda" else torch.device("cpu")
     if dev_type == "cuda":
         if local_rank >= torch.cuda.device_count():

@@ -129,7 +129,8 @@ def make_optimizer(
     module works too. ``lr``, ``weight_decay``, ``betas``, ``eps``: AdamW's (decoupled weight decay).
     ``offload``: AdamW's state and step in pinned host memory, parameters and gradients on the GPU
     (`fsdp2kit.optim_offload.OffloadedAdamW`; ``adamw`` over CUDA parameters only, else ValueError).
-    ``kwargs`` go to the class: torch.optim.AdamW's (``fused``, ...) or torchao's (``block_size``, ...).
+    ``kwargs`` go to the class: torch.optim.AdamW's (``fused``, ...) or torchao's (``block_size``, ...); for
+    ``adamw`` over host shards on a GPU mesh (``shard_model(cpu_offload=True)``) ``fused=True`` unless given.
     Raises ValueError for an unknown name, no trainable parameter, or ``adamw_bf16sr`` over non-bf16 ones.
     """
     if name not in OPTIMIZERS:

@@ -196,7 +196,7 @@ class Checkpointer:
             self.wait()
         finally:
             for name, cache in vars(SavePlanner).items():  # DCP's class-level dicts: drop this Checkpointer's plans
-                if name.startswith("_cached_"):
+                if name.startswith("_cached_") and isinstance(cache, dict):
                     cache.pop(self._plan_key, None)
             if self._writer_thread is not None:
                 self._writer_thread.shutdown(wait=True)

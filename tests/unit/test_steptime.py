@@ -292,7 +292,7 @@ def test_offload_step_model_against_the_host_step_measured_here():
     """The planner's optimizer-offload time (transfers, then the host AdamW step at HOST_ADAMW_EFFICIENCY of the
     host's memory bandwidth) against `OffloadedAdamW.step` measured on this CPU, this CPU as the host (its in-place
     bandwidth for the memory, a copy's bytes a second for the link): benchmarks/results/host_adamw_speed.json,
-    each round. Measured / predicted was 0.94-1.05; 15% is about 3x the rounds' own spread (each bandwidth, the
+    each round. Measured / predicted was 0.94-1.04; 15% is about 3x the rounds' own spread (each bandwidth, the
     fused fraction and the step vary by about +-4%), while leaving out the host step (1.55x) or the transfers
     (2.4x) misses it by far."""
     from pathlib import Path
