@@ -17,7 +17,7 @@ from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh, document_mask
 from fsdp2kit.parallel.tensor_parallel import _config_sizes
 from fsdp2kit.wrappers.forward import check_unsharded
 
-__all__ = ["RING_PACKED", "STYLES", "apply_context_parallel", "check_ring_seq"]
+__all__ = ["RING_CUDA_ONLY", "RING_PACKED", "STYLES", "apply_context_parallel", "check_ring_seq"]
 
 STYLES = ("all_to_all", "ring")
 KERNELS = ("sdpa", "eager")  # the inner kernels run on each rank's heads over the whole sequence
@@ -209,6 +209,7 @@ def _ring(group: DeviceMesh, cp: int) -> Callable:
     return attention
 
 
+RING_CUDA_ONLY = "style='ring' runs on CUDA only (torch's ring attention over its CUDA kernels)"
 RING_PACKED = (
     "style='ring' got packed rows (positions restart inside a row): torch's ring attention masks "
     "causally over the whole row, so documents would attend to each other; use style='all_to_all'"
@@ -278,8 +279,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
         )
     if style == "ring" and group.device_type != "cuda":
         raise ValueError(
-            f"apply_context_parallel: style='ring' runs on CUDA only (torch's ring attention over its CUDA kernels), "
-            f"this mesh is on {group.device_type}; use style='all_to_all'"
+            f"apply_context_parallel: {RING_CUDA_ONLY}, this mesh is on {group.device_type}; use style='all_to_all'"
         )
     check_unsharded(model, "apply_context_parallel")
     if getattr(model, CONTEXT_PARALLEL, None) is not None:

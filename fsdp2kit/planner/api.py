@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.models import max_positions
-from fsdp2kit.parallel.context_parallel import RING_PACKED, STYLES, check_heads, check_ring_seq
+from fsdp2kit.parallel.context_parallel import RING_CUDA_ONLY, RING_PACKED, STYLES, check_heads, check_ring_seq
 from fsdp2kit.parallel.cp_inputs import check_seq
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.adapt import lora_model, trained_model
@@ -66,7 +66,7 @@ class Settings:
         check_cp_style(self.cp_style)
         if self.cp > 1 and self.cp_style == "ring":  # what apply_context_parallel's ring refuses, in its words
             if self.device == "cpu":
-                raise ValueError("style='ring' runs on CUDA only (torch's ring attention over its CUDA kernels)")
+                raise ValueError(RING_CUDA_ONLY)
             if self.packed:
                 raise ValueError(RING_PACKED)
             check_ring_seq(self.seq, self.cp)
