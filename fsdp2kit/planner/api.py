@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from fsdp2kit.accumulation import check_accumulation
@@ -163,35 +161,7 @@ def plan_shards(
     )
 
 
-def plan_memory(
-    model: nn.Module,
-    *,
-    shard: int,
-    batch: int,
-    seq: int,
-    replicate: int = 1,
-    tp: int = 1,
-    cp: int = 1,
-    cp_style: str = "all_to_all",
-    packed: bool = False,
-    activation_checkpointing: str | int | None = None,
-    mixed_precision: str | None = None,
-    optimizer: str = "adamw",
-    cpu_offload: bool = False,
-    optimizer_offload: bool = False,
-    prefetch: int = 1,
-    strategy: str | None = None,
-    device: str = "cuda",
-    optimizer_impl: str | None = None,
-    lora: int | None = None,
-    qlora: bool = False,
-    lora_targets: str | Sequence[str] = "all-linear",
-    gpu_memory: int | None = None,
-    name: str = "",
-    grad_accum: int = 1,
-    accumulation: str = "regather",
-    replicate_adapters: bool = False,
-) -> MemoryPlan:
+def plan_memory(model: nn.Module, *, gpu_memory: int | None = None, name: str = "", **settings: Any) -> MemoryPlan:
     """Predict the per-rank peak memory of one steady-state training step, its parts, and when it happens.
 
     ``model`` is built on the meta device (or is a real model: nothing is allocated either way,
@@ -202,7 +172,7 @@ def plan_memory(
     ``device="cuda"`` adds an allocator margin and uses the ``foreach`` AdamW step (CUDA's default);
     ``device="cpu"`` gives live tensor bytes with CPU's per-tensor step (what the CPU check measures).
 
-    Args:
+    Args (the fields of `Settings`, passed as ``**settings``; ``shard``, ``batch`` and ``seq`` are required):
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
         tp: tensor-parallel degree: the model's own plan, traced on one TP rank's slices.
         cp: context-parallel degree (`fsdp2kit.apply_context_parallel`): parameters, gradients and optimizer
@@ -232,21 +202,37 @@ def plan_memory(
 
     A ``seq`` longer than the model's ``max_position_embeddings`` is planned, with a note saying so.
     """
-    targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
-    lora_targets = "all-linear" if targets == ("all-linear",) else targets
-    args = locals()  # every Settings field is an argument of the same name
-    settings = Settings(**{f.name: args[f.name] for f in dataclasses.fields(Settings)})
-    plan = plan_settings(model, settings, cache={})
+    targets = settings.get("lora_targets", "all-linear")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    settings["lora_targets"] = "all-linear" if targets == ("all-linear",) else targets
+    plan = plan_settings(model, Settings(**settings), cache={})
     plan.gpu_memory = gpu_memory
     plan.config["model"] = name or type(model).__name__
     return plan
 
 
 def trained_plan(model: nn.Module, s: Settings, cache: dict) -> tuple[nn.Module, ShardPlan]:
-    """``model`` as the run trains it (`_as_trained`) and its `ShardPlan`, for checked settings ``s``."""
+    """``model`` as the run trains it (`fsdp2kit.planner.adapt`: LoRA/QLoRA adapters, then one TP rank's slices;
+    kept in ``cache`` for the search) and its `ShardPlan`, for settings ``s`` (checked here)."""
     s.check()
     prec = resolve_precision(s.mixed_precision)
-    model = _as_trained(model, s, prec.compute_dtype, cache)
+    if is_peft_model(model):
+        if s.lora is not None:
+            raise ValueError(
+                f"lora={s.lora}: the model is a peft model already; its own adapters are planned (leave lora unset)"
+            )
+        if s.tp > 1:
+            raise ValueError(
+                f"a peft model with tp={s.tp}: the planner does not model LoRA adapters under tensor parallelism"
+            )
+    if s.lora is not None or s.tp > 1:
+        key = ("as trained", id(model), s.lora, s.qlora, s.lora_targets, s.tp, prec.compute_dtype)
+        if key not in cache:
+            work = trained_model(
+                model, lora=s.lora, qlora=s.qlora, targets=s.lora_targets, tp=s.tp, compute_dtype=prec.compute_dtype
+            )
+            cache[key] = (model, work)  # the model too: its id must not be reused while the key lives
+        model = cache[key][1]
     check_cp_heads(model, s.cp, s.tp, s.cp_style)
     plan = estimate_plan(
         model,
@@ -417,26 +403,3 @@ def _state_dtype(optimizer: str, master: str) -> str:
     if low_bit is not None:
         return f"{low_bit} (fp32 scales; tensors under 4096 elements: {master})"
     return master if optimizer in ("adamw", "adamw_bf16sr") else "none"
-
-
-def _as_trained(model: nn.Module, s: Settings, compute_dtype: torch.dtype | None, cache: dict) -> nn.Module:
-    """``model`` as the recipe trains it (`fsdp2kit.planner.adapt`): with LoRA/QLoRA adapters, then one
-    TP rank's slices; the model itself when neither is asked. Kept in ``cache`` for the search."""
-    if is_peft_model(model):
-        if s.lora is not None:
-            raise ValueError(
-                f"lora={s.lora}: the model is a peft model already; its own adapters are planned (leave lora unset)"
-            )
-        if s.tp > 1:
-            raise ValueError(
-                f"a peft model with tp={s.tp}: the planner does not model LoRA adapters under tensor parallelism"
-            )
-    if s.lora is None and s.tp == 1:
-        return model
-    key = ("as trained", id(model), s.lora, s.qlora, s.lora_targets, s.tp, compute_dtype)
-    if key not in cache:
-        work = trained_model(
-            model, lora=s.lora, qlora=s.qlora, targets=s.lora_targets, tp=s.tp, compute_dtype=compute_dtype
-        )
-        cache[key] = (model, work)  # the model too: its id must not be reused while the key lives
-    return cache[key][1]
