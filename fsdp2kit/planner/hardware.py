@@ -39,14 +39,7 @@ class Hardware:
     source: str = ""  # where the figures come from
 
     def check(self) -> None:
-        for f in (
-            "bf16_flops",
-            "hbm_bytes_per_s",
-            "nvlink_bytes_per_s",
-            "network_bytes_per_s",
-            "host_bytes_per_s",
-            "host_memory_bytes_per_s",
-        ):
+        for f in ("bf16_flops", *(n for n in _FIELDS if n.endswith("_per_s"))):
             if not getattr(self, f) > 0:
                 raise ValueError(f"gpu {self.name!r}: {f}={getattr(self, f)!r} must be > 0")
         if self.memory_bytes <= 0 or self.gpus_per_node < 1 or self.latency_s < 0:
@@ -59,6 +52,18 @@ class Hardware:
 # benchmarks/steptime_published.py --calibrate recomputes them). H200 and B200 borrow H100's.
 _H100_EFF = 0.3704
 _A100_EFF = 0.6100
+
+_H100 = Hardware(
+    name="h100",
+    bf16_flops=989e12,
+    fp8_flops=1979e12,
+    memory_bytes=81559 * _MIB,  # nvidia-smi's total for the 80GB HBM3 card
+    hbm_bytes_per_s=3350e9,
+    nvlink_bytes_per_s=450e9,  # NVLink 4: 900 GB/s both directions
+    network_bytes_per_s=8 * 400 * _GBIT,  # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7)
+    efficiency=_H100_EFF,
+    source="NVIDIA H100 Tensor Core GPU datasheet (SXM); DGX H100 datasheet (8x NDR 400 Gb/s)",
+)
 
 GPUS: dict[str, Hardware] = {
     "a100": Hardware(
@@ -74,26 +79,12 @@ GPUS: dict[str, Hardware] = {
         efficiency=_A100_EFF,
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); DGX A100 datasheet (8x HDR 200 Gb/s)",
     ),
-    "h100": Hardware(
-        name="h100",
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        memory_bytes=81559 * _MIB,  # nvidia-smi's total for the 80GB HBM3 card
-        hbm_bytes_per_s=3350e9,
-        nvlink_bytes_per_s=450e9,  # NVLink 4: 900 GB/s both directions
-        network_bytes_per_s=8 * 400 * _GBIT,  # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7)
-        efficiency=_H100_EFF,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM); DGX H100 datasheet (8x NDR 400 Gb/s)",
-    ),
-    "h200": Hardware(
+    "h100": _H100,
+    "h200": dataclasses.replace(
+        _H100,
         name="h200",
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
         memory_bytes=143771 * _MIB,  # nvidia-smi's total for the 141GB card
-        hbm_bytes_per_s=4800e9,
-        nvlink_bytes_per_s=450e9,
-        network_bytes_per_s=8 * 400 * _GBIT,  # HGX H200 with one 400 Gb/s NIC a GPU
-        efficiency=_H100_EFF,
+        hbm_bytes_per_s=4800e9,  # and as H100: NVLink 4, one 400 Gb/s NIC a GPU (HGX H200)
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM); 8x 400 Gb/s NICs assumed",
     ),
     "b200": Hardware(
@@ -113,37 +104,30 @@ _ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200"}
 _FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
 
 
-def _from_toml(path: str) -> Hardware:
-    """A TOML file of `Hardware` fields; ``base = "h100"`` starts from a preset (else every peak is required)."""
-    with open(path, "rb") as f:
-        table = tomllib.load(f)
-    table = table.get("gpu", table)
-    unknown = sorted(set(table) - set(_FIELDS) - {"base"})
-    if unknown:
-        raise ValueError(f"{path}: unknown gpu field(s) {unknown}; expected some of {sorted(_FIELDS)} or base")
-    base = table.pop("base", None)
-    if base is not None:
-        return dataclasses.replace(_preset(base), **{"name": os.path.basename(path), **table})
-    missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in table]
-    if missing:
-        raise ValueError(f"{path}: missing gpu field(s) {missing} (or give base = one of {sorted(GPUS)})")
-    return Hardware(**table)
-
-
-def _preset(name: str) -> Hardware:
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key not in GPUS:
-        raise ValueError(f"unknown gpu {name!r}: use one of {sorted(GPUS)} or a .toml file of Hardware fields")
-    return GPUS[key]
-
-
 def load_hardware(spec: str | Hardware, **overrides: float | int | None) -> Hardware:
-    """A preset name (``"h100"``) or a ``.toml`` path, with ``overrides`` (a `Hardware` field each; None: kept)."""
-    hw = spec if isinstance(spec, Hardware) else (_from_toml(spec) if spec.endswith(".toml") else _preset(spec))
-    given = {k: v for k, v in overrides.items() if v is not None}
-    bad = sorted(set(given) - set(_FIELDS))
+    """A preset name (``"h100"``) or a ``.toml`` file of `Hardware` fields (``base = "h100"`` starts from a preset,
+    else every peak is required), with ``overrides`` (a field each; None: kept)."""
+    fields, where = {}, ""
+    if isinstance(spec, str) and spec.endswith(".toml"):
+        with open(spec, "rb") as f:
+            table = tomllib.load(f)
+        fields, where = {"name": os.path.basename(spec), **table.get("gpu", table)}, f"{spec}: "
+        spec = fields.pop("base", None)
+    fields |= {k: v for k, v in overrides.items() if v is not None}
+    bad = sorted(set(fields) - set(_FIELDS))
     if bad:
-        raise ValueError(f"unknown gpu field(s) {bad}: expected some of {sorted(_FIELDS)}")
-    hw = dataclasses.replace(hw, **given)
+        raise ValueError(f"{where}unknown gpu field(s) {bad}: expected some of {sorted(_FIELDS)}")
+    if spec is None:
+        missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in fields]
+        if missing:
+            raise ValueError(f"{where}missing gpu field(s) {missing} (or give base = one of {sorted(GPUS)})")
+        hw = Hardware(**fields)
+    elif isinstance(spec, Hardware):
+        hw = dataclasses.replace(spec, **fields)
+    else:
+        key = _ALIASES.get(spec.lower(), spec.lower())
+        if key not in GPUS:
+            raise ValueError(f"unknown gpu {spec!r}: use one of {sorted(GPUS)} or a .toml file of Hardware fields")
+        hw = dataclasses.replace(GPUS[key], **fields)
     hw.check()
     return hw
