@@ -191,25 +191,24 @@ def run_plan(args) -> int:
         return 0
 
     from fsdp2kit.planner.api import Settings, plan_settings
-    from fsdp2kit.planner.search import cheapest_changes
+    from fsdp2kit.planner.search import cheapest_changes, pick_accumulation, rank_by_step_time
+    from fsdp2kit.planner.steptime import DEFAULT_PRICE, default_nodes, predict_step
 
     hardware = parse_gpu(args.gpu, args.gpu_set)
     for flag in ("nodes", "price_per_gpu_hour"):
         if getattr(args, flag) is not None and hardware is None:
             raise ValueError(f"--{flag.replace('_', '-')} predicts step time: give --gpu too")
     gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else getattr(hardware, "memory_bytes", None)
+    # Step flags left out take Settings' defaults.
+    given = {k: getattr(args, k) for k in ("optimizer", "prefetch", "device", "grad_accum", "accumulation")}
     settings = Settings(
         **shared,
+        **{k: v for k, v in given.items() if v is not None},
         batch=args.batch,
         seq=args.seq,
         packed=args.packed,
         activation_checkpointing=parse_ac(args.ac),
-        optimizer=args.optimizer or "adamw",
         optimizer_offload=args.optimizer_offload,
-        prefetch=1 if args.prefetch is None else args.prefetch,
-        device=args.device or "cuda",
-        grad_accum=1 if args.grad_accum is None else args.grad_accum,
-        accumulation=args.accumulation or "regather",
         replicate_adapters=args.replicate_adapters,
     )
     if args.packed and settings.cp == 1:
@@ -219,24 +218,15 @@ def run_plan(args) -> int:
     settings.check()  # bad options fail before the model is built
     # The model's own position limit (a named config's published one): a longer --seq is noted, not hidden.
     model = build_causal_lm(args.model, meta=True)
-    policies = None
+    policies, cache = None, {}
     if settings.grad_accum > 1:
-        from fsdp2kit.planner.search import pick_accumulation
-
-        cache: dict = {}
-        picked, plan, policies = pick_accumulation(model, settings, gpu_memory, cache)
-        if args.accumulation is None:
-            settings = picked
-        else:
-            plan = plan_settings(model, settings, cache)  # the step recorded for the policies: no new trace
-    else:
-        plan = plan_settings(model, settings, cache={})
+        picked, _, policies = pick_accumulation(model, settings, gpu_memory, cache)
+        settings = picked if args.accumulation is None else settings
+    plan = plan_settings(model, settings, cache)  # with --grad-accum, the step recorded for the policies
     plan.config["model"] = args.model
     plan.gpu_memory = gpu_memory
     step = None
     if hardware is not None:
-        from fsdp2kit.planner.steptime import DEFAULT_PRICE, default_nodes, predict_step
-
         nodes = args.nodes if args.nodes is not None else default_nodes(settings, hardware)
         price = DEFAULT_PRICE if args.price_per_gpu_hour is None else args.price_per_gpu_hour
         step = predict_step(model, settings, hardware, nodes=nodes, price_per_gpu_hour=price, memory_plan=plan)
@@ -244,8 +234,6 @@ def run_plan(args) -> int:
         # With --gpu every change that fits is timed, and the fastest shown (the search's own limit is 6).
         plan.changes = cheapest_changes(model, settings, gpu_memory, limit=6 if step is None else 50)
         if step is not None:
-            from fsdp2kit.planner.search import rank_by_step_time
-
             ranked = rank_by_step_time(model, settings, plan.changes, hardware, nodes=step.nodes, baseline=step)
             plan.changes = ranked[:6]
     if args.json:
@@ -271,10 +259,10 @@ def _policies_text(settings, rows: list[dict], *, picked: bool, budget: int | No
         how = "given"
     elif budget is None:
         how = "no memory budget (--gpu-memory or --gpu): the lowest peak"
+    elif any(r["fits"] for r in rows):
+        how = "the fewest bytes a step whose peak fits"
     else:
-        how = (
-            "the fewest bytes a step whose peak fits" if any(r["fits"] for r in rows) else "none fits: the lowest peak"
-        )
+        how = "none fits: the lowest peak"
     lines = [f"accumulation over {settings.grad_accum} micro-batches: {settings.accumulation} ({how})"]
     for r in rows:
         mark = "*" if r["policy"] == settings.accumulation else " "
