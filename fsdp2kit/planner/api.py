@@ -74,6 +74,8 @@ class Settings:
             raise ValueError(f"device={self.device!r}: expected 'cuda' or 'cpu'")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: expected one of {list(OPTIMIZERS)}")
+        if self.optimizer_impl not in (None, "foreach", "for-loop", "fused"):
+            raise ValueError(f"optimizer_impl={self.optimizer_impl!r}: expected 'foreach', 'for-loop' or 'fused'")
         if self.optimizer == "adamw_bf16sr" and self.mixed_precision != "pure_bf16":
             # as make_optimizer refuses it: the plan of a run that cannot start is no plan
             raise ValueError("optimizer='adamw_bf16sr' steps bf16 parameters: it needs mixed_precision='pure_bf16'")

@@ -119,11 +119,7 @@ class MemoryPlan:
             f"optimizer state {fmt_bytes(self.optimizer_bytes)}"
         )
         if self.host_bytes:
-            what = (
-                "CPU offload"
-                if self.config.get("cpu_offload")
-                else "optimizer state, its step's parameters and gradients"
-            )
+            what = "CPU offload" if c.get("cpu_offload") else "optimizer state, its step's parameters and gradients"
             lines.append(f"host memory per rank ({what}): {fmt_bytes(self.host_bytes)}")
         lines += [f"note: {n}" for n in self.notes]
         if self.gpu_memory is not None:

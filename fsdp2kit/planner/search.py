@@ -100,12 +100,9 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
         accum = s.grad_accum * s.batch // batch
         out.append((f"--batch {batch} with {accum}x gradient accumulation", cost, r(s, batch=batch, grad_accum=accum)))
     if s.replicate > 1 and s.replicate % 2 == 0:
+        replicate, shard = s.replicate // 2, s.shard * 2
         out.append(
-            (
-                f"--replicate {s.replicate // 2} --shard {s.shard * 2} (same GPUs)",
-                0.10,
-                r(s, replicate=s.replicate // 2, shard=s.shard * 2),
-            )
+            (f"--replicate {replicate} --shard {shard} (same GPUs)", 0.10, r(s, replicate=replicate, shard=shard))
         )
     for cp in (c for c in _CP if long and c > s.cp and c % s.cp == 0):
         k = cp // s.cp
