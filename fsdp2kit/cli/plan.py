@@ -31,11 +31,6 @@ def parse_targets(text: str | None) -> str | tuple[str, ...]:
     return "all-linear" if names == ("all-linear",) else names
 
 
-# Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they would be ignored.
-_STEP_FLAGS = ("ac", "optimizer", "optimizer_offload", "prefetch", "device", "gpu_memory", "json")
-_STEP_FLAGS += ("grad_accum", "accumulation", "packed", "replicate_adapters")
-
-
 def add_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
@@ -47,6 +42,8 @@ def add_plan(subparsers) -> None:
         "that do; with --gpu also the predicted step time, tokens/s per GPU, MFU and cost (docs/step_time.md). "
         "A flag that means nothing in its combination is refused, never ignored.",
     )
+    # Flags that describe a training step: without --batch/--seq (the ShardPlan alone) they are refused.
+    step = p.add_argument_group("a training step's memory plan and time (with --batch and --seq)")
     p.add_argument("model", help="a named config (see fsdp2kit.models.NAMED_CONFIGS) or a local HF directory")
     p.add_argument("--shard", type=int, required=True, help="ranks that shard the model (e.g. GPUs per node)")
     p.add_argument("--replicate", type=int, default=1, help="replica groups (HSDP when > 1)")
@@ -70,7 +67,7 @@ def add_plan(subparsers) -> None:
         help="with --cp: fsdp2kit.apply_context_parallel's style (the recipe's [parallel] cp_style): all_to_all "
         "(Ulysses, the default) or ring (CUDA; torch's ring attention: no packed rows, seq a multiple of 64 x cp)",
     )
-    p.add_argument(
+    step.add_argument(
         "--packed",
         action="store_true",
         help="with --cp: rows hold several documents (the recipe's [data] packing, its default): the attention "
@@ -88,7 +85,7 @@ def add_plan(subparsers) -> None:
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--lora", type=int, default=None, metavar="R", help="train rank-R LoRA adapters (peft)")
     p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights in the blocks (QLoRA)")
-    p.add_argument(
+    step.add_argument(
         "--replicate-adapters",
         action="store_true",
         help="with --lora: adapters whole on every rank, all-reduced once a step; the base sharded "
@@ -103,27 +100,27 @@ def add_plan(subparsers) -> None:
     )
     p.add_argument("--batch", type=int, default=None, help="micro-batch per data-parallel rank (sequences)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
-    p.add_argument(
+    step.add_argument(
         "--ac",
         default=None,
         help="activation checkpointing: none, full, selective, op (torchtitan's per-op policy: attention and every "
         "other matmul saved) or N (every N-th)",
     )
-    p.add_argument(
+    step.add_argument(
         "--optimizer",
         default=None,
         help="adamw (default), adamw8bit, adamw4bit, adamw_fp8, adamw_bf16sr (make_optimizer's names) or sgd",
     )
-    p.add_argument(
+    step.add_argument(
         "--optimizer-offload",
         action="store_true",
         help="optimizer state and its step in host memory, parameters and gradients on the device "
         "(the recipe's [optim] offload; --cpu-offload moves the parameters too)",
     )
-    p.add_argument(
+    step.add_argument(
         "--grad-accum", type=int, default=None, metavar="M", help="micro-batches a step (gradient accumulation)"
     )
-    p.add_argument(
+    step.add_argument(
         "--accumulation",
         default=None,
         metavar="POLICY",
@@ -132,27 +129,27 @@ def add_plan(subparsers) -> None:
         "fewest bytes a step whose peak fits the memory budget; without a budget, the lowest peak "
         "(docs/accumulation.md)",
     )
-    p.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
-    p.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
-    p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")
-    p.add_argument(
+    step.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
+    step.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
+    step.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")
+    step.add_argument(
         "--gpu",
         default=None,
         metavar="NAME|FILE.toml",
         help="a GPU preset (a100, h100, h200, b200) or a TOML file of its fields: gives --gpu-memory (unless "
         "given) and predicts the step time, tokens/s per GPU, MFU and cost (docs/step_time.md)",
     )
-    p.add_argument(
+    step.add_argument(
         "--nodes", type=int, default=None, help="with --gpu: nodes the GPUs are spread over (default: the fewest)"
     )
-    p.add_argument(
+    step.add_argument(
         "--price-per-gpu-hour",
         type=float,
         default=None,
         metavar="USD",
         help="with --gpu: the price of one GPU-hour for the cost per billion tokens (default 2.50, illustrative)",
     )
-    p.add_argument(
+    step.add_argument(
         "--gpu-set",
         action="append",
         default=None,
@@ -160,8 +157,8 @@ def add_plan(subparsers) -> None:
         help="with --gpu: override one field of the preset, e.g. network_bytes_per_s=1e11 or efficiency=0.4 "
         "(repeatable; fields in fsdp2kit.planner.hardware.Hardware)",
     )
-    p.add_argument("--json", action="store_true", help="the memory plan as JSON (peak per rank in peak_bytes)")
-    p.set_defaults(func=run_plan)
+    step.add_argument("--json", action="store_true", help="the memory plan as JSON (peak per rank in peak_bytes)")
+    p.set_defaults(func=run_plan, step_flags=step._group_actions)
 
 
 def run_plan(args) -> int:
@@ -178,11 +175,7 @@ def run_plan(args) -> int:
     shared.update(cpu_offload=args.cpu_offload, qlora=args.qlora, cp_style=args.cp_style or "all_to_all")
     shared["lora_targets"] = targets
     if not memory:
-        given = [
-            f"--{n.replace('_', '-')}"
-            for n in _STEP_FLAGS
-            if getattr(args, n) is not None and getattr(args, n) is not False
-        ]
+        given = [a.option_strings[0] for a in args.step_flags if getattr(args, a.dest) != a.default]
         if given:
             raise ValueError(f"{', '.join(given)}: only a training step's memory plan uses it; give --batch and --seq")
         from fsdp2kit.planner.api import plan_shards
@@ -291,7 +284,3 @@ def parse_gpu(name: str | None, sets: list[str] | None):
         except ValueError:
             raise ValueError(f"--gpu-set {item!r}: {value!r} is not a number") from None
     return load_hardware(name, **overrides)
-
-
-# Step time's flags (--gpu and those beside it) describe a training step too.
-_STEP_FLAGS += ("gpu", "nodes", "price_per_gpu_hour", "gpu_set")
