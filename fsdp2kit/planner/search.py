@@ -240,8 +240,9 @@ def rank_by_step_time(
 
     cache: dict = {}
     ranked, unranked = [], []
+    by_label = {label: settings for label, _, settings in all_changes(s)}  # every label the search can print
     for change in changes:
-        settings = _settings_of(s, change["change"])
+        settings = by_label.get(change["change"])
         step = None
         if settings is not None:
             world = settings.replicate * settings.shard * settings.cp * settings.tp
@@ -267,12 +268,3 @@ def rank_by_step_time(
         ranked.append((change["cost_fraction"] >= 1.0, step.step_s, len(ranked), timed))
     ranked.sort(key=lambda t: t[:3])
     return [t[3] for t in ranked] + unranked
-
-
-def _settings_of(s: Settings, label: str) -> Settings | None:
-    """The settings a change's label stands for: each ``" + "``-joined part a candidate label of the last."""
-    for part in label.split(" + "):
-        s = {lab: new for lab, _, new in candidates(s, long=True)}.get(part)
-        if s is None:
-            return None
-    return s
