@@ -131,36 +131,26 @@ def plan_shards(
     model: nn.Module,
     *,
     shard: int,
-    replicate: int = 1,
-    tp: int = 1,
     cp: int = 1,
     cp_style: str = "all_to_all",
-    strategy: str | None = None,
-    mixed_precision: str | None = None,
-    cpu_offload: bool = False,
     lora: int | None = None,
     qlora: bool = False,
     lora_targets: str | tuple[str, ...] = "all-linear",
+    **plan_args: Any,
 ) -> ShardPlan:
-    """`fsdp2kit.estimate_plan` of ``model`` with ``lora`` adapters as `plan_memory` puts them (the two plans count
-    one model), over a ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
+    """`fsdp2kit.estimate_plan` (``plan_args``: its other arguments, ``replicate``, ``tp``, ``mixed_precision``, ...)
+    of ``model`` with ``lora`` adapters as `plan_memory` puts them (the two plans count one model), over a
+    ``shard * cp`` shard group (the context-parallel ranks share the parameter shards)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r}: expected a positive int")
     check_cp_style(cp_style)
+    tp = plan_args.get("tp", 1)
     check_lora(lora, qlora, lora_targets, tp)
     check_cp_heads(model, cp, tp, cp_style)
     if lora is not None:
-        compute = resolve_precision(mixed_precision).compute_dtype
+        compute = resolve_precision(plan_args.get("mixed_precision")).compute_dtype
         model = lora_model(model, r=lora, qlora=qlora, targets=lora_targets, compute_dtype=compute)
-    return estimate_plan(
-        model,
-        shard=shard * cp,
-        replicate=replicate,
-        tp=tp,
-        strategy=strategy,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-    )
+    return estimate_plan(model, shard=shard * cp, **plan_args)
 
 
 def plan_memory(model: nn.Module, *, gpu_memory: int | None = None, name: str = "", **settings: Any) -> MemoryPlan:
