@@ -1,5 +1,4 @@
-"""ShardPlan: what each FSDP unit holds per rank, computed from shapes alone (how and why: docs/internals.md, section
-fsdp2kit/plan.py)."""
+"""ShardPlan: what each FSDP unit holds per rank, from shapes alone (how and why: docs/internals.md, plan.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The model as training will change it, built on the meta device: LoRA adapters, an NF4 base, a TP rank's slices
-(docs/memory_planner.md, "Tensor parallelism, LoRA, QLoRA")."""
+"""The model as training changes it, on the meta device (docs/memory_planner.md, "Tensor parallelism, LoRA, QLoRA")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""GPU presets for the step-time model, overridden field by field from a TOML file or flags (sources and the one
-fitted number: docs/step_time.md, "Presets and their sources")."""
+"""GPU presets for the step-time model, TOML files and overrides (docs/step_time.md, "Presets and their sources")."""
 
 from __future__ import annotations
 

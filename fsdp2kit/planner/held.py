@@ -1,5 +1,4 @@
-"""What an accumulation policy holds from one micro-batch to the next, as units for the memory replay
-(docs/accumulation.md, "Memory")."""
+"""What an accumulation policy holds between micro-batches, as units for the replay (docs/accumulation.md, "Memory")."""
 
 from __future__ import annotations
 

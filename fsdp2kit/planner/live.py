@@ -1,5 +1,4 @@
-"""LiveBytes: the bytes of tensor storage alive at every op, and the peak, on any device (meta tensors too) (how and
-why: docs/internals.md, section fsdp2kit/planner/live.py)."""
+"""LiveBytes: tensor storage bytes alive at every op and their peak, on any device (docs/internals.md, live.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The analytic parts of a rank's memory: FSDP units' bytes, optimizer state and temporaries, allocator margin:
-arithmetic on parameter shapes and dtypes, each rule naming the code it follows (`trace.py` measures the rest)."""
+"""A rank's memory from parameter shapes and dtypes: FSDP units, optimizer state and temporaries, allocator margin."""
 
 from __future__ import annotations
 

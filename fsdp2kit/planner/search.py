@@ -1,5 +1,4 @@
-"""The cheapest change that makes a plan fit: try each knob, keep what fits, rank by its cost in throughput
-(docs/internals.md, section fsdp2kit/planner/search.py)."""
+"""The cheapest change that makes a plan fit, each knob ranked by its cost (docs/internals.md, planner/search.py)."""
 
 from __future__ import annotations
 
