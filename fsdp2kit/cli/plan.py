@@ -63,7 +63,6 @@ def add_plan(subparsers) -> None:
     p.add_argument(
         "--cp-style",
         choices=("all_to_all", "ring"),
-        default=None,
         help="with --cp: fsdp2kit.apply_context_parallel's style (the recipe's [parallel] cp_style): all_to_all "
         "(Ulysses, the default) or ring (CUDA; torch's ring attention: no packed rows, seq a multiple of 64 x cp)",
     )
@@ -73,17 +72,14 @@ def add_plan(subparsers) -> None:
         help="with --cp: rows hold several documents (the recipe's [data] packing, its default): the attention "
         "gets a seq x seq document mask a row in the compute dtype",
     )
-    p.add_argument(
-        "--strategy", default=None, help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
-    )
+    p.add_argument("--strategy", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
     p.add_argument(
         "--mixed-precision",
-        default=None,
         help="bf16 or fp16 (fp32 master weights whatever the checkpoint's dtype), pure_bf16 (bf16 weights, "
         "gradients and optimizer state) or fp32; default: the parameters as the checkpoint's config builds them",
     )
     p.add_argument("--cpu-offload", action="store_true")
-    p.add_argument("--lora", type=int, default=None, metavar="R", help="train rank-R LoRA adapters (peft)")
+    p.add_argument("--lora", type=int, metavar="R", help="train rank-R LoRA adapters (peft)")
     p.add_argument("--qlora", action="store_true", help="with --lora: NF4 base weights in the blocks (QLoRA)")
     step.add_argument(
         "--replicate-adapters",
@@ -93,22 +89,19 @@ def add_plan(subparsers) -> None:
     )
     p.add_argument(
         "--lora-targets",
-        default=None,
         metavar="NAMES",
         help="with --lora: comma-separated Linear module names to adapt, as the recipe's [lora] targets "
         "(default: all-linear, every Linear but the head)",
     )
-    p.add_argument("--batch", type=int, default=None, help="micro-batch per data-parallel rank (sequences)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--batch", type=int, help="micro-batch per data-parallel rank (sequences)")
+    p.add_argument("--seq", type=int, help="tokens per sequence")
     step.add_argument(
         "--ac",
-        default=None,
         help="activation checkpointing: none, full, selective, op (torchtitan's per-op policy: attention and every "
         "other matmul saved) or N (every N-th)",
     )
     step.add_argument(
         "--optimizer",
-        default=None,
         help="adamw (default), adamw8bit, adamw4bit, adamw_fp8, adamw_bf16sr (make_optimizer's names) or sgd",
     )
     step.add_argument(
@@ -117,42 +110,34 @@ def add_plan(subparsers) -> None:
         help="optimizer state and its step in host memory, parameters and gradients on the device "
         "(the recipe's [optim] offload; --cpu-offload moves the parameters too)",
     )
-    step.add_argument(
-        "--grad-accum", type=int, default=None, metavar="M", help="micro-batches a step (gradient accumulation)"
-    )
+    step.add_argument("--grad-accum", type=int, metavar="M", help="micro-batches a step (gradient accumulation)")
     step.add_argument(
         "--accumulation",
-        default=None,
         metavar="POLICY",
         help="with --grad-accum: how the micro-batches communicate (fsdp2kit.accumulate: regather, keep_gathered, "
         "defer_all_reduce, no_sync, ...); the peak adds what it holds between them. Default: the policy with the "
         "fewest bytes a step whose peak fits the memory budget; without a budget, the lowest peak "
         "(docs/accumulation.md)",
     )
-    step.add_argument("--prefetch", type=int, default=None, help="explicit prefetch depth (default 1); 0: implicit")
-    step.add_argument("--device", default=None, help="cuda (default: allocator margin, foreach AdamW) or cpu")
-    step.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB: says whether it fits")
+    step.add_argument("--prefetch", type=int, help="explicit prefetch depth (default 1); 0: implicit")
+    step.add_argument("--device", help="cuda (default: allocator margin, foreach AdamW) or cpu")
+    step.add_argument("--gpu-memory", help="memory per device, e.g. 80GiB: says whether it fits")
     step.add_argument(
         "--gpu",
-        default=None,
         metavar="NAME|FILE.toml",
         help="a GPU preset (a100, h100, h200, b200) or a TOML file of its fields: gives --gpu-memory (unless "
         "given) and predicts the step time, tokens/s per GPU, MFU and cost (docs/step_time.md)",
     )
-    step.add_argument(
-        "--nodes", type=int, default=None, help="with --gpu: nodes the GPUs are spread over (default: the fewest)"
-    )
+    step.add_argument("--nodes", type=int, help="with --gpu: nodes the GPUs are spread over (default: the fewest)")
     step.add_argument(
         "--price-per-gpu-hour",
         type=float,
-        default=None,
         metavar="USD",
         help="with --gpu: the price of one GPU-hour for the cost per billion tokens (default 2.50, illustrative)",
     )
     step.add_argument(
         "--gpu-set",
         action="append",
-        default=None,
         metavar="FIELD=VALUE",
         help="with --gpu: override one field of the preset, e.g. network_bytes_per_s=1e11 or efficiency=0.4 "
         "(repeatable; fields in fsdp2kit.planner.hardware.Hardware)",
