@@ -58,13 +58,9 @@ def unit_params(model: nn.Module, plan: ShardPlan) -> list[tuple[list[str], list
 
 
 def _is_lookup(model: nn.Module, names: list[str]) -> bool:
-    """Whether a unit is one plain ``nn.Embedding``, which `shard_model` does not gather in backward."""
-    if len(names) != 1 or not names[0]:
-        return False
-    try:
-        return type(model.get_submodule(names[0])) is nn.Embedding
-    except AttributeError:
-        return False
+    """Whether a unit is one plain ``nn.Embedding`` (not the root), which `shard_model` does not gather in backward;
+    ``names`` are `unit_params`' (modules of the model)."""
+    return len(names) == 1 and names[0] != "" and type(model.get_submodule(names[0])) is nn.Embedding
 
 
 def compute_dtype(p: torch.Tensor, precision) -> torch.dtype:
