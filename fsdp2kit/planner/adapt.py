@@ -39,12 +39,11 @@ def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
 
     shapes = planned_tp_shapes(model, tp)
     work = meta_copy(model, None, shapes=shapes)
-    get = getattr(work, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    original = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    if isinstance(head, nn.Linear) and original is not None and id(original.weight) in shapes:
-        # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
-        head.register_forward_hook(lambda module, args, output: torch.cat([output] * tp, dim=-1))
+    if callable(getattr(model, "get_output_embeddings", None)):  # then its deep copy ``work`` has it too
+        head, original = work.get_output_embeddings(), model.get_output_embeddings()
+        if isinstance(head, nn.Linear) and original is not None and id(original.weight) in shapes:
+            # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
+            head.register_forward_hook(lambda module, args, output: torch.cat([output] * tp, dim=-1))
     return work
 
 
