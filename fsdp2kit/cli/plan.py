@@ -148,6 +148,7 @@ def add_plan(subparsers) -> None:
 
 def run_plan(args) -> int:
     from fsdp2kit.models import build_causal_lm
+    from fsdp2kit.planner.api import Settings, plan_settings, plan_shards
 
     targets = parse_targets(args.lora_targets)
     if args.cp_style is not None and args.cp == 1:
@@ -163,12 +164,9 @@ def run_plan(args) -> int:
         given = [a.option_strings[0] for a in args.step_flags if getattr(args, a.dest) != a.default]
         if given:
             raise ValueError(f"{', '.join(given)}: only a training step's memory plan uses it; give --batch and --seq")
-        from fsdp2kit.planner.api import plan_shards
-
         print(plan_shards(build_causal_lm(args.model, meta=True), **shared))  # as the recipe's --train.plan_only
         return 0
 
-    from fsdp2kit.planner.api import Settings, plan_settings
     from fsdp2kit.planner.search import cheapest_changes, pick_accumulation, rank_by_step_time
     from fsdp2kit.planner.steptime import DEFAULT_PRICE, default_nodes, predict_step
 
