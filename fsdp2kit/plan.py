@@ -27,14 +27,11 @@ def _sharded_bytes(
 ) -> int:
     """Bytes of the largest shard of ``p`` (stored in ``dtype``, default its own); an NF4 weight counts the
     inner tensors it stores."""
-    if is_nf4(p):
-        total = 0
-        for attr in p.__tensor_flatten__()[0]:
-            t = getattr(p, attr)
-            # the packed data and both scaler levels are split by rows; the mean and the 16-entry table are copied
-            parts = shard if attr in NF4_ROW_TENSORS else 1
-            total += math.ceil(t.numel() / parts) * t.element_size()
-        return total
+    if is_nf4(p):  # the packed data and both scaler levels are split by rows; the mean and the 16-entry table copied
+        inner = {a: getattr(p, a) for a in p.__tensor_flatten__()[0]}
+        return sum(
+            math.ceil(t.numel() / (shard if a in NF4_ROW_TENSORS else 1)) * t.element_size() for a, t in inner.items()
+        )
     shape = _tp_shape(p, tp_shapes)
     numel = math.ceil(shape[0] / shard) * math.prod(shape[1:]) if len(shape) else 1
     return numel * (dtype or p.dtype).itemsize
