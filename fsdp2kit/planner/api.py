@@ -296,16 +296,11 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         for i, (us, extra, in_place) in enumerate(variants):
             r, held = run(us, summed if in_place else rec, flat if i == len(variants) - 1 else 0), sum(extra.values())
             parts = {k: v + extra.get(k, 0) for k, v in r.parts.items()}
-            micro.append((r.peak + held, r.phase, parts, r.forward_peak + held, r.backward_peak + held))
-        top = max(micro, key=lambda t: t[0])
-        step = dataclasses.replace(
-            step,
-            peak=top[0],
-            phase=top[1],
-            parts=top[2],
-            forward_peak=max(t[3] for t in micro),
-            backward_peak=max(t[4] for t in micro),
-        )
+            peaks = {k: getattr(r, k) + held for k in ("peak", "forward_peak", "backward_peak")}
+            micro.append(peaks | {"phase": r.phase, "parts": parts})
+        top = max(micro, key=lambda m: m["peak"])  # its phase and parts; the forward and backward peaks of all
+        top |= {k: max(m[k] for m in micro) for k in ("forward_peak", "backward_peak")}
+        step = dataclasses.replace(step, **top)
 
     params = plan.param_bytes_per_rank
     impl = s.optimizer_impl or ("foreach" if s.device == "cuda" else "for-loop")

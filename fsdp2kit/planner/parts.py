@@ -113,12 +113,11 @@ class OptimizerBytes:
 def rank_shards(model: nn.Module, shard: int, precision) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
     """``(numel, master dtype, global shape)`` of each trainable parameter's largest shard (dim 0 split
     over ``shard`` ranks), the input of `optimizer_bytes`."""
-    out, seen = [], set()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append((_padded(p.shape, shard) // shard, precision.master(p), tuple(p.shape)))
-    return out
+    return [
+        (_padded(p.shape, shard) // shard, precision.master(p), tuple(p.shape))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
 
 
 def optimizer_bytes(

@@ -104,8 +104,7 @@ class MemoryPlan:
             head += f"\nmaster weights {c['master_dtype']}, optimizer state {c['state_dtype']}"
         rows = [(k, fmt_bytes(v), PART_NAMES[k]) for k, v in self.parts.items()]
         rows.append(("peak", fmt_bytes(self.peak_bytes), f"per rank, in {self.phase}"))
-        w0 = max(len(r[0]) for r in rows)
-        w1 = max(len(r[1]) for r in rows)
+        w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
         lines = [head, *(f"{a.ljust(w0)}  {b.rjust(w1)}  {d}" for a, b, d in rows)]
         lines.insert(-1, "-" * (w0 + w1 + 4))  # above the peak
         lines.append(

@@ -187,11 +187,8 @@ def cheapest_changes(model: nn.Module, s: Settings, gpu_memory: int, *, limit: i
     long = base is not None and (
         base.saved_activations + base.logits_and_loss > base.param_bytes + base.grad_bytes + base.optimizer_bytes
     )
-    tried: list[tuple[str, float, Settings, MemoryPlan]] = []
-    for label, cost, settings in candidates(s, long):
-        plan = _plan_or_none(model, settings, cache)
-        if plan is not None:
-            tried.append((label, cost, settings, plan))
+    planned = [(label, cost, t, _plan_or_none(model, t, cache)) for label, cost, t in candidates(s, long)]
+    tried = [t for t in planned if t[3] is not None]
     fits = [t for t in tried if t[3].peak_bytes <= gpu_memory]
     # Two changes on the same hardware, where they can cost less than the cheapest single change that
     # fits (a smaller optimizer state and bf16 weights rather than CPU offload, say).
