@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch.nn as nn
@@ -37,10 +38,6 @@ RECIPE_OPTIONS = {
 }
 
 
-# Context parallelism's total degrees the search tries (one node's 8 GPUs at most).
-_CP = (2, 4, 8)
-
-
 def recipe_flags(base: Settings, changed: Settings) -> list[str]:
     """The recipe's command-line options that turn a run configured as ``base`` into ``changed``."""
     out = []
@@ -69,17 +66,12 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
             out.append((label, _PURE_BF16, r(pure, mixed_precision="pure_bf16")))
         elif s.optimizer in _LOW_BIT:
             out.append(("--mixed-precision pure_bf16", _PURE_BF16, r(s, mixed_precision="pure_bf16")))
-    ac = s.activation_checkpointing
+    # Each AC mode that saves less than the current one (an int or a function ranks as "every 2nd").
     order = {None: 0, "selective": 1, "op": 1.5, "full": 3}
-    current = order.get(ac, 2) if not isinstance(ac, int) or isinstance(ac, bool) else 2
-    if current < 1:
-        out.append(("--ac selective", 0.10, r(s, activation_checkpointing="selective")))
-    if current < 1.5:
-        out.append(("--ac op (torchtitan's per-op)", 0.15, r(s, activation_checkpointing="op")))
-    if current < 2:
-        out.append(("--ac 2 (every 2nd block)", 0.17, r(s, activation_checkpointing=2)))
-    if current < 3:
-        out.append(("--ac full", 0.33, r(s, activation_checkpointing="full")))
+    more_ac = (("selective", "", 0.10), ("op", " (torchtitan's per-op)", 0.15), (2, " (every 2nd block)", 0.17))
+    for ac, why, cost in (*more_ac, ("full", "", 0.33)):
+        if order.get(s.activation_checkpointing, 2) < order.get(ac, 2):
+            out.append((f"--ac {ac}{why}", cost, r(s, activation_checkpointing=ac)))
     if s.optimizer in ("adamw", "adamw_bf16sr") and not s.optimizer_offload:
         for name, cost in _LOW_BIT.items():
             out.append((f"--optimizer {name}", cost, r(s, optimizer=name)))
@@ -103,7 +95,8 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
         out.append(
             (f"--replicate {replicate} --shard {shard} (same GPUs)", 0.10, r(s, replicate=replicate, shard=shard))
         )
-    for cp in (c for c in _CP if long and c > s.cp and c % s.cp == 0):
+    # Context parallelism's total degrees (one node's 8 GPUs at most).
+    for cp in (c for c in (2, 4, 8) if long and c > s.cp and c % s.cp == 0):
         k = cp // s.cp
         cost = 0.05 * k.bit_length()  # 2x: ~10%, 4x: ~15%, 8x: ~20% (docs/internals.md)
         if s.shard % k == 0:
@@ -243,10 +236,8 @@ def rank_by_step_time(
         if settings is not None:
             world = settings.replicate * settings.shard * settings.cp * settings.tp
             n = max(nodes, math.ceil(world / hardware.gpus_per_node))
-            try:
+            with contextlib.suppress(ValueError):  # a world that does not split over whole nodes
                 step = predict_step(model, settings, hardware, nodes=n, cache=cache)
-            except ValueError:  # a world that does not split over whole nodes
-                step = None
         if step is None:
             unranked.append(change)
             continue
