@@ -17,8 +17,7 @@ __all__ = ["ShardPlan", "UnitPlan"]
 
 
 def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) -> torch.Size:
-    """The part of a parameter one TP rank holds, what FSDP shards; ``planned`` (by ``id(p)``) gives it for a
-    model TP has not been applied to (`estimate_plan`)."""
+    """The part of ``p`` one TP rank holds; ``planned`` (by ``id(p)``) gives it for a model TP has not split yet."""
     return planned[id(p)] if planned and id(p) in planned else local_shard(p).shape
 
 

@@ -10,7 +10,6 @@ import tomllib
 
 __all__ = ["GPUS", "Hardware", "load_hardware"]
 
-_GB = 10**9
 _MIB = 2**20
 _GBIT = 10**9 / 8  # bytes/s in one Gb/s
 
@@ -50,7 +49,6 @@ class Hardware:
 # The fitted factors, each from one published torchtitan run (which, and how: docs/step_time.md, "Calibration";
 # benchmarks/steptime_published.py --calibrate recomputes them). H200 and B200 borrow H100's.
 _H100_EFF = 0.3704
-_A100_EFF = 0.6100
 
 _H100 = Hardware(
     name="h100",
@@ -75,7 +73,7 @@ GPUS: dict[str, Hardware] = {
         network_bytes_per_s=8 * 200 * _GBIT,  # DGX A100: 8 x 200 Gb/s HDR InfiniBand (compute fabric)
         host_bytes_per_s=32e9,  # PCIe Gen4 x16: the datasheet's 64 GB/s is both directions
         host_memory_bytes_per_s=51.2e9,  # assumed: 2 sockets of 8-channel DDR4-3200 shared by 8 GPUs
-        efficiency=_A100_EFF,
+        efficiency=0.6100,  # fitted, as _H100_EFF
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); DGX A100 datasheet (8x HDR 200 Gb/s)",
     ),
     "h100": _H100,
@@ -90,7 +88,7 @@ GPUS: dict[str, Hardware] = {
         name="b200",
         bf16_flops=2250e12,
         fp8_flops=4500e12,
-        memory_bytes=180 * _GB,  # the datasheet's 180 GB (decimal: a conservative reading)
+        memory_bytes=180 * 10**9,  # the datasheet's 180 GB (decimal: a conservative reading)
         hbm_bytes_per_s=8000e9,
         nvlink_bytes_per_s=900e9,  # NVLink 5: 1.8 TB/s both directions
         network_bytes_per_s=8 * 400 * _GBIT,  # DGX B200: 8 x 400 Gb/s (ConnectX-7)

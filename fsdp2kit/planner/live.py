@@ -51,8 +51,7 @@ class LiveBytes(TorchDispatchMode):
         self.on_op = on_op
         self._storages: dict[int, weakref.ref] = {}
         self._ignored: set[int] = set()
-        self.live = 0
-        self.peak = 0
+        self.live = self.peak = 0
         self.label = ""
         self.on_peak = on_peak
 

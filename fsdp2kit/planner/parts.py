@@ -140,6 +140,4 @@ def optimizer_bytes(
 def margin_bytes(peak: int, device: str) -> int:
     """What a device's allocator holds beyond live tensors at the peak: nothing on CPU (live tensor bytes, what the
     CPU check measures); on CUDA 5% of the peak plus 0.5 GiB (why: docs/memory_planner.md, "The allocator margin")."""
-    if device == "cpu":
-        return 0
-    return int(0.05 * peak) + (1 << 29)
+    return 0 if device == "cpu" else int(0.05 * peak) + (1 << 29)
