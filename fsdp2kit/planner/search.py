@@ -73,8 +73,7 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
         if order.get(s.activation_checkpointing, 2) < order.get(ac, 2):
             out.append((f"--ac {ac}{why}", cost, r(s, activation_checkpointing=ac)))
     if s.optimizer in ("adamw", "adamw_bf16sr") and not s.optimizer_offload:
-        for name, cost in _LOW_BIT.items():
-            out.append((f"--optimizer {name}", cost, r(s, optimizer=name)))
+        out += [(f"--optimizer {name}", cost, r(s, optimizer=name)) for name, cost in _LOW_BIT.items()]
     # State offload is for fp32 AdamW state (recipes/support/options.py): a low-bit state is already small.
     if not s.optimizer_offload and not s.cpu_offload and s.optimizer == "adamw":
         out.append(("--optimizer-offload", 0.25, r(s, optimizer_offload=True)))
@@ -92,9 +91,8 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
         out.append((f"--batch {batch} with {accum}x gradient accumulation", cost, r(s, batch=batch, grad_accum=accum)))
     if s.replicate > 1 and s.replicate % 2 == 0:
         replicate, shard = s.replicate // 2, s.shard * 2
-        out.append(
-            (f"--replicate {replicate} --shard {shard} (same GPUs)", 0.10, r(s, replicate=replicate, shard=shard))
-        )
+        label = f"--replicate {replicate} --shard {shard} (same GPUs)"
+        out.append((label, 0.10, r(s, replicate=replicate, shard=shard)))
     # Context parallelism's total degrees (one node's 8 GPUs at most).
     for cp in (c for c in (2, 4, 8) if long and c > s.cp and c % s.cp == 0):
         k = cp // s.cp
@@ -109,8 +107,7 @@ def candidates(s: Settings, long: bool = False) -> list[tuple[str, float, Settin
     if not s.cpu_offload:
         # it offloads the optimizer state too
         out.append(("--cpu-offload", 0.50, r(s, cpu_offload=True, optimizer_offload=False)))
-    for k in (2, 4):
-        out.append((f"--shard {s.shard * k} ({k}x the GPUs)", 0.6 + 0.05 * k, r(s, shard=s.shard * k)))
+    out += [(f"--shard {s.shard * k} ({k}x the GPUs)", 0.6 + 0.05 * k, r(s, shard=s.shard * k)) for k in (2, 4)]
     if s.lora is None:
         out.append(("--lora 16 (train adapters, not the model)", 1.0, r(s, lora=16)))
         out.append(("--lora 16 --qlora", 1.1, r(s, lora=16, qlora=True)))
