@@ -307,23 +307,20 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     opt = optimizer_bytes(shards, s.optimizer, implementation=impl)
     grads = step.grads_sharded
 
-    pp = dict(step.parts)
     # Packed rows under cp: the document mask the layers share, saved for backward (parallel/context_parallel.py);
     # the trace runs without it. Checkpointed layers build it again in their recompute: counted at the peak all
     # the same (an upper bound, +1.4% measured with full AC)
-    dtype = compute or next(model.parameters()).dtype
-    mask = s.batch * s.seq**2 * dtype.itemsize if s.packed and s.cp > 1 else 0
-    pp["activations"] += mask
-    step_parts = {k: pp.get(k, 0) for k in PART_NAMES if k != "margin"} | {"params": params, "optimizer": opt.state}
+    mask = s.batch * s.seq**2 * (compute or next(model.parameters()).dtype).itemsize if s.packed and s.cp > 1 else 0
+    step_parts = {k: step.parts.get(k, 0) for k in PART_NAMES if k != "margin"}
+    step_parts.update(params=params, optimizer=opt.state, activations=step_parts["activations"] + mask)
     opt_parts = dict.fromkeys(step_parts, 0)
     opt_parts.update(params=params, grads=grads, optimizer=opt.state, temporaries=opt.temporaries)
     host = 0
     if s.cpu_offload:
         # Sharded parameters, gradients and optimizer state live on the host; the step runs there.
         host = step_parts["params"] + grads + step_parts["optimizer"]
-        for parts in (step_parts, opt_parts):
-            parts["params"] = parts["grads"] = parts["optimizer"] = 0
-        opt_parts["temporaries"] = 0
+        step_parts.update(params=0, grads=0, optimizer=0)
+        opt_parts = dict.fromkeys(opt_parts, 0)  # the step's parts all on the host
     elif s.optimizer_offload:
         # The state and its step on the host: the device keeps parameters and gradients, and sends the
         # trainable parameters and their gradients to (and takes the updated parameters from) a host copy of both.
