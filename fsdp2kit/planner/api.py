@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
@@ -27,7 +26,7 @@ from fsdp2kit.wrappers.activation import resolve_ac_mode
 __all__ = ["Settings", "check_cp_heads", "check_lora", "plan_memory", "plan_settings", "plan_shards", "trained_plan"]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything a plan depends on besides the model (what the cheapest-change search varies)."""
 

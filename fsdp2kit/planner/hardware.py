@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 
 import tomllib
 
@@ -14,7 +13,7 @@ _MIB = 2**20
 _GBIT = 10**9 / 8  # bytes/s in one Gb/s
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Hardware:
     """One GPU and how it is wired. Bandwidths are one direction's bytes/s (what a ring collective's busbw reaches
     at most); ``network_bytes_per_s`` is a node's total off-node bandwidth, shared by its GPUs."""

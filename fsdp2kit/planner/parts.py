@@ -47,13 +47,9 @@ def unit_params(model: nn.Module, plan: ShardPlan) -> list[tuple[list[str], list
     out = []
     for u in plan.units:
         names = list(u.modules)  # a dtype sub-unit's label lists its modules shortened
-        params = []
-        for n in names:
-            for p in modules[n].parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        out.append((names, params))
+        params = {id(p): p for n in names for p in modules[n].parameters() if id(p) not in seen}
+        seen.update(params)
+        out.append((names, list(params.values())))
     return out
 
 

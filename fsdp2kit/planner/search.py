@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch.nn as nn
 
@@ -220,8 +221,6 @@ def rank_by_step_time(
 ) -> list[dict]:
     """``changes`` (`cheapest_changes`'s) ranked by predicted step time on ``hardware``, LoRA last, then
     one whose settings its label cannot rebuild."""
-    import math
-
     from fsdp2kit.planner.steptime import predict_step
 
     cache: dict = {}
