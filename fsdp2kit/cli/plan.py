@@ -5,6 +5,13 @@ from __future__ import annotations
 import json
 import re
 
+from fsdp2kit._internal.fmt import fmt_bytes
+from fsdp2kit.models import build_causal_lm
+from fsdp2kit.planner.api import Settings, plan_settings, plan_shards
+from fsdp2kit.planner.hardware import load_hardware
+from fsdp2kit.planner.search import cheapest_changes, pick_accumulation, rank_by_step_time
+from fsdp2kit.planner.steptime import DEFAULT_PRICE, default_nodes, predict_step
+
 _UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _UNITS.update(kb=10**3, mb=10**6, gb=10**9, tb=10**12)
 
@@ -147,9 +154,6 @@ def add_plan(subparsers) -> None:
 
 
 def run_plan(args) -> int:
-    from fsdp2kit.models import build_causal_lm
-    from fsdp2kit.planner.api import Settings, plan_settings, plan_shards
-
     targets = parse_targets(args.lora_targets)
     if args.cp_style is not None and args.cp == 1:
         raise ValueError("--cp-style chooses how context parallelism attends: give --cp C (C > 1) too")
@@ -166,9 +170,6 @@ def run_plan(args) -> int:
             raise ValueError(f"{', '.join(given)}: only a training step's memory plan uses it; give --batch and --seq")
         print(plan_shards(build_causal_lm(args.model, meta=True), **shared))  # as the recipe's --train.plan_only
         return 0
-
-    from fsdp2kit.planner.search import cheapest_changes, pick_accumulation, rank_by_step_time
-    from fsdp2kit.planner.steptime import DEFAULT_PRICE, default_nodes, predict_step
 
     hardware = parse_gpu(args.gpu, args.gpu_set)
     for flag in ("nodes", "price_per_gpu_hour"):
@@ -229,8 +230,6 @@ def run_plan(args) -> int:
 
 
 def _policies_text(settings, rows: list[dict], *, picked: bool, budget: int | None) -> str:
-    from fsdp2kit._internal.fmt import fmt_bytes
-
     if not picked:
         how = "given"
     elif budget is None:
@@ -255,8 +254,6 @@ def parse_gpu(name: str | None, sets: list[str] | None):
         if sets:
             raise ValueError("--gpu-set overrides a --gpu preset: give --gpu too")
         return None
-    from fsdp2kit.planner.hardware import load_hardware
-
     overrides: dict[str, float | int] = {}
     for item in sets or []:
         field, sep, value = item.partition("=")
