@@ -237,17 +237,13 @@ def rank_by_step_time(
         if step is None:
             unranked.append(change)
             continue
-        what = f"step {step.step_s:.2f} s, {step.tokens_per_second_per_gpu:,.0f} tok/s/GPU"
+        tps = step.tokens_per_second_per_gpu
+        what = f"step {step.step_s:.2f} s, {tps:,.0f} tok/s/GPU"
         if baseline is not None:
-            what += f" ({step.tokens_per_second_per_gpu / baseline.tokens_per_second_per_gpu - 1:+.0%})"
+            what += f" ({tps / baseline.tokens_per_second_per_gpu - 1:+.0%})"
         if change["cost_fraction"] >= 1.0:
             what += ", changes what is trained"
-        timed = {
-            **change,
-            "cost": what,
-            "step_seconds": step.step_s,
-            "tokens_per_second_per_gpu": step.tokens_per_second_per_gpu,
-        }
+        timed = {**change, "cost": what, "step_seconds": step.step_s, "tokens_per_second_per_gpu": tps}
         ranked.append((change["cost_fraction"] >= 1.0, step.step_s, len(ranked), timed))
     ranked.sort(key=lambda t: t[:3])
     return [t[3] for t in ranked] + unranked
