@@ -25,8 +25,7 @@ def tensor_storages(t: torch.Tensor | None) -> list[torch.UntypedStorage]:
     if isinstance(t, DTensor):
         return tensor_storages(t._local_tensor)
     if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return [s for n in names for s in tensor_storages(getattr(t, n))]
+        return [s for n in t.__tensor_flatten__()[0] for s in tensor_storages(getattr(t, n))]
     try:
         return [t.untyped_storage()]
     except (NotImplementedError, RuntimeError):  # a subclass with no storage and no inner tensors
