@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fsdp2kit.planner.trace import _as_a_real_step, block_names, on_output_grad, step_model, unit_modules
+from fsdp2kit.planner.trace import block_names, on_output_grad, run_step, step_model, unit_modules
 
 __all__ = ["UnitFlops", "count_flops"]
 
@@ -132,15 +131,7 @@ def count_flops(
         pre, post = hooks(i)
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:
-        with _as_a_real_step(), _Count(sink):
-            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-            out = clone(ids)
-            logits = out.logits if hasattr(out, "logits") else out
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), torch.zeros(batch * seq, dtype=torch.long, device="meta")
-            )
-            state["backward"] = True
-            loss.backward()
+        run_step(clone, batch, seq, lambda phase: state.update(backward=phase != "forward loss"), mode=_Count(sink))
     finally:
         for h in handles:
             h.remove()

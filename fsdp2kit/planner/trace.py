@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "block_names", "meta_copy", "record_step", "step_model", "unit_modules"]
+__all__ = ["Recording", "block_names", "meta_copy", "record_step", "run_step", "step_model", "unit_modules"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two hold a little
 # more than the rest (the embedding's and first block's outputs are still referenced), measured on Llama.
@@ -98,55 +97,33 @@ def meta_copy(
     return copy.deepcopy(model, memo)
 
 
-def _exchange(x: torch.Tensor) -> torch.Tensor:
-    """One ``all_to_all_single``'s buffers on a rank: a contiguous send buffer, then the receive buffer."""
-    send = x.contiguous()
-    return torch.empty_like(send)
+def _all_to_all(x: torch.Tensor, cp: int, split: int, cat: int) -> torch.Tensor:
+    """``x`` through one ``all_to_all_single`` on a rank: dim ``split`` cut into ``cp`` blocks, a contiguous send
+    buffer, the receive buffer, the received blocks put in order along dim ``cat`` (a copy)."""
+    send = x.unflatten(split, (cp, -1)).movedim(split, 0).contiguous()
+    recv = torch.empty_like(send)
+    del send
+    return recv.movedim(0, cat).flatten(cat, cat + 1)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` with the copies `fsdp2kit.apply_context_parallel`'s
-    all-to-all style makes (the exchange, then the reorder back to token order). Saves nothing."""
-
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        b, h, s, d = x.shape
-        recv = _exchange(x.reshape(b, cp, h // cp, s, d).transpose(0, 1))  # (peer, b, h/cp, s/cp, d)
-        whole = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
-        del recv
-        return whole.clone()  # the reorder's index_select
+class _AllToAll(torch.autograd.Function):
+    """With ``to_heads``: ``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)``; without, the attention output back,
+    laid out as ``(b, seq/cp, heads, d)``: the copies `fsdp2kit.apply_context_parallel`'s all-to-all style makes
+    (the exchange, the reorder to or from token order, transformers' layout). Saves nothing."""
 
     @staticmethod
-    def backward(ctx, grad):
-        cp = ctx.cp
-        b, h, n, d = grad.shape
-        grad = grad.clone()  # index_select's backward
-        recv = _exchange(grad.reshape(b, h, cp, n // cp, d).permute(2, 0, 1, 3, 4))
-        return recv.transpose(0, 1).reshape(b, h * cp, n // cp, d), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out as
-    ``(b, seq/cp, heads, d)``. Saves nothing."""
-
-    @staticmethod
-    def forward(ctx, out, cp):
-        ctx.cp = cp
-        b, h, n, d = out.shape
-        ordered = out.transpose(1, 2).contiguous().clone()  # transformers' layout, then the reorder
-        recv = _exchange(ordered.reshape(b, cp, n // cp, h, d).transpose(0, 1))  # (peer, b, seq/cp, h, d)
-        return recv.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * h, d).transpose(1, 2)
+    def forward(ctx, x, cp, to_heads):
+        ctx.cp, ctx.to_heads = cp, to_heads
+        if to_heads:
+            return _all_to_all(x, cp, 1, 2).clone()  # the reorder's index_select
+        ordered = x.transpose(1, 2).contiguous().clone()  # transformers' layout, then the reorder
+        return _all_to_all(ordered, cp, 1, 2).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad):
-        cp = ctx.cp
-        b, hh, s, d = grad.shape
-        g = grad.transpose(1, 2).reshape(b, s, cp, hh // cp, d).permute(2, 0, 1, 3, 4)
-        recv = _exchange(g)  # (peer, b, seq/cp, h/cp, d)
-        whole = recv.transpose(0, 1).reshape(b, cp * s, hh // cp, d)
-        del recv
-        return whole.clone().transpose(1, 2), None  # index_select's backward
+        if ctx.to_heads:  # index_select's backward first
+            return _all_to_all(grad.clone(), ctx.cp, 2, 1), None, None
+        return _all_to_all(grad.transpose(1, 2), ctx.cp, 2, 1).clone().transpose(1, 2), None, None
 
 
 def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
@@ -154,10 +131,10 @@ def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
     ``heads/cp`` heads over the whole sequence; the output back to this rank's tokens."""
     check_heads(cp, q.shape[1], k.shape[1])
     b, kv_heads, s, d = k.shape
-    q = _SeqToHeads.apply(q, cp)
-    kv = _SeqToHeads.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp)
+    q = _AllToAll.apply(q, cp, True)
+    kv = _AllToAll.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp, True)
     kv = kv.unflatten(1, (kv_heads // cp, 2))
-    return _HeadsToSeq.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp)
+    return _AllToAll.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp, False)
 
 
 def _half_added(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -228,50 +205,30 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), home[: k.numel()].view(k.shape), home[k.numel() :].view(v.shape), None
 
 
-def _fused_sdpa(
-    sdpa,
-    q,
-    k,
-    v,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    *,
-    cp: int = 1,
-    style: str = "all_to_all",
-):
-    if q.device.type != "meta":
-        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-
-    def flash(q, k, v):
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-        )
-        return out
-
-    if cp > 1 and style == "ring":
-        groups = q.shape[1] // k.shape[1]  # GQA: k and v repeated to the query heads first, as the ring style does
-        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
-        return _RingAttention.apply(q, k, v, cp)
-    if cp > 1:
-        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every
-        # head (docs/memory_planner.md, "Context parallelism").
-        return _ulysses(flash, q, k, v, cp)
-    return flash(q, k, v)
-
-
-def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
-    if weight.device.type == "meta" and weight.dtype != torch.bfloat16:
-        return False
-    return can_grouped(input, weight, offs)
-
-
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
     """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How" and "MoE"),
     diverted for this thread only: not a TorchFunctionMode, none is active while backward recomputes a block."""
+
+    def sdpa(original, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta":
+            return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+        def flash(q, k, v):
+            kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return kernel(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+        if cp > 1 and style == "ring":
+            groups = q.shape[1] // k.shape[1]  # GQA: k and v repeated to the query heads first, as the ring does
+            k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
+            return _RingAttention.apply(q, k, v, cp)
+        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every head
+        # (docs/memory_planner.md, "Context parallelism").
+        return _ulysses(flash, q, k, v, cp) if cp > 1 else flash(q, k, v)
+
+    def grouped_on_meta(can_grouped, input, weight, offs) -> bool:
+        return (weight.device.type != "meta" or weight.dtype == torch.bfloat16) and can_grouped(input, weight, offs)
+
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
         for name, answer in (("is_tracing", False), ("find_packed_sequence_indices", None)):
@@ -279,8 +236,7 @@ def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
                 stack.enter_context(divert(masking, name, lambda original, *a, answer=answer, **k: answer))
         moe = sys.modules.get("transformers.integrations.moe")
         if hasattr(moe, "_can_use_grouped_mm"):
-            stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
-        sdpa = functools.partial(_fused_sdpa, cp=cp, style=style)
+            stack.enter_context(divert(moe, "_can_use_grouped_mm", grouped_on_meta))
         stack.enter_context(divert(F, "scaled_dot_product_attention", sdpa))
         yield
 
@@ -332,6 +288,31 @@ def step_model(
 def unit_modules(unit_names: list[list[str]], modules: dict[str, nn.Module]) -> list[tuple[int, str, nn.Module]]:
     """``(unit index, name, module)`` for every module of ``unit_names`` that the step copy has."""
     return [(i, n, modules[n]) for i, names in enumerate(unit_names) for n in names if n in modules]
+
+
+def run_step(clone, batch: int, seq: int, mark, *, cp: int = 1, cp_style: str = "all_to_all", mode=None) -> None:
+    """One forward of meta ``clone`` on ``batch`` x ``seq`` ids, the recipe's loss (logits upcast to fp32) and backward,
+    inside ``mode``; ``mark(phase)`` runs as "forward loss", "backward loss" and "backward (end)" begin."""
+    with _as_a_real_step(cp, cp_style), mode or contextlib.nullcontext():
+        # The batch is counted too: a real loop holds it for the whole step.
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
+        if cp > 1:
+            # The loop read the whole sequences and keeps them while the model runs on this rank's
+            # part, which needs its positions (fsdp2kit.split_for_context_parallel).
+            whole = torch.zeros(batch, seq * cp, dtype=torch.long, device="meta")  # noqa: F841
+            positions = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+            out = clone(ids, position_ids=positions)
+        else:
+            out = clone(ids)
+        logits = out.logits if hasattr(out, "logits") else out
+        del out
+        mark("forward loss")
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels)
+        del logits
+        mark("backward loss")
+        loss.backward()
+        mark("backward (end)")
 
 
 def record_step(
@@ -448,30 +429,17 @@ def record_step(
     live.track(clone.buffers())
     events.append(("ops", live.live, live.live))
     run["level"] = run["high"] = live.live
-    try:
-        with _as_a_real_step(cp, cp_style), live:
-            # The batch is counted too: a real loop holds it for the whole step.
-            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-            labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
-            if cp > 1:
-                # The loop read the whole sequences and keeps them while the model runs on this rank's
-                # part, which needs its positions (fsdp2kit.split_for_context_parallel).
-                whole = torch.zeros(batch, seq * cp, dtype=torch.long, device="meta")  # noqa: F841
-                positions = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-                out = clone(ids, position_ids=positions)
-            else:
-                out = clone(ids)
-            logits = out.logits if hasattr(out, "logits") else out
-            del out
-            emit("phase", "forward loss")
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels)
-            del logits
+
+    def mark(phase: str) -> None:
+        if phase == "backward loss":
             emit("loss_done")
             state["backward"] = True
-            emit("phase", "backward loss")
-            loss.backward()
-            emit("phase", "backward (end)")
+        emit("phase", phase)
+        if phase == "backward (end)":
             emit("end_backward")
+
+    try:
+        run_step(clone, batch, seq, mark, cp=cp, cp_style=cp_style, mode=live)
     finally:
         for h in handles:
             h.remove()
