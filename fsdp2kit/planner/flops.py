@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,18 +19,9 @@ aten = torch.ops.aten
 # Fused attention's forward (query, key, value, ...) and backward (grad_out, query, key, value, ...), the CPU
 # flash kernel (which the planner's meta step runs, trace.py) among them: the backward's 4 matmuls count twice
 # the forward's 2 (torch's formula adds a recompute of the scores).
-_ATTENTION_FWD = {
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
-}
-_ATTENTION_BWD = {
-    aten._scaled_dot_product_flash_attention_for_cpu_backward,
-    aten._scaled_dot_product_flash_attention_backward,
-    aten._scaled_dot_product_efficient_attention_backward,
-    aten._scaled_dot_product_cudnn_attention_backward,
-}
+_KERNELS = ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")
+_ATTENTION_FWD = {getattr(aten, f"_scaled_dot_product_{k}") for k in _KERNELS}
+_ATTENTION_BWD = {getattr(aten, f"_scaled_dot_product_{k}_backward") for k in _KERNELS}
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
@@ -114,15 +106,8 @@ def count_flops(
 
         def post(mod, args, output):
             stack.pop()
-            if state["backward"]:
-                return None
-
-            def on_grad(grad):
-                state["current"] = index
-                return grad
-
-            on_output_grad(output, on_grad)
-            return None
+            if not state["backward"]:
+                on_output_grad(output, lambda grad: state.update(current=index))
 
         return pre, post
 
@@ -140,7 +125,7 @@ def count_flops(
         stand_in = flops[unit_of[kept[1]]]
         middle = [unit_of[n] for n in block_names(model)[2:-1]]
         for i in middle:
-            flops[i] = UnitFlops(stand_in.forward, stand_in.backward, stand_in.recompute)
+            flops[i] = dataclasses.replace(stand_in)
         at = order.index(unit_of[kept[1]]) + 1
         order[at:at] = middle
     return flops, order

@@ -26,20 +26,18 @@ HOST_ADAMW_EFFICIENCY = 1.0
 
 
 def offload_step_seconds(
-    param_bytes: float, grad_bytes: float, state_bytes: float, hw: Hardware, efficiency: float = HOST_ADAMW_EFFICIENCY
+    param_bytes: float,
+    grad_bytes: float,
+    state_bytes: float,
+    hw: Hardware,
+    efficiency: float = HOST_ADAMW_EFFICIENCY,
+    transfers: bool = True,
 ) -> float:
-    """Optimizer offload's step: parameters and gradients to the host and parameters back, then the host AdamW
-    step."""
-    transfers = (2 * param_bytes + grad_bytes) / hw.host_bytes_per_s
-    return transfers + host_adamw_seconds(param_bytes, grad_bytes, state_bytes, hw, efficiency)
-
-
-def host_adamw_seconds(
-    param_bytes: float, grad_bytes: float, state_bytes: float, hw: Hardware, efficiency: float = HOST_ADAMW_EFFICIENCY
-) -> float:
-    """torch's fused CPU AdamW step, memory-bound: reads parameters, gradients and state; writes parameters and
-    state."""
-    return (2 * param_bytes + grad_bytes + 2 * state_bytes) / (hw.host_memory_bytes_per_s * efficiency)
+    """Optimizer offload's step: parameters and gradients to the host and parameters back (none with cpu_offload's
+    host shards: not ``transfers``), then torch's fused CPU AdamW step, memory-bound: it reads parameters,
+    gradients and state, and writes parameters and state."""
+    moved = (2 * param_bytes + grad_bytes) / hw.host_bytes_per_s if transfers else 0.0
+    return moved + (2 * param_bytes + grad_bytes + 2 * state_bytes) / (hw.host_memory_bytes_per_s * efficiency)
 
 
 @dataclass
@@ -275,11 +273,9 @@ def predict_step(
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = opt_bytes / hw.hbm_bytes_per_s
-    host_step = (memory_plan.trainable_param_bytes, memory_plan.grad_bytes, memory_plan.optimizer_bytes, hw)
-    if s.optimizer_offload:
-        optimizer_s = offload_step_seconds(*host_step)
-    elif s.cpu_offload:  # the shards are on the host already (their copies are in the collectives above)
-        optimizer_s = host_adamw_seconds(*host_step)
+    if s.optimizer_offload or s.cpu_offload:  # cpu_offload: the shards' copies are in the collectives above
+        host_step = (memory_plan.trainable_param_bytes, memory_plan.grad_bytes, memory_plan.optimizer_bytes, hw)
+        optimizer_s = offload_step_seconds(*host_step, transfers=s.optimizer_offload)
     comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
     notes = []
     if s.cpu_offload or s.optimizer_offload:

@@ -336,71 +336,51 @@ def record_step(
 
     rec = Recording(blocks=kept_names, repeat=repeat)
     events = rec.events
-    run = {"level": 0, "high": 0, "open": False}
-
-    def on_op(now: int) -> None:
-        run["high"] = max(run["high"], now)
-        run["open"] = True
-
-    live = LiveBytes(on_op=on_op, incremental=True)
-
-    def flush() -> None:
-        if run["open"]:
-            events.append(("ops", run["high"] - run["level"], live.live - run["level"]))
-            run["level"] = run["high"] = live.live
-            run["open"] = False
+    run = {"level": 0, "high": 0, "open": False, "backward": False}
+    live = LiveBytes(on_op=lambda now: run.update(high=max(run["high"], now), open=True), incremental=True)
 
     def emit(*event) -> None:
-        flush()
+        if run["open"]:  # the ops since the last event
+            events.append(("ops", run["high"] - run["level"], live.live - run["level"]))
+            run.update(level=live.live, high=live.live, open=False)
         events.append(event)
 
-    state = {"backward": False}
-    calls: dict[int, int] = {}
+    calls: Counter[int] = Counter()
     unit_size = Counter(i for i, _, _ in unit_modules(unit_names, modules))
 
     def make_hooks(name: str, index: int):
+        label = name or "(root)"
+
+        def backward_hook(kind: str) -> None:
+            emit("phase", f"backward {label}")
+            emit(kind, index)
+
         def pre(mod, args, kwargs):
-            if state["backward"]:
+            if run["backward"]:
                 return None  # a checkpointed block recomputing: FSDP2 has it unsharded already
-            emit("phase", f"forward {name or '(root)'}")
-            n = calls.get(index, 0)
-            calls[index] = n + 1
-            if n == 0:
+            emit("phase", f"forward {label}")
+            calls[index] += 1
+            if calls[index] == 1:
                 emit("pre_forward", index)
             emit("enter", name)
             # FSDP2 runs a unit's pre-forward once, at its first module: only those inputs get the
             # post-backward hook (a tied head's unit, first called at the embedding, whose input
             # needs no gradient, reduces its gradients at the end of backward).
             grad_inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-            if n > 0 or not grad_inputs:
+            if calls[index] > 1 or not grad_inputs:
                 return None
-
-            def post_backward() -> None:
-                emit("phase", f"backward {name or '(root)'}")
-                emit("post_backward", index)
-
-            args = list(args)
-            wrapped = _PostBackward.apply(post_backward, *[args[i] for i in grad_inputs])
-            for i, w in zip(grad_inputs, wrapped):
-                args[i] = w
-            return tuple(args), kwargs
+            hooked = _PostBackward.apply(lambda: backward_hook("post_backward"), *[args[i] for i in grad_inputs])
+            wrapped = dict(zip(grad_inputs, hooked))
+            return tuple(wrapped.get(i, a) for i, a in enumerate(args)), kwargs
 
         def post(mod, args, kwargs, output):
-            if state["backward"]:
-                return None
-            emit("exit", name)
-            if calls[index] == unit_size[index]:
-                emit("post_forward", index)
-            if mod is clone:
-                emit("end_forward")
-
-            def pre_backward(grad):
-                emit("phase", f"backward {name or '(root)'}")
-                emit("pre_backward", index)
-                return grad
-
-            on_output_grad(output, pre_backward)
-            return None
+            if not run["backward"]:
+                emit("exit", name)
+                if calls[index] == unit_size[index]:
+                    emit("post_forward", index)
+                if mod is clone:
+                    emit("end_forward")
+                on_output_grad(output, lambda grad: backward_hook("pre_backward"))
 
         return pre, post
 
@@ -433,7 +413,7 @@ def record_step(
     def mark(phase: str) -> None:
         if phase == "backward loss":
             emit("loss_done")
-            state["backward"] = True
+            run["backward"] = True
         emit("phase", phase)
         if phase == "backward (end)":
             emit("end_backward")
