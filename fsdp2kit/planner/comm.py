@@ -127,16 +127,14 @@ def comm_of_plan(
         shard, replicate, ar_group = 1, math.prod(s for n, s in names.items() if n != "tp"), "shard"
     else:
         shard, replicate, ar_group = names.get("shard", 1), names.get("replicate", 1), "replicate"
-    if accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce") and replicate == 1:
+    if accumulation.endswith("defer_all_reduce") and replicate == 1:
         raise ValueError(f"accumulation={accumulation!r} defers the all-reduce across replicas: it needs HSDP")
     group_sizes = {"shard": shard} if shard > 1 else {}
     if replicate > 1:
         group_sizes[ar_group] = replicate
 
-    many = micro_batches > 1
-    keep = many and shard > 1 and accumulation.startswith("keep_gathered")
-    unsynced = many and accumulation in ("no_sync", "keep_gathered_no_sync")
-    deferred = many and accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce")
+    # held between micro-batches: the gathered parameters, the unreduced gradients, the reduce-scatter's output
+    keep, unsynced, deferred = bwd == 0 and shard > 1, n_rs < micro_batches, n_ar < n_rs
     held = 0
     units = []
     kept = {id(p): p for p in check_replicable(model)} if replicate_adapters else {}

@@ -72,7 +72,6 @@ class _Count(TorchDispatchMode):
 def count_flops(
     model: nn.Module,
     unit_names: list[list[str]],
-    *,
     batch: int,
     seq: int,
     compute_dtype: torch.dtype | None,

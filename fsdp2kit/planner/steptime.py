@@ -188,14 +188,7 @@ def predict_step(
     unit_names = [list(u.modules) for u in plan.units]
     key = ("flops", id(trained), s.batch, s.seq, s.activation_checkpointing, compute)
     if key not in cache:
-        cache[key] = count_flops(
-            trained,
-            unit_names,
-            batch=s.batch,
-            seq=s.seq,
-            compute_dtype=compute,
-            activation_checkpointing=s.activation_checkpointing,
-        )
+        cache[key] = count_flops(trained, unit_names, s.batch, s.seq, compute, s.activation_checkpointing)
     flops, order = cache[key]
     if cp > 1:
         # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
@@ -273,17 +266,16 @@ def predict_step(
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = opt_bytes / hw.hbm_bytes_per_s
+    notes = []
     if s.optimizer_offload or s.cpu_offload:  # cpu_offload: the shards' copies are in the collectives above
         host_step = (memory_plan.trainable_param_bytes, memory_plan.grad_bytes, memory_plan.optimizer_bytes, hw)
         optimizer_s = offload_step_seconds(*host_step, transfers=s.optimizer_offload)
-    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
-    notes = []
-    if s.cpu_offload or s.optimizer_offload:
         notes.append(
             f"{'cpu_offload' if s.cpu_offload else 'optimizer offload: transfers not overlapped'}, host AdamW "
             f"step (make_optimizer's fused kernel) memory-bound at {hw.host_memory_bytes_per_s / 1e9:.0f} GB/s "
             "per GPU (assumed: a 2-socket host shared by 8 GPUs)"
         )
+    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
     return StepTime(
         hardware=hw,
         nodes=nodes,
