@@ -179,9 +179,6 @@ def comm_of_plan(
         ]
         # issued after the root's backward (the callback at its end): counted with the root unit, the last
         units[-1] = UnitComm(units[-1].name, units[-1].collectives + tuple(colls))
-        for g, size in groups:
-            if size > 1:
-                group_sizes[g] = size
     return CommPlan(units, accumulation, micro_batches, group_sizes, held)
 
 

@@ -97,28 +97,21 @@ def count_flops(
         else:
             flops[i].forward += f
 
-    def hooks(index: int):
-        def pre(mod, args):
+    def unit_hooks(index: int):
+        def pre(mod, args, kwargs):
             stack.append(index)
             if index not in order:
                 order.append(index)
 
-        def post(mod, args, output):
+        def post(mod, args, kwargs, output):
             stack.pop()
             if not state["backward"]:
                 on_output_grad(output, lambda grad: state.update(current=index))
 
         return pre, post
 
-    handles = []
-    for i, _, module in unit_modules(unit_names, modules):
-        pre, post = hooks(i)
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
-        run_step(clone, batch, seq, lambda phase: state.update(backward=phase != "forward loss"), mode=_Count(sink))
-    finally:
-        for h in handles:
-            h.remove()
+    hooks = [(module, *unit_hooks(i)) for i, _, module in unit_modules(unit_names, modules)]
+    run_step(clone, batch, seq, lambda phase: state.update(backward=phase != "forward loss"), hooks, mode=_Count(sink))
     if repeat:
         unit_of = {n: i for i, names in enumerate(unit_names) for n in names}
         stand_in = flops[unit_of[kept[1]]]

@@ -75,19 +75,15 @@ def meta_copy(
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in memo:
-            continue
-        if is_traceable_wrapper_subclass(t) and t.device.type == "meta":
-            memo[id(t)] = t
-            continue
-        if is_nf4(t):  # a real NF4 weight (QLoRA from a fresh init): its meta placeholder, same inner tensors
+        if id(t) in memo or (is_traceable_wrapper_subclass(t) and t.device.type == "meta"):
+            memo.setdefault(id(t), t)  # a meta wrapper subclass (meta NF4) stays as it is
+        elif is_nf4(t):  # a real NF4 weight (QLoRA from a fresh init): its meta placeholder, same inner tensors
             nf4 = meta_nf4(t.shape, t.dtype, t.block_size, t.scaler_block_size)
             memo[id(t)] = nn.Parameter(nf4, requires_grad=False)
-            continue
-        cast = dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) and id(t) not in own_dtype
-        dt = dtype if cast else t.dtype
-        new = torch.empty((shapes or {}).get(id(t), t.shape), dtype=dt, device="meta")
-        memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+        else:
+            own = dtype is None or not t.is_floating_point() or not isinstance(t, nn.Parameter) or id(t) in own_dtype
+            new = torch.empty((shapes or {}).get(id(t), t.shape), dtype=t.dtype if own else dtype, device="meta")
+            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     if keep is not None:
         first = find_blocks(model)[0]
         keep_ids = {id(b) for b in keep}
@@ -290,29 +286,40 @@ def unit_modules(unit_names: list[list[str]], modules: dict[str, nn.Module]) -> 
     return [(i, n, modules[n]) for i, names in enumerate(unit_names) for n in names if n in modules]
 
 
-def run_step(clone, batch: int, seq: int, mark, *, cp: int = 1, cp_style: str = "all_to_all", mode=None) -> None:
+def run_step(clone, batch: int, seq: int, mark, hooks, on_grad=None, *, cp=1, cp_style="all_to_all", mode=None) -> None:
     """One forward of meta ``clone`` on ``batch`` x ``seq`` ids, the recipe's loss (logits upcast to fp32) and backward,
-    inside ``mode``; ``mark(phase)`` runs as "forward loss", "backward loss" and "backward (end)" begin."""
-    with _as_a_real_step(cp, cp_style), mode or contextlib.nullcontext():
-        # The batch is counted too: a real loop holds it for the whole step.
-        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
-        if cp > 1:
-            # The loop read the whole sequences and keeps them while the model runs on this rank's
-            # part, which needs its positions (fsdp2kit.split_for_context_parallel).
-            whole = torch.zeros(batch, seq * cp, dtype=torch.long, device="meta")  # noqa: F841
-            positions = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-            out = clone(ids, position_ids=positions)
-        else:
-            out = clone(ids)
-        logits = out.logits if hasattr(out, "logits") else out
-        del out
-        mark("forward loss")
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels)
-        del logits
-        mark("backward loss")
-        loss.backward()
-        mark("backward (end)")
+    inside ``mode``; ``mark(phase)`` runs as "forward loss", "backward loss" and "backward (end)" begin. For the step
+    only: ``hooks``, ``(module, forward pre-hook, forward hook)`` with kwargs, and ``on_grad`` on each gradient."""
+    handles = []
+    for module, pre, post in hooks:
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    if on_grad is not None:
+        handles += [p.register_post_accumulate_grad_hook(on_grad) for p in clone.parameters() if p.requires_grad]
+    try:
+        with _as_a_real_step(cp, cp_style), mode or contextlib.nullcontext():
+            # The batch is counted too: a real loop holds it for the whole step.
+            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+            labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
+            if cp > 1:
+                # The loop read the whole sequences and keeps them while the model runs on this rank's
+                # part, which needs its positions (fsdp2kit.split_for_context_parallel).
+                whole = torch.zeros(batch, seq * cp, dtype=torch.long, device="meta")  # noqa: F841
+                positions = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+                out = clone(ids, position_ids=positions)
+            else:
+                out = clone(ids)
+            logits = out.logits if hasattr(out, "logits") else out
+            del out
+            mark("forward loss")
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels)
+            del logits
+            mark("backward loss")
+            loss.backward()
+            mark("backward (end)")
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def record_step(
@@ -384,14 +391,8 @@ def record_step(
 
         return pre, post
 
-    handles = []
-    param_unit: dict[int, int] = {}
-    for i, n, module in unit_modules(unit_names, modules):
-        pre, post = make_hooks(n, i)
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
-        for p in module.parameters():
-            param_unit.setdefault(id(p), i)
+    # a parameter's unit: the first that holds it
+    param_unit = {id(p): i for i, _, module in reversed(unit_modules(unit_names, modules)) for p in module.parameters()}
 
     def on_grad(p: torch.Tensor) -> None:
         # FSDP2 holds the unsharded gradient until the unit's post-backward: the timeline counts
@@ -399,10 +400,6 @@ def record_step(
         if p.grad is not None and id(p) in param_unit:
             emit("grad", param_unit[id(p)], p.grad.untyped_storage().nbytes())
         p.grad = None
-
-    for p in clone.parameters():
-        if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
     # Parameters are the timeline's to count (sharded, gathered); buffers count from the start.
     live.ignore(clone.parameters())
@@ -418,9 +415,6 @@ def record_step(
         if phase == "backward (end)":
             emit("end_backward")
 
-    try:
-        run_step(clone, batch, seq, mark, cp=cp, cp_style=cp_style, mode=live)
-    finally:
-        for h in handles:
-            h.remove()
+    hooks = [(module, *make_hooks(n, i)) for i, n, module in unit_modules(unit_names, modules)]
+    run_step(clone, batch, seq, mark, hooks, on_grad, cp=cp, cp_style=cp_style, mode=live)
     return rec
