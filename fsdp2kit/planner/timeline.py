@@ -6,21 +6,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from fsdp2kit.planner.trace import Recording
 
-__all__ = ["FsdpTimeline", "Moment", "Replayed", "Unit", "replay"]
-
-
-class Moment(NamedTuple):
-    """FSDP2's bytes at one moment of the step, by part."""
-
-    gathered: int
-    buffers: int
-    grads_unsharded: int
-    grads_sharded: int
-    clone: int = 0  # gloo's copy of a reduce-scatter input, for the call
+__all__ = ["FsdpTimeline", "Replayed", "Unit", "replay"]
 
 
 @dataclass
@@ -47,7 +36,7 @@ class Unit:
 class FsdpTimeline:
     units: list[Unit]
     world: int  # ranks in the shard group (1: no all-gather buffers at all)
-    see: Callable[[Moment], None]  # each moment FSDP2's hooks pass through
+    see: Callable[..., None]  # called at each moment FSDP2's hooks pass through (``clone``: a transient's bytes)
     prefetch: int = 0  # explicit forward/backward prefetch depth (fk.set_prefetch); 0: FSDP2's implicit
     blocks: list[int] = field(default_factory=list)  # unit indices of the blocks, forward order
     clone_reduce_input: bool = False  # gloo: the reduce-scatter clones its input (docs/internals.md)
@@ -62,14 +51,10 @@ class FsdpTimeline:
     _rs_state: int = 0
     forward_order: list[Unit] = field(default_factory=list)
 
-    def extra(self) -> Moment:
-        return Moment(self.gathered, self.buffers, self.grads_unsharded, self.grads_sharded)
-
-    def between_ops(self) -> Moment:
-        """`extra` while ops run: what FSDP2 holds outside its own hooks (the maxima reported are these)."""
+    def between_ops(self) -> None:
+        """What FSDP2 holds outside its own hooks, while ops run: the maxima reported are these."""
         self.max_gathered = max(self.max_gathered, self.gathered)
         self.max_buffers = max(self.max_buffers, self.buffers)
-        return self.extra()
 
     def _start_gather(self, u: Unit) -> None:
         if u.unsharded or u.pending_gather:
@@ -87,12 +72,13 @@ class FsdpTimeline:
         if forward and self._ag_state:
             # The previous unit's kept flat buffer goes before this copy-out, after this unit's all-gather
             # filled its own (FSDPParamGroup.wait_for_unshard): both are alive while FSDP2's ops run.
-            self.see(self.between_ops())
+            self.between_ops()
+            self.see()
             self.buffers -= self._ag_state
             self._ag_state = 0
         self.gathered += u.gathered
         u.unsharded = True
-        self.see(self.extra())
+        self.see()
         if keep_flat:
             self._ag_state = flat
         else:
@@ -145,7 +131,7 @@ class FsdpTimeline:
         if not u.backward_done:  # a straggler after the reduce-scatter is reduced at the end: ignored
             u.grads_live += nbytes
             self.grads_unsharded += nbytes
-        self.see(self.extra())
+        self.see()
 
     def post_backward(self, index: int) -> None:
         """Reshard, reduce-scatter."""
@@ -159,11 +145,11 @@ class FsdpTimeline:
         if not u.grads_live:
             return
         self.buffers += u.reduce_input
-        self.see(self.extra())
+        self.see()
         self.grads_unsharded -= u.grads_live
         u.grads_live = 0
         self.buffers += u.reduce_output
-        self.see(self.extra()._replace(clone=u.reduce_input if self.clone_reduce_input else 0))
+        self.see(clone=u.reduce_input if self.clone_reduce_input else 0)  # gloo's copy, for the call
         self.buffers -= u.reduce_output
         self.grads_sharded += u.sharded_grads  # a cast copy (reduce dtype != master) or the output itself
         self._rs_state = u.reduce_input
@@ -245,8 +231,9 @@ def replay(
     backward = False
     after_blocks = 0
 
-    def check(ex: Moment, rise: int = 0) -> None:
-        total = level + rise + sum(ex)
+    def check(rise: int = 0, clone: int = 0) -> None:
+        """A moment: ``rise`` above the ops' level, ``clone`` bytes beside FSDP2's (a transient)."""
+        total = level + rise + tl.gathered + tl.buffers + tl.grads_unsharded + tl.grads_sharded + clone
         if backward:
             out.backward_peak = max(out.backward_peak, total)
         else:
@@ -255,12 +242,12 @@ def replay(
             act = sum(v for k, v in held.items() if k not in done)
             out.peak, out.phase = total, phase
             out.parts = {
-                "gathered": ex.gathered,
-                "comm_buffers": ex.buffers,
-                "unsharded_grads": ex.grads_unsharded,
-                "grads": ex.grads_sharded,
+                "gathered": tl.gathered,
+                "comm_buffers": tl.buffers,
+                "unsharded_grads": tl.grads_unsharded,
+                "grads": tl.grads_sharded,
                 "activations": min(act, level + rise),
-                "temporaries": level + rise - min(act, level + rise) + ex.clone,
+                "temporaries": level + rise - min(act, level + rise) + clone,
             }
 
     tl = FsdpTimeline(
@@ -281,7 +268,8 @@ def replay(
         if unit is not None and alias is not None and unit == middle_unit:
             unit = index_of[alias]
         if kind == "ops":
-            check(tl.between_ops(), rise=e[1])
+            tl.between_ops()
+            check(rise=e[1])
             level += e[2]
         elif kind == "phase":
             phase = e[1]
@@ -304,7 +292,7 @@ def replay(
                 done.update(unit_names[unit])
             getattr(tl, kind)(*([] if unit is None else [unit, *e[2:]]))
             if kind == "end_backward" and final_transient:
-                check(tl.extra()._replace(clone=final_transient))
+                check(clone=final_transient)
     out.grads_sharded = tl.grads_sharded
     out.max_gathered, out.max_buffers = tl.max_gathered, tl.max_buffers
     return out
