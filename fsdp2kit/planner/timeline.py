@@ -36,7 +36,7 @@ class Unit:
 class FsdpTimeline:
     units: list[Unit]
     world: int  # ranks in the shard group (1: no all-gather buffers at all)
-    see: Callable[..., None]  # called at each moment FSDP2's hooks pass through (``clone``: a transient's bytes)
+    see: Callable[..., None]  # called at each moment FSDP2's hooks pass through (replay's ``check``)
     prefetch: int = 0  # explicit forward/backward prefetch depth (fk.set_prefetch); 0: FSDP2's implicit
     blocks: list[int] = field(default_factory=list)  # unit indices of the blocks, forward order
     clone_reduce_input: bool = False  # gloo: the reduce-scatter clones its input (docs/internals.md)
@@ -45,16 +45,9 @@ class FsdpTimeline:
     buffers: int = 0  # all-gather and reduce-scatter flat buffers alive
     grads_unsharded: int = 0
     grads_sharded: int = 0
-    max_gathered: int = 0
-    max_buffers: int = 0
     _ag_state: int = 0
     _rs_state: int = 0
     forward_order: list[Unit] = field(default_factory=list)
-
-    def between_ops(self) -> None:
-        """What FSDP2 holds outside its own hooks, while ops run: the maxima reported are these."""
-        self.max_gathered = max(self.max_gathered, self.gathered)
-        self.max_buffers = max(self.max_buffers, self.buffers)
 
     def _start_gather(self, u: Unit) -> None:
         if u.unsharded or u.pending_gather:
@@ -72,8 +65,7 @@ class FsdpTimeline:
         if forward and self._ag_state:
             # The previous unit's kept flat buffer goes before this copy-out, after this unit's all-gather
             # filled its own (FSDPParamGroup.wait_for_unshard): both are alive while FSDP2's ops run.
-            self.between_ops()
-            self.see()
+            self.see(ops=True)
             self.buffers -= self._ag_state
             self._ag_state = 0
         self.gathered += u.gathered
@@ -231,8 +223,12 @@ def replay(
     backward = False
     after_blocks = 0
 
-    def check(rise: int = 0, clone: int = 0) -> None:
-        """A moment: ``rise`` above the ops' level, ``clone`` bytes beside FSDP2's (a transient)."""
+    def check(rise: int = 0, clone: int = 0, ops: bool = False) -> None:
+        """A moment: ``rise`` above the ops' level, ``clone`` bytes beside FSDP2's (a transient); ``ops``: while ops
+        run, outside FSDP2's own hooks (the maxima reported are those)."""
+        if ops:
+            out.max_gathered = max(out.max_gathered, tl.gathered)
+            out.max_buffers = max(out.max_buffers, tl.buffers)
         total = level + rise + tl.gathered + tl.buffers + tl.grads_unsharded + tl.grads_sharded + clone
         if backward:
             out.backward_peak = max(out.backward_peak, total)
@@ -268,8 +264,7 @@ def replay(
         if unit is not None and alias is not None and unit == middle_unit:
             unit = index_of[alias]
         if kind == "ops":
-            tl.between_ops()
-            check(rise=e[1])
+            check(rise=e[1], ops=True)
             level += e[2]
         elif kind == "phase":
             phase = e[1]
@@ -294,5 +289,4 @@ def replay(
             if kind == "end_backward" and final_transient:
                 check(clone=final_transient)
     out.grads_sharded = tl.grads_sharded
-    out.max_gathered, out.max_buffers = tl.max_gathered, tl.max_buffers
     return out
