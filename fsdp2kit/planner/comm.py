@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.accumulation import ACCUMULATION as _POLICIES
+from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.parts import _gathered_bytes, _is_lookup, _padded, compute_dtype, unit_params
 from fsdp2kit.replicated import check_replicable
@@ -101,8 +102,7 @@ def _gather_dtype(params: list[nn.Parameter], plan: ShardPlan) -> str:
 def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
     """Per step: (forward gathers, backward re-gathers, reduce-scatters, all-reduces), as docs/accumulation.md's
     table says; one micro-batch: ``fk.accumulate`` changes nothing."""
-    if accumulation not in ACCUMULATION:
-        raise ValueError(f"accumulation={accumulation!r}: expected one of {list(ACCUMULATION)}")
+    check_accumulation(accumulation)
     keep = m > 1 and accumulation.startswith("keep_gathered")  # gathered in the first forward only
     no_sync = m > 1 and accumulation.endswith("no_sync")
     defer = m > 1 and accumulation.endswith("defer_all_reduce")

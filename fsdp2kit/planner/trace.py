@@ -258,12 +258,7 @@ def step_model(
     blocks = find_blocks(model)
     keep, repeat = None, 0
     every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
-    if (
-        lead is not None
-        and not every_n
-        and len(blocks) > lead + 3
-        and len({_signature(b) for b in blocks[lead:-1]}) == 1
-    ):
+    if lead is not None and not every_n and len(blocks) > lead + 3 and len(set(map(_signature, blocks[lead:-1]))) == 1:
         keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
     clone = meta_copy(model, compute_dtype, keep, own_dtype=own_dtype)
     clone.train()
