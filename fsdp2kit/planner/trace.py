@@ -122,17 +122,6 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad.transpose(1, 2), ctx.cp, 2, 1).clone().transpose(1, 2), None, None
 
 
-def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
-    """Attention as the all-to-all style runs it on a rank: q, then k and v stacked (one exchange), to
-    ``heads/cp`` heads over the whole sequence; the output back to this rank's tokens."""
-    check_heads(cp, q.shape[1], k.shape[1])
-    b, kv_heads, s, d = k.shape
-    q = _AllToAll.apply(q, cp, True)
-    kv = _AllToAll.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp, True)
-    kv = kv.unflatten(1, (kv_heads // cp, 2))
-    return _AllToAll.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp, False)
-
-
 def _half_added(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """torch's ring's ``_partial_update(t, new, dim=2, n_chunks=2, idx=0, add=True)``: a new tensor."""
     head, tail = t.chunk(2, dim=2)
@@ -218,9 +207,17 @@ def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
             groups = q.shape[1] // k.shape[1]  # GQA: k and v repeated to the query heads first, as the ring does
             k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
             return _RingAttention.apply(q, k, v, cp)
-        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every head
-        # (docs/memory_planner.md, "Context parallelism").
-        return _ulysses(flash, q, k, v, cp) if cp > 1 else flash(q, k, v)
+        if cp == 1:
+            return flash(q, k, v)
+        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every head; q, then k and
+        # v stacked (one exchange) go to heads/cp heads over the whole sequence, the output back to this rank's
+        # tokens (docs/memory_planner.md, "Context parallelism").
+        check_heads(cp, q.shape[1], k.shape[1])
+        b, kv_heads, s, d = k.shape
+        q = _AllToAll.apply(q, cp, True)
+        kv = _AllToAll.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp, True)
+        kv = kv.unflatten(1, (kv_heads // cp, 2))
+        return _AllToAll.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp, False)
 
     def grouped_on_meta(can_grouped, input, weight, offs) -> bool:
         return (weight.device.type != "meta" or weight.dtype == torch.bfloat16) and can_grouped(input, weight, offs)
