@@ -260,9 +260,8 @@ def replay(
         if kind == "as":
             alias = e[1]
             continue
-        unit = e[1] if kind in ("pre_forward", "post_forward", "pre_backward", "post_backward", "grad") else None
-        if unit is not None and alias is not None and unit == middle_unit:
-            unit = index_of[alias]
+        if alias is not None and kind in ("pre_forward", "post_forward", "pre_backward", "post_backward", "grad"):
+            e = (kind, index_of[alias] if e[1] == middle_unit else e[1], *e[2:])
         if kind == "ops":
             check(rise=e[1], ops=True)
             level += e[2]
@@ -281,11 +280,11 @@ def replay(
             held["(loss)"] = out.logits_and_loss
             backward = True
         else:  # one of FSDP2's hooks, a `FsdpTimeline` method of the same name
-            if kind == "pre_backward" and unit in blocks:
+            if kind == "pre_backward" and e[1] in blocks:
                 done.add("(loss)")
             elif kind == "post_backward":
-                done.update(unit_names[unit])
-            getattr(tl, kind)(*([] if unit is None else [unit, *e[2:]]))
+                done.update(unit_names[e[1]])
+            getattr(tl, kind)(*e[1:])
             if kind == "end_backward" and final_transient:
                 check(clone=final_transient)
     out.grads_sharded = tl.grads_sharded
