@@ -213,10 +213,8 @@ def predict_step(
             return 0.0
         # The group's ranks on one node: the mesh is (replicate, shard, cp, tp), tp innermost, so "shard",
         # "shard/K" (a reshard-to-K gather), NO_SHARD's "shard" and "cp" ranks are tp apart.
-        if c.group == "replicate":
-            in_node = max(1, min(n, per_node // block))
-        else:
-            in_node = min(n, per_node) if c.group == "tp" else min(n, max(1, per_node // s.tp))
+        apart = {"replicate": block, "tp": 1}.get(c.group, s.tp)
+        in_node = max(1, min(n, per_node // apart))
         # Within a node NVLink; across nodes (NCCL: a ring a NIC) the node's network, shared by the groups
         # that run at once on it (a 2-D mesh's tp groups, HSDP's replica groups of each local rank).
         bw = hw.nvlink_bytes_per_s
