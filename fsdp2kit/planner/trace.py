@@ -259,9 +259,8 @@ def step_model(
         keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
     clone = meta_copy(model, compute_dtype, keep, own_dtype=own_dtype)
     clone.train()
-    config = getattr(clone, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
+    if hasattr(getattr(clone, "config", None), "use_cache"):
+        clone.config.use_cache = False
     if callable(activation_checkpointing):
         activation_checkpointing(clone)
     elif activation_checkpointing is not None:
