@@ -333,15 +333,14 @@ def record_step(
     )
 
     rec = Recording(blocks=kept_names, repeat=repeat)
-    events = rec.events
     run = {"level": 0, "high": 0, "open": False, "backward": False}
     live = LiveBytes(on_op=lambda now: run.update(high=max(run["high"], now), open=True), incremental=True)
 
     def emit(*event) -> None:
         if run["open"]:  # the ops since the last event
-            events.append(("ops", run["high"] - run["level"], live.live - run["level"]))
+            rec.events.append(("ops", run["high"] - run["level"], live.live - run["level"]))
             run.update(level=live.live, high=live.live, open=False)
-        events.append(event)
+        rec.events.append(event)
 
     calls: Counter[int] = Counter()
     unit_size = Counter(i for i, _, _ in unit_modules(unit_names, modules))
@@ -395,7 +394,7 @@ def record_step(
     # Parameters are the timeline's to count (sharded, gathered); buffers count from the start.
     live.ignore(clone.parameters())
     live.track(clone.buffers())
-    events.append(("ops", live.live, live.live))
+    rec.events.append(("ops", live.live, live.live))
     run["level"] = run["high"] = live.live
 
     def mark(phase: str) -> None:
