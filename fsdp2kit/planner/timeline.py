@@ -66,8 +66,7 @@ class FsdpTimeline:
             # The previous unit's kept flat buffer goes before this copy-out, after this unit's all-gather
             # filled its own (FSDPParamGroup.wait_for_unshard): both are alive while FSDP2's ops run.
             self.see(ops=True)
-            self.buffers -= self._ag_state
-            self._ag_state = 0
+            self.end_forward()
         self.gathered += u.gathered
         u.unsharded = True
         self.see()
@@ -216,12 +215,10 @@ def replay(
     blocks = [index_of[n] for n in block_names]
     out = Replayed()
     middle_unit = index_of[rec.blocks[-2]] if rec.repeat else None
-    level, phase, alias = 0, "", None
+    level, phase, alias, backward, after_blocks = 0, "", None, False, 0
     held: dict[str, int] = {}
     entered: dict[str, int] = {}
     done: set[str] = set()
-    backward = False
-    after_blocks = 0
 
     def check(rise: int = 0, clone: int = 0, ops: bool = False) -> None:
         """A moment: ``rise`` above the ops' level, ``clone`` bytes beside FSDP2's (a transient); ``ops``: while ops
@@ -230,31 +227,22 @@ def replay(
             out.max_gathered = max(out.max_gathered, tl.gathered)
             out.max_buffers = max(out.max_buffers, tl.buffers)
         total = level + rise + tl.gathered + tl.buffers + tl.grads_unsharded + tl.grads_sharded + clone
-        if backward:
-            out.backward_peak = max(out.backward_peak, total)
-        else:
-            out.forward_peak = max(out.forward_peak, total)
+        side = "backward_peak" if backward else "forward_peak"
+        setattr(out, side, max(getattr(out, side), total))
         if total > out.peak:
-            act = sum(v for k, v in held.items() if k not in done)
+            act = min(sum(v for k, v in held.items() if k not in done), level + rise)
             out.peak, out.phase = total, phase
             out.parts = {
                 "gathered": tl.gathered,
                 "comm_buffers": tl.buffers,
                 "unsharded_grads": tl.grads_unsharded,
                 "grads": tl.grads_sharded,
-                "activations": min(act, level + rise),
-                "temporaries": level + rise - min(act, level + rise) + clone,
+                "activations": act,
+                "temporaries": level + rise - act + clone,
             }
 
-    tl = FsdpTimeline(
-        units,
-        world=world,
-        see=check,
-        prefetch=prefetch,
-        blocks=blocks,
-        clone_reduce_input=clone_reduce_input,
-        final_order=[index_of[n] for n in final_order or []],
-    )
+    final = [index_of[n] for n in final_order or []]
+    tl = FsdpTimeline(units, world, check, prefetch, blocks, clone_reduce_input, final)
     for e in _expand(rec, block_names):
         kind = e[0]
         if kind == "as":
