@@ -203,7 +203,6 @@ def predict_step(
     fwd = [f.forward / rate for f in flops]
     bwd = [f.backward / rate for f in flops]
     compute_s = comm.micro_batches * (sum(fwd) + sum(bwd))
-    block = s.shard * cp * s.tp
     sizes = {**comm.group_sizes, "tp": s.tp, "cp": cp}
 
     def seconds(c: Collective) -> float:
@@ -213,19 +212,16 @@ def predict_step(
             return 0.0
         # The group's ranks on one node: the mesh is (replicate, shard, cp, tp), tp innermost, so "shard",
         # "shard/K" (a reshard-to-K gather), NO_SHARD's "shard" and "cp" ranks are tp apart.
-        apart = {"replicate": block, "tp": 1}.get(c.group, s.tp)
+        apart = {"replicate": s.shard * cp * s.tp, "tp": 1}.get(c.group, s.tp)
         in_node = max(1, min(n, per_node // apart))
         # Within a node NVLink; across nodes (NCCL: a ring a NIC) the node's network, shared by the groups
         # that run at once on it (a 2-D mesh's tp groups, HSDP's replica groups of each local rank).
         bw = hw.nvlink_bytes_per_s
         if n > in_node:
             bw = min(bw, hw.network_bytes_per_s / max(1, per_node // in_node))
-        byte_s, lat, wire = 1.0 / bw, hw.latency_s * (n - 1), (n - 1) / n
-        if c.kind == "permute":  # the whole buffer to the next rank (the ring's rotation)
-            return c.nbytes * byte_s + lat
-        if c.kind == "all_reduce":  # ring: a reduce-scatter then an all-gather
-            return c.nbytes * 2 * wire * byte_s + 2 * lat
-        return c.nbytes * wire * byte_s + lat
+        passes = 2 if c.kind == "all_reduce" else 1  # ring: a reduce-scatter then an all-gather
+        wire = 1 if c.kind == "permute" else (n - 1) / n  # permute: the whole buffer to the next rank (ring rotation)
+        return c.nbytes * passes * wire * (1.0 / bw) + passes * hw.latency_s * (n - 1)
 
     # Activations' collectives lengthen their unit's compute; recompute repeats the forward ones but a block's
     # last all-reduce (why: docs/step_time.md, item 8).
@@ -255,7 +251,7 @@ def predict_step(
                 if not (c.count == m or (gather and micro == 0) or (not gather and micro == m - 1)):
                     continue
                 h2d, d2h = host[i]
-                if c.kind == "all_gather":
+                if gather:
                     (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c) + h2d / hw.host_bytes_per_s
                 else:
                     after[i] += seconds(c) + (d2h / hw.host_bytes_per_s if c.kind == "reduce_scatter" else 0.0)
