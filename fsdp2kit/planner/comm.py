@@ -129,9 +129,8 @@ def comm_of_plan(
         shard, replicate, ar_group = names.get("shard", 1), names.get("replicate", 1), "replicate"
     if accumulation.endswith("defer_all_reduce") and replicate == 1:
         raise ValueError(f"accumulation={accumulation!r} defers the all-reduce across replicas: it needs HSDP")
-    group_sizes = {"shard": shard} if shard > 1 else {}
-    if replicate > 1:
-        group_sizes[ar_group] = replicate
+    groups = [(g, n) for g, n in (("shard", shard), (ar_group, replicate)) if n > 1]  # NO_SHARD: ar_group "shard"
+    group_sizes = dict(groups)
 
     # held between micro-batches: the gathered parameters, the unreduced gradients, the reduce-scatter's output
     keep, unsynced, deferred = bwd == 0 and shard > 1, n_rs < micro_batches, n_ar < n_rs
@@ -170,12 +169,10 @@ def comm_of_plan(
         by_dtype: dict[torch.dtype, int] = defaultdict(int)
         for p in kept.values():
             by_dtype[plan.precision.master(p)] += p.numel() * plan.precision.master(p).itemsize
-        groups = [("shard", shard), (ar_group, replicate)]  # NO_SHARD: shard is 1 and ar_group "shard"
         colls = [
             Collective("all_reduce", g, n, _dtype_name(dt), 1, "backward")
             for dt, n in by_dtype.items()
-            for g, size in groups
-            if size > 1
+            for g, _ in groups
         ]
         # issued after the root's backward (the callback at its end): counted with the root unit, the last
         units[-1] = UnitComm(units[-1].name, units[-1].collectives + tuple(colls))
