@@ -107,10 +107,7 @@ class StepTime:
 def default_nodes(settings, hardware: Hardware) -> int:
     """The fewest nodes of ``hardware`` that hold the world (replicate x shard x cp x tp) evenly."""
     world = settings.replicate * settings.shard * settings.cp * settings.tp
-    nodes = math.ceil(world / hardware.gpus_per_node)
-    while world % nodes:
-        nodes += 1
-    return nodes
+    return next(n for n in range(math.ceil(world / hardware.gpus_per_node), world + 1) if world % n == 0)
 
 
 def simulate(
@@ -190,10 +187,9 @@ def predict_step(
     if key not in cache:
         cache[key] = count_flops(trained, unit_names, s.batch, s.seq, compute, s.activation_checkpointing)
     flops, order = cache[key]
-    if cp > 1:
-        # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
-        # (all-to-all style): 1 / cp of every matmul, whatever its kind.
-        flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
+    # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
+    # (all-to-all style): 1 / cp of every matmul, whatever its kind (x / 1 is x exactly).
+    flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
     comm = comm_of_settings(model, s, accumulation=accumulation, cache=cache)
     itemsize = (compute or next(model.parameters()).dtype).itemsize
     acts = activation_collectives(model, unit_names, s, itemsize, trained=trained)

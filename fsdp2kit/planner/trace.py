@@ -103,9 +103,8 @@ def _all_to_all(x: torch.Tensor, cp: int, split: int, cat: int) -> torch.Tensor:
 
 
 class _AllToAll(torch.autograd.Function):
-    """With ``to_heads``: ``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)``; without, the attention output back,
-    laid out as ``(b, seq/cp, heads, d)``: the copies `fsdp2kit.apply_context_parallel`'s all-to-all style makes
-    (the exchange, the reorder to or from token order, transformers' layout). Saves nothing."""
+    """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` (``to_heads``) or the output back as ``(b, seq/cp, heads,
+    d)``, with the copies `fsdp2kit.apply_context_parallel`'s all-to-all style makes; saves nothing."""
 
     @staticmethod
     def forward(ctx, x, cp, to_heads):
