@@ -88,17 +88,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _gather_dtype(params: list[nn.Parameter], plan: ShardPlan) -> str:
-    """FSDP2's all-gather dtype: the inputs' one dtype, or bytes when they differ (_get_all_gather_input_metadatas)."""
-    dtypes = set()
-    for p in params:
-        if is_nf4(p):
-            dtypes.update(getattr(p, a).dtype for a in NF4_ROW_TENSORS)
-        else:
-            dtypes.add(compute_dtype(p, plan.precision))
-    return _dtype_name(dtypes.pop()) if len(dtypes) == 1 else "uint8"
-
-
 def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
     """Per step: (forward gathers, backward re-gathers, reduce-scatters, all-reduces), as docs/accumulation.md's
     table says; one micro-batch: ``fk.accumulate`` changes nothing."""
@@ -143,7 +132,10 @@ def comm_of_plan(
         gathered = sum(_gathered_bytes(p, shard, compute_dtype(p, plan.precision)) for p in params)
         held += gathered if keep else 0
         if shard > 1 and params:
-            dtype = _gather_dtype(params, plan)
+            # the inputs' one dtype, or bytes when they differ (FSDP2's _get_all_gather_input_metadatas)
+            dtypes = {compute_dtype(p, plan.precision) for p in params if not is_nf4(p)}
+            dtypes |= {getattr(p, a).dtype for p in params if is_nf4(p) for a in NF4_ROW_TENSORS}
+            dtype = _dtype_name(dtypes.pop()) if len(dtypes) == 1 else "uint8"
             colls.append(Collective("all_gather", "shard", gathered, dtype, fwd, "forward"))
             reshard = up.reshard_after_forward
             if reshard is not False and bwd and not _is_lookup(model, unit_names):

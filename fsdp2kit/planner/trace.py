@@ -86,10 +86,9 @@ def meta_copy(
             memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     if keep is not None:
         first = find_blocks(model)[0]
-        keep_ids = {id(b) for b in keep}
         for parent in model.modules():
             if isinstance(parent, nn.ModuleList) and any(c is first for c in parent):
-                memo[id(parent)] = nn.ModuleList([copy.deepcopy(c, memo) for c in parent if id(c) in keep_ids])
+                memo[id(parent)] = nn.ModuleList([copy.deepcopy(c, memo) for c in parent if any(c is k for k in keep)])
     return copy.deepcopy(model, memo)
 
 
@@ -280,10 +279,8 @@ def run_step(clone, batch: int, seq: int, mark, hooks, on_grad=None, *, cp=1, cp
     """One forward of meta ``clone`` on ``batch`` x ``seq`` ids, the recipe's loss (logits upcast to fp32) and backward,
     inside ``mode``; ``mark(phase)`` runs as "forward loss", "backward loss" and "backward (end)" begin. For the step
     only: ``hooks``, ``(module, forward pre-hook, forward hook)`` with kwargs, and ``on_grad`` on each gradient."""
-    handles = []
-    for module, pre, post in hooks:
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    handles = [m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True) for m, pre, _ in hooks]
+    handles += [m.register_forward_hook(post, with_kwargs=True) for m, _, post in hooks]
     if on_grad is not None:
         handles += [p.register_post_accumulate_grad_hook(on_grad) for p in clone.parameters() if p.requires_grad]
     try:
