@@ -33,9 +33,8 @@ def offload_step_seconds(
     efficiency: float = HOST_ADAMW_EFFICIENCY,
     transfers: bool = True,
 ) -> float:
-    """Optimizer offload's step: parameters and gradients to the host and parameters back (none with cpu_offload's
-    host shards: not ``transfers``), then torch's fused CPU AdamW step, memory-bound: it reads parameters,
-    gradients and state, and writes parameters and state."""
+    """Optimizer offload's step: parameters and gradients to the host, parameters back (none if not ``transfers``:
+    cpu_offload's host shards), then fused CPU AdamW, memory-bound: reads params, grads, state; writes params, state."""
     moved = (2 * param_bytes + grad_bytes) / hw.host_bytes_per_s if transfers else 0.0
     return moved + (2 * param_bytes + grad_bytes + 2 * state_bytes) / (hw.host_memory_bytes_per_s * efficiency)
 
@@ -251,8 +250,7 @@ def predict_step(
                     (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c) + h2d / hw.host_bytes_per_s
                 else:
                     after[i] += seconds(c) + (d2h / hw.host_bytes_per_s if c.kind == "reduce_scatter" else 0.0)
-        _, end = simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)
-        end_all += end
+        end_all += simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)[1]
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = opt_bytes / hw.hbm_bytes_per_s

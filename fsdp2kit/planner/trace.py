@@ -324,9 +324,8 @@ def record_step(
 ) -> Recording:
     """One forward + backward of a meta copy of ``model``, its memory events naming units by index in ``unit_names``;
     ``seq``: a rank's tokens (with ``cp > 1``, its share, attention as ``cp_style`` runs it)."""
-    clone, modules, kept_names, repeat = step_model(
-        model, compute_dtype, activation_checkpointing, _LEAD if truncate else None, own_dtype
-    )
+    lead = _LEAD if truncate else None
+    clone, modules, kept_names, repeat = step_model(model, compute_dtype, activation_checkpointing, lead, own_dtype)
 
     rec = Recording(blocks=kept_names, repeat=repeat)
     run = {"level": 0, "high": 0, "open": False, "backward": False}
