@@ -47,10 +47,6 @@ class UnitComm:
     name: str
     collectives: tuple[Collective, ...]
 
-    @property
-    def bytes_per_step(self) -> int:
-        return sum(c.total for c in self.collectives)
-
 
 @dataclass
 class CommPlan:
@@ -68,7 +64,7 @@ class CommPlan:
 
     @property
     def bytes_per_step(self) -> int:
-        return sum(u.bytes_per_step for u in self.units)
+        return sum(c.total for u in self.units for c in u.collectives)
 
     def by_group(self) -> dict[str, dict[str, int]]:
         return self._summed("total")

@@ -127,9 +127,8 @@ def simulate(
     steps = [(root, 0.0, ag[root], 0.0)] + [(u, fwd[u], ag[u], 0.0) for u in rest] + [(root, fwd[root], 0.0, 0.0)]
     back = [(root, bwd[root], ag_bwd[root], 0.0)] + [(u, bwd[u], ag_bwd[u], after_bwd[u]) for u in reversed(rest)]
     steps += [*back, (root, 0.0, 0.0, after_bwd[root])]  # the root reduces at the end of backward
-    comm = 0.0  # when the communication queue is next free
+    t = comm = 0.0  # when compute, and the communication queue, are next free
     gathered: dict[int, float] = {}
-    t = 0.0
 
     def issue(k: int, at: float) -> None:
         nonlocal comm
