@@ -28,7 +28,6 @@ class Unit:
     unsharded: bool = False
     pending_gather: int = 0  # flat all-gather output waiting for its copy-out (-1: requested, one rank)
     grads_live: int = 0
-    forward_done: bool = False
     backward_done: bool = False
 
 
@@ -47,7 +46,7 @@ class FsdpTimeline:
     grads_sharded: int = 0
     _ag_state: int = 0
     _rs_state: int = 0
-    forward_order: list[Unit] = field(default_factory=list)
+    forward_order: list[int] = field(default_factory=list)  # unit indices, as their forwards end
 
     def _start_gather(self, u: Unit) -> None:
         if u.unsharded or u.pending_gather:
@@ -82,7 +81,7 @@ class FsdpTimeline:
 
     def pre_forward(self, index: int) -> None:
         u = self.units[index]
-        if u.forward_done:
+        if index in self.forward_order:
             return
         # A unit gathered by an explicit prefetch does not keep its flat buffer (FSDPParamGroup.wait_for_unshard).
         self._finish_gather(u, forward=True, keep_flat=not u.pending_gather and self.world > 1)
@@ -92,13 +91,10 @@ class FsdpTimeline:
                 self._start_gather(self.units[nxt])
 
     def post_forward(self, index: int) -> None:
-        u = self.units[index]
-        if u.forward_done:
-            return
-        u.forward_done = True
-        self.forward_order.append(u)
-        if u.reshard_after_forward:
-            self._reshard(u)
+        if index not in self.forward_order:
+            self.forward_order.append(index)
+            if self.units[index].reshard_after_forward:
+                self._reshard(self.units[index])
 
     def end_forward(self) -> None:
         """The root's post-forward frees the last flat all-gather output (FSDPState._post_forward)."""
@@ -111,9 +107,9 @@ class FsdpTimeline:
             return
         if u.gather_in_backward:
             self._finish_gather(u, forward=False, keep_flat=False)
-        i = next((k for k, v in enumerate(self.forward_order) if v is u), None)
-        if i is not None:
-            for prev in self.forward_order[max(0, i - max(1, self.prefetch)) : i][::-1]:
+        if index in self.forward_order:
+            i = self.forward_order.index(index)
+            for prev in [self.units[k] for k in self.forward_order[max(0, i - max(1, self.prefetch)) : i][::-1]]:
                 if not prev.backward_done and prev.gather_in_backward:
                     self._start_gather(prev)
 
