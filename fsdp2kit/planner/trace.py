@@ -276,9 +276,8 @@ def unit_modules(unit_names: list[list[str]], modules: dict[str, nn.Module]) -> 
 
 
 def run_step(clone, batch: int, seq: int, mark, hooks, on_grad=None, *, cp=1, cp_style="all_to_all", mode=None) -> None:
-    """One forward of meta ``clone`` on ``batch`` x ``seq`` ids, the recipe's loss (logits upcast to fp32) and backward,
-    inside ``mode``; ``mark(phase)`` runs as "forward loss", "backward loss" and "backward (end)" begin. For the step
-    only: ``hooks``, ``(module, forward pre-hook, forward hook)`` with kwargs, and ``on_grad`` on each gradient."""
+    """A forward of meta ``clone`` on ``batch`` x ``seq`` ids, the recipe's loss (fp32 logits) and backward in ``mode``,
+    with ``hooks`` (module, pre-hook, hook; kwargs) and ``on_grad`` for the step; ``mark(phase)`` as phases begin."""
     handles = [m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True) for m, pre, _ in hooks]
     handles += [m.register_forward_hook(post, with_kwargs=True) for m, _, post in hooks]
     if on_grad is not None:
