@@ -15,11 +15,9 @@ _OTHER_PEAK_BF16 = {"H100 PCIe": 756e12, "L40S": 362e12, "A10G": 70e12, "4090": 
 def transformer_flops_per_token(model: nn.Module, n_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token (the PaLM appendix formula): 6 per parameter but embedding tables (unless a
     head shares one), plus attention's ``12 * layers * hidden * seq_len``."""
-    n = sum(p.numel() for p in model.parameters())
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    n -= sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights
-    )
+    tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights]
+    n = sum(p.numel() for p in model.parameters()) - sum(t.numel() for t in tables)
     return 6.0 * n + 12.0 * n_layers * hidden * seq_len
 
 

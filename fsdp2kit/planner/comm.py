@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.accumulation import ACCUMULATION as _POLICIES
+from fsdp2kit.accumulation import check_accumulation
 from fsdp2kit.plan import ShardPlan
 from fsdp2kit.planner.parts import _gathered_bytes, _is_lookup, _padded, compute_dtype, unit_params
 from fsdp2kit.replicated import check_replicable
@@ -46,10 +47,6 @@ class UnitComm:
     name: str
     collectives: tuple[Collective, ...]
 
-    @property
-    def bytes_per_step(self) -> int:
-        return sum(c.total for c in self.collectives)
-
 
 @dataclass
 class CommPlan:
@@ -67,7 +64,7 @@ class CommPlan:
 
     @property
     def bytes_per_step(self) -> int:
-        return sum(u.bytes_per_step for u in self.units)
+        return sum(c.total for u in self.units for c in u.collectives)
 
     def by_group(self) -> dict[str, dict[str, int]]:
         return self._summed("total")
@@ -87,22 +84,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _gather_dtype(params: list[nn.Parameter], plan: ShardPlan) -> str:
-    """FSDP2's all-gather dtype: the inputs' one dtype, or bytes when they differ (_get_all_gather_input_metadatas)."""
-    dtypes = set()
-    for p in params:
-        if is_nf4(p):
-            dtypes.update(getattr(p, a).dtype for a in NF4_ROW_TENSORS)
-        else:
-            dtypes.add(compute_dtype(p, plan.precision))
-    return _dtype_name(dtypes.pop()) if len(dtypes) == 1 else "uint8"
-
-
 def _counts(accumulation: str, m: int) -> tuple[int, int, int, int]:
     """Per step: (forward gathers, backward re-gathers, reduce-scatters, all-reduces), as docs/accumulation.md's
     table says; one micro-batch: ``fk.accumulate`` changes nothing."""
-    if accumulation not in ACCUMULATION:
-        raise ValueError(f"accumulation={accumulation!r}: expected one of {list(ACCUMULATION)}")
+    check_accumulation(accumulation)
     keep = m > 1 and accumulation.startswith("keep_gathered")  # gathered in the first forward only
     no_sync = m > 1 and accumulation.endswith("no_sync")
     defer = m > 1 and accumulation.endswith("defer_all_reduce")
@@ -127,16 +112,13 @@ def comm_of_plan(
         shard, replicate, ar_group = 1, math.prod(s for n, s in names.items() if n != "tp"), "shard"
     else:
         shard, replicate, ar_group = names.get("shard", 1), names.get("replicate", 1), "replicate"
-    if accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce") and replicate == 1:
+    if accumulation.endswith("defer_all_reduce") and replicate == 1:
         raise ValueError(f"accumulation={accumulation!r} defers the all-reduce across replicas: it needs HSDP")
-    group_sizes = {"shard": shard} if shard > 1 else {}
-    if replicate > 1:
-        group_sizes[ar_group] = replicate
+    groups = [(g, n) for g, n in (("shard", shard), (ar_group, replicate)) if n > 1]  # NO_SHARD: ar_group "shard"
+    group_sizes = dict(groups)
 
-    many = micro_batches > 1
-    keep = many and shard > 1 and accumulation.startswith("keep_gathered")
-    unsynced = many and accumulation in ("no_sync", "keep_gathered_no_sync")
-    deferred = many and accumulation in ("defer_all_reduce", "keep_gathered_defer_all_reduce")
+    # held between micro-batches: the gathered parameters, the unreduced gradients, the reduce-scatter's output
+    keep, unsynced, deferred = bwd == 0 and shard > 1, n_rs < micro_batches, n_ar < n_rs
     held = 0
     units = []
     kept = {id(p): p for p in check_replicable(model)} if replicate_adapters else {}
@@ -146,7 +128,10 @@ def comm_of_plan(
         gathered = sum(_gathered_bytes(p, shard, compute_dtype(p, plan.precision)) for p in params)
         held += gathered if keep else 0
         if shard > 1 and params:
-            dtype = _gather_dtype(params, plan)
+            # the inputs' one dtype, or bytes when they differ (FSDP2's _get_all_gather_input_metadatas)
+            dtypes = {compute_dtype(p, plan.precision) for p in params if not is_nf4(p)}
+            dtypes |= {getattr(p, a).dtype for p in params if is_nf4(p) for a in NF4_ROW_TENSORS}
+            dtype = _dtype_name(dtypes.pop()) if len(dtypes) == 1 else "uint8"
             colls.append(Collective("all_gather", "shard", gathered, dtype, fwd, "forward"))
             reshard = up.reshard_after_forward
             if reshard is not False and bwd and not _is_lookup(model, unit_names):
@@ -172,18 +157,13 @@ def comm_of_plan(
         by_dtype: dict[torch.dtype, int] = defaultdict(int)
         for p in kept.values():
             by_dtype[plan.precision.master(p)] += p.numel() * plan.precision.master(p).itemsize
-        groups = [("shard", shard), (ar_group, replicate)]  # NO_SHARD: shard is 1 and ar_group "shard"
         colls = [
             Collective("all_reduce", g, n, _dtype_name(dt), 1, "backward")
             for dt, n in by_dtype.items()
-            for g, size in groups
-            if size > 1
+            for g, _ in groups
         ]
         # issued after the root's backward (the callback at its end): counted with the root unit, the last
         units[-1] = UnitComm(units[-1].name, units[-1].collectives + tuple(colls))
-        for g, size in groups:
-            if size > 1:
-                group_sizes[g] = size
     return CommPlan(units, accumulation, micro_batches, group_sizes, held)
 
 

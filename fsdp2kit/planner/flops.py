@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fsdp2kit.planner.trace import _as_a_real_step, block_names, on_output_grad, step_model, unit_modules
+from fsdp2kit.planner.trace import block_names, on_output_grad, run_step, step_model, unit_modules
 
 __all__ = ["UnitFlops", "count_flops"]
 
@@ -19,18 +19,9 @@ aten = torch.ops.aten
 # Fused attention's forward (query, key, value, ...) and backward (grad_out, query, key, value, ...), the CPU
 # flash kernel (which the planner's meta step runs, trace.py) among them: the backward's 4 matmuls count twice
 # the forward's 2 (torch's formula adds a recompute of the scores).
-_ATTENTION_FWD = {
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
-}
-_ATTENTION_BWD = {
-    aten._scaled_dot_product_flash_attention_for_cpu_backward,
-    aten._scaled_dot_product_flash_attention_backward,
-    aten._scaled_dot_product_efficient_attention_backward,
-    aten._scaled_dot_product_cudnn_attention_backward,
-}
+_KERNELS = ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention")
+_ATTENTION_FWD = {getattr(aten, f"_scaled_dot_product_{k}") for k in _KERNELS}
+_ATTENTION_BWD = {getattr(aten, f"_scaled_dot_product_{k}_backward") for k in _KERNELS}
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
@@ -81,7 +72,6 @@ class _Count(TorchDispatchMode):
 def count_flops(
     model: nn.Module,
     unit_names: list[list[str]],
-    *,
     batch: int,
     seq: int,
     compute_dtype: torch.dtype | None,
@@ -107,49 +97,27 @@ def count_flops(
         else:
             flops[i].forward += f
 
-    def hooks(index: int):
-        def pre(mod, args):
+    def unit_hooks(index: int):
+        def pre(mod, args, kwargs):
             stack.append(index)
             if index not in order:
                 order.append(index)
 
-        def post(mod, args, output):
+        def post(mod, args, kwargs, output):
             stack.pop()
-            if state["backward"]:
-                return None
-
-            def on_grad(grad):
-                state["current"] = index
-                return grad
-
-            on_output_grad(output, on_grad)
-            return None
+            if not state["backward"]:
+                on_output_grad(output, lambda grad: state.update(current=index))
 
         return pre, post
 
-    handles = []
-    for i, _, module in unit_modules(unit_names, modules):
-        pre, post = hooks(i)
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
-        with _as_a_real_step(), _Count(sink):
-            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-            out = clone(ids)
-            logits = out.logits if hasattr(out, "logits") else out
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), torch.zeros(batch * seq, dtype=torch.long, device="meta")
-            )
-            state["backward"] = True
-            loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
+    hooks = [(module, *unit_hooks(i)) for i, _, module in unit_modules(unit_names, modules)]
+    run_step(clone, batch, seq, lambda phase: state.update(backward=phase != "forward loss"), hooks, mode=_Count(sink))
     if repeat:
         unit_of = {n: i for i, names in enumerate(unit_names) for n in names}
         stand_in = flops[unit_of[kept[1]]]
         middle = [unit_of[n] for n in block_names(model)[2:-1]]
         for i in middle:
-            flops[i] = UnitFlops(stand_in.forward, stand_in.backward, stand_in.recompute)
+            flops[i] = dataclasses.replace(stand_in)
         at = order.index(unit_of[kept[1]]) + 1
         order[at:at] = middle
     return flops, order

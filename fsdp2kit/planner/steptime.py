@@ -26,20 +26,17 @@ HOST_ADAMW_EFFICIENCY = 1.0
 
 
 def offload_step_seconds(
-    param_bytes: float, grad_bytes: float, state_bytes: float, hw: Hardware, efficiency: float = HOST_ADAMW_EFFICIENCY
+    param_bytes: float,
+    grad_bytes: float,
+    state_bytes: float,
+    hw: Hardware,
+    efficiency: float = HOST_ADAMW_EFFICIENCY,
+    transfers: bool = True,
 ) -> float:
-    """Optimizer offload's step: parameters and gradients to the host and parameters back, then the host AdamW
-    step."""
-    transfers = (2 * param_bytes + grad_bytes) / hw.host_bytes_per_s
-    return transfers + host_adamw_seconds(param_bytes, grad_bytes, state_bytes, hw, efficiency)
-
-
-def host_adamw_seconds(
-    param_bytes: float, grad_bytes: float, state_bytes: float, hw: Hardware, efficiency: float = HOST_ADAMW_EFFICIENCY
-) -> float:
-    """torch's fused CPU AdamW step, memory-bound: reads parameters, gradients and state; writes parameters and
-    state."""
-    return (2 * param_bytes + grad_bytes + 2 * state_bytes) / (hw.host_memory_bytes_per_s * efficiency)
+    """Optimizer offload's step: parameters and gradients to the host, parameters back (none if not ``transfers``:
+    cpu_offload's host shards), then fused CPU AdamW, memory-bound: reads params, grads, state; writes params, state."""
+    moved = (2 * param_bytes + grad_bytes) / hw.host_bytes_per_s if transfers else 0.0
+    return moved + (2 * param_bytes + grad_bytes + 2 * state_bytes) / (hw.host_memory_bytes_per_s * efficiency)
 
 
 @dataclass
@@ -109,10 +106,7 @@ class StepTime:
 def default_nodes(settings, hardware: Hardware) -> int:
     """The fewest nodes of ``hardware`` that hold the world (replicate x shard x cp x tp) evenly."""
     world = settings.replicate * settings.shard * settings.cp * settings.tp
-    nodes = math.ceil(world / hardware.gpus_per_node)
-    while world % nodes:
-        nodes += 1
-    return nodes
+    return next(n for n in range(math.ceil(world / hardware.gpus_per_node), world + 1) if world % n == 0)
 
 
 def simulate(
@@ -133,9 +127,8 @@ def simulate(
     steps = [(root, 0.0, ag[root], 0.0)] + [(u, fwd[u], ag[u], 0.0) for u in rest] + [(root, fwd[root], 0.0, 0.0)]
     back = [(root, bwd[root], ag_bwd[root], 0.0)] + [(u, bwd[u], ag_bwd[u], after_bwd[u]) for u in reversed(rest)]
     steps += [*back, (root, 0.0, 0.0, after_bwd[root])]  # the root reduces at the end of backward
-    comm = 0.0  # when the communication queue is next free
+    t = comm = 0.0  # when compute, and the communication queue, are next free
     gathered: dict[int, float] = {}
-    t = 0.0
 
     def issue(k: int, at: float) -> None:
         nonlocal comm
@@ -190,19 +183,11 @@ def predict_step(
     unit_names = [list(u.modules) for u in plan.units]
     key = ("flops", id(trained), s.batch, s.seq, s.activation_checkpointing, compute)
     if key not in cache:
-        cache[key] = count_flops(
-            trained,
-            unit_names,
-            batch=s.batch,
-            seq=s.seq,
-            compute_dtype=compute,
-            activation_checkpointing=s.activation_checkpointing,
-        )
+        cache[key] = count_flops(trained, unit_names, s.batch, s.seq, compute, s.activation_checkpointing)
     flops, order = cache[key]
-    if cp > 1:
-        # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
-        # (all-to-all style): 1 / cp of every matmul, whatever its kind.
-        flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
+    # Each cp rank runs the Linears on seq / cp tokens and attention on the whole sequence for heads / cp
+    # (all-to-all style): 1 / cp of every matmul, whatever its kind (x / 1 is x exactly).
+    flops = [UnitFlops(f.forward / cp, f.backward / cp, f.recompute / cp) for f in flops]
     comm = comm_of_settings(model, s, accumulation=accumulation, cache=cache)
     itemsize = (compute or next(model.parameters()).dtype).itemsize
     acts = activation_collectives(model, unit_names, s, itemsize, trained=trained)
@@ -212,7 +197,6 @@ def predict_step(
     fwd = [f.forward / rate for f in flops]
     bwd = [f.backward / rate for f in flops]
     compute_s = comm.micro_batches * (sum(fwd) + sum(bwd))
-    block = s.shard * cp * s.tp
     sizes = {**comm.group_sizes, "tp": s.tp, "cp": cp}
 
     def seconds(c: Collective) -> float:
@@ -222,21 +206,16 @@ def predict_step(
             return 0.0
         # The group's ranks on one node: the mesh is (replicate, shard, cp, tp), tp innermost, so "shard",
         # "shard/K" (a reshard-to-K gather), NO_SHARD's "shard" and "cp" ranks are tp apart.
-        if c.group == "replicate":
-            in_node = max(1, min(n, per_node // block))
-        else:
-            in_node = min(n, per_node) if c.group == "tp" else min(n, max(1, per_node // s.tp))
+        apart = {"replicate": s.shard * cp * s.tp, "tp": 1}.get(c.group, s.tp)
+        in_node = max(1, min(n, per_node // apart))
         # Within a node NVLink; across nodes (NCCL: a ring a NIC) the node's network, shared by the groups
         # that run at once on it (a 2-D mesh's tp groups, HSDP's replica groups of each local rank).
         bw = hw.nvlink_bytes_per_s
         if n > in_node:
             bw = min(bw, hw.network_bytes_per_s / max(1, per_node // in_node))
-        byte_s, lat, wire = 1.0 / bw, hw.latency_s * (n - 1), (n - 1) / n
-        if c.kind == "permute":  # the whole buffer to the next rank (the ring's rotation)
-            return c.nbytes * byte_s + lat
-        if c.kind == "all_reduce":  # ring: a reduce-scatter then an all-gather
-            return c.nbytes * 2 * wire * byte_s + 2 * lat
-        return c.nbytes * wire * byte_s + lat
+        passes = 2 if c.kind == "all_reduce" else 1  # ring: a reduce-scatter then an all-gather
+        wire = 1 if c.kind == "permute" else (n - 1) / n  # permute: the whole buffer to the next rank (ring rotation)
+        return c.nbytes * passes * wire * (1.0 / bw) + passes * hw.latency_s * (n - 1)
 
     # Activations' collectives lengthen their unit's compute; recompute repeats the forward ones but a block's
     # last all-reduce (why: docs/step_time.md, item 8).
@@ -266,28 +245,24 @@ def predict_step(
                 if not (c.count == m or (gather and micro == 0) or (not gather and micro == m - 1)):
                     continue
                 h2d, d2h = host[i]
-                if c.kind == "all_gather":
+                if gather:
                     (ag if c.phase == "forward" else ag_bwd)[i] += seconds(c) + h2d / hw.host_bytes_per_s
                 else:
                     after[i] += seconds(c) + (d2h / hw.host_bytes_per_s if c.kind == "reduce_scatter" else 0.0)
-        _, end = simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)
-        end_all += end
+        end_all += simulate(order, order[0], fwd, bwd, ag, ag_bwd, after, s.prefetch)[1]
     # The optimizer step reads and writes the sharded parameters, gradients and state once: HBM-bound.
     opt_bytes = 2 * (memory_plan.param_bytes + memory_plan.grad_bytes + memory_plan.optimizer_bytes)
     optimizer_s = opt_bytes / hw.hbm_bytes_per_s
-    host_step = (memory_plan.trainable_param_bytes, memory_plan.grad_bytes, memory_plan.optimizer_bytes, hw)
-    if s.optimizer_offload:
-        optimizer_s = offload_step_seconds(*host_step)
-    elif s.cpu_offload:  # the shards are on the host already (their copies are in the collectives above)
-        optimizer_s = host_adamw_seconds(*host_step)
-    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
     notes = []
-    if s.cpu_offload or s.optimizer_offload:
+    if s.optimizer_offload or s.cpu_offload:  # cpu_offload: the shards' copies are in the collectives above
+        host_step = (memory_plan.trainable_param_bytes, memory_plan.grad_bytes, memory_plan.optimizer_bytes, hw)
+        optimizer_s = offload_step_seconds(*host_step, transfers=s.optimizer_offload)
         notes.append(
             f"{'cpu_offload' if s.cpu_offload else 'optimizer offload: transfers not overlapped'}, host AdamW "
             f"step (make_optimizer's fused kernel) memory-bound at {hw.host_memory_bytes_per_s / 1e9:.0f} GB/s "
             "per GPU (assumed: a 2-socket host shared by 8 GPUs)"
         )
+    comm_s = sum(c.count * seconds(c) for u in comm.units for c in u.collectives) + m * act_s
     return StepTime(
         hardware=hw,
         nodes=nodes,

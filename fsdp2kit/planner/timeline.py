@@ -4,26 +4,12 @@ docs/internals.md, section fsdp2kit/planner/timeline.py)."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from fsdp2kit.planner.trace import Recording
 
-__all__ = ["FsdpTimeline", "Moment", "Replayed", "Unit", "replay"]
-
-
-class Moment(NamedTuple):
-    """FSDP2's bytes at one moment of the step, by part."""
-
-    gathered: int
-    buffers: int
-    grads_unsharded: int
-    grads_sharded: int
-    clone: int = 0  # gloo's copy of a reduce-scatter input, for the call
-
-    @property
-    def total(self) -> int:
-        return sum(self)
+__all__ = ["FsdpTimeline", "Replayed", "Unit", "replay"]
 
 
 @dataclass
@@ -42,7 +28,6 @@ class Unit:
     unsharded: bool = False
     pending_gather: int = 0  # flat all-gather output waiting for its copy-out (-1: requested, one rank)
     grads_live: int = 0
-    forward_done: bool = False
     backward_done: bool = False
 
 
@@ -50,6 +35,7 @@ class Unit:
 class FsdpTimeline:
     units: list[Unit]
     world: int  # ranks in the shard group (1: no all-gather buffers at all)
+    see: Callable[..., None]  # called at each moment FSDP2's hooks pass through (replay's ``check``)
     prefetch: int = 0  # explicit forward/backward prefetch depth (fk.set_prefetch); 0: FSDP2's implicit
     blocks: list[int] = field(default_factory=list)  # unit indices of the blocks, forward order
     clone_reduce_input: bool = False  # gloo: the reduce-scatter clones its input (docs/internals.md)
@@ -58,20 +44,9 @@ class FsdpTimeline:
     buffers: int = 0  # all-gather and reduce-scatter flat buffers alive
     grads_unsharded: int = 0
     grads_sharded: int = 0
-    max_gathered: int = 0
-    max_buffers: int = 0
     _ag_state: int = 0
     _rs_state: int = 0
-    forward_order: list[Unit] = field(default_factory=list)
-
-    def extra(self) -> Moment:
-        return Moment(self.gathered, self.buffers, self.grads_unsharded, self.grads_sharded)
-
-    def between_ops(self) -> Moment:
-        """`extra` while ops run: what FSDP2 holds outside its own hooks (the maxima reported are these)."""
-        self.max_gathered = max(self.max_gathered, self.gathered)
-        self.max_buffers = max(self.max_buffers, self.buffers)
-        return self.extra()
+    forward_order: list[int] = field(default_factory=list)  # unit indices, as their forwards end
 
     def _start_gather(self, u: Unit) -> None:
         if u.unsharded or u.pending_gather:
@@ -79,113 +54,102 @@ class FsdpTimeline:
         u.pending_gather = u.gathered if self.world > 1 else -1
         self.buffers += max(u.pending_gather, 0)
 
-    def _finish_gather(self, u: Unit, *, forward: bool, keep_flat: bool) -> list[Moment]:
+    def _finish_gather(self, u: Unit, *, forward: bool, keep_flat: bool) -> None:
         if u.unsharded:
-            return []
+            return
         if not u.pending_gather:
             self._start_gather(u)
         flat = max(u.pending_gather, 0)
         u.pending_gather = 0
-        moment = []
         if forward and self._ag_state:
             # The previous unit's kept flat buffer goes before this copy-out, after this unit's all-gather
             # filled its own (FSDPParamGroup.wait_for_unshard): both are alive while FSDP2's ops run.
-            moment.append(self.between_ops())
-            self.buffers -= self._ag_state
-            self._ag_state = 0
+            self.see(ops=True)
+            self.end_forward()
         self.gathered += u.gathered
         u.unsharded = True
-        moment.append(self.extra())
+        self.see()
         if keep_flat:
             self._ag_state = flat
         else:
             self.buffers -= flat
-        return moment
 
     def _reshard(self, u: Unit) -> None:
         if u.unsharded:
             self.gathered -= u.gathered
             u.unsharded = False
 
-    def pre_forward(self, index: int) -> list[Moment]:
+    def pre_forward(self, index: int) -> None:
         u = self.units[index]
-        if u.forward_done:
-            return []
+        if index in self.forward_order:
+            return
         # A unit gathered by an explicit prefetch does not keep its flat buffer (FSDPParamGroup.wait_for_unshard).
-        prefetched = u.pending_gather != 0
-        moments = self._finish_gather(u, forward=True, keep_flat=not prefetched and self.world > 1)
+        self._finish_gather(u, forward=True, keep_flat=not u.pending_gather and self.world > 1)
         if self.prefetch > 0 and index in self.blocks:
             at = self.blocks.index(index)
             for nxt in self.blocks[at + 1 : at + 1 + self.prefetch]:
                 self._start_gather(self.units[nxt])
-        return moments
 
     def post_forward(self, index: int) -> None:
-        u = self.units[index]
-        if u.forward_done:
-            return
-        u.forward_done = True
-        self.forward_order.append(u)
-        if u.reshard_after_forward:
-            self._reshard(u)
+        if index not in self.forward_order:
+            self.forward_order.append(index)
+            if self.units[index].reshard_after_forward:
+                self._reshard(self.units[index])
 
     def end_forward(self) -> None:
         """The root's post-forward frees the last flat all-gather output (FSDPState._post_forward)."""
         self.buffers -= self._ag_state
         self._ag_state = 0
 
-    def pre_backward(self, index: int) -> list[Moment]:
+    def pre_backward(self, index: int) -> None:
         u = self.units[index]
         if u.backward_done:
-            return []
-        moments = self._finish_gather(u, forward=False, keep_flat=False) if u.gather_in_backward else []
-        i = next((k for k, v in enumerate(self.forward_order) if v is u), None)
-        if i is not None:
-            for prev in self.forward_order[max(0, i - max(1, self.prefetch)) : i][::-1]:
+            return
+        if u.gather_in_backward:
+            self._finish_gather(u, forward=False, keep_flat=False)
+        if index in self.forward_order:
+            i = self.forward_order.index(index)
+            for prev in [self.units[k] for k in self.forward_order[max(0, i - max(1, self.prefetch)) : i][::-1]]:
                 if not prev.backward_done and prev.gather_in_backward:
                     self._start_gather(prev)
-        return moments
 
-    def grad(self, index: int, nbytes: int) -> list[Moment]:
+    def grad(self, index: int, nbytes: int) -> None:
         u = self.units[index]
         if not u.backward_done:  # a straggler after the reduce-scatter is reduced at the end: ignored
             u.grads_live += nbytes
             self.grads_unsharded += nbytes
-        return [self.extra()]
+        self.see()
 
-    def post_backward(self, index: int) -> list[Moment]:
-        """Reshard, reduce-scatter; returns its transient moments."""
+    def post_backward(self, index: int) -> None:
+        """Reshard, reduce-scatter."""
         u = self.units[index]
         if u.backward_done:
-            return []
+            return
         u.backward_done = True
         self._reshard(u)
         self.buffers -= self._rs_state
         self._rs_state = 0
         if not u.grads_live:
-            return []
+            return
         self.buffers += u.reduce_input
-        moments = [self.extra()]
+        self.see()
         self.grads_unsharded -= u.grads_live
         u.grads_live = 0
         self.buffers += u.reduce_output
-        moments.append(self.extra()._replace(clone=u.reduce_input if self.clone_reduce_input else 0))
+        self.see(clone=u.reduce_input if self.clone_reduce_input else 0)  # gloo's copy, for the call
         self.buffers -= u.reduce_output
         self.grads_sharded += u.sharded_grads  # a cast copy (reduce dtype != master) or the output itself
         self._rs_state = u.reduce_input
-        return moments
 
-    def end_backward(self) -> list[Moment]:
-        moments = []
+    def end_backward(self) -> None:
         for i in self.final_order or range(len(self.units)):
             u = self.units[i]
             if not u.backward_done and (u.unsharded or u.grads_live):
-                moments += self.post_backward(i)
+                self.post_backward(i)
         for u in self.units:
             self._reshard(u)
         self.buffers -= self._rs_state + self._ag_state
         self._rs_state = self._ag_state = 0
-        return moments
 
 
 @dataclass
@@ -245,52 +209,45 @@ def replay(
     units = [copy.copy(u) for u in units]
     index_of = {n: i for i, names in enumerate(unit_names) for n in names}
     blocks = [index_of[n] for n in block_names]
-    tl = FsdpTimeline(
-        units,
-        world=world,
-        prefetch=prefetch,
-        blocks=blocks,
-        clone_reduce_input=clone_reduce_input,
-        final_order=[index_of[n] for n in final_order or []],
-    )
     out = Replayed()
     middle_unit = index_of[rec.blocks[-2]] if rec.repeat else None
-    level, phase, alias = 0, "", None
+    level, phase, alias, backward, after_blocks = 0, "", None, False, 0
     held: dict[str, int] = {}
     entered: dict[str, int] = {}
     done: set[str] = set()
-    backward = False
-    after_blocks = 0
 
-    def check(moments: list[Moment], rise: int = 0) -> None:
-        for ex in moments:
-            total = level + rise + ex.total
-            if backward:
-                out.backward_peak = max(out.backward_peak, total)
-            else:
-                out.forward_peak = max(out.forward_peak, total)
-            if total > out.peak:
-                act = sum(v for k, v in held.items() if k not in done)
-                out.peak, out.phase = total, phase
-                out.parts = {
-                    "gathered": ex.gathered,
-                    "comm_buffers": ex.buffers,
-                    "unsharded_grads": ex.grads_unsharded,
-                    "grads": ex.grads_sharded,
-                    "activations": min(act, level + rise),
-                    "temporaries": level + rise - min(act, level + rise) + ex.clone,
-                }
+    def check(rise: int = 0, clone: int = 0, ops: bool = False) -> None:
+        """A moment: ``rise`` above the ops' level, ``clone`` bytes beside FSDP2's (a transient); ``ops``: while ops
+        run, outside FSDP2's own hooks (the maxima reported are those)."""
+        if ops:
+            out.max_gathered = max(out.max_gathered, tl.gathered)
+            out.max_buffers = max(out.max_buffers, tl.buffers)
+        total = level + rise + tl.gathered + tl.buffers + tl.grads_unsharded + tl.grads_sharded + clone
+        side = "backward_peak" if backward else "forward_peak"
+        setattr(out, side, max(getattr(out, side), total))
+        if total > out.peak:
+            act = min(sum(v for k, v in held.items() if k not in done), level + rise)
+            out.peak, out.phase = total, phase
+            out.parts = {
+                "gathered": tl.gathered,
+                "comm_buffers": tl.buffers,
+                "unsharded_grads": tl.grads_unsharded,
+                "grads": tl.grads_sharded,
+                "activations": act,
+                "temporaries": level + rise - act + clone,
+            }
 
+    final = [index_of[n] for n in final_order or []]
+    tl = FsdpTimeline(units, world, check, prefetch, blocks, clone_reduce_input, final)
     for e in _expand(rec, block_names):
         kind = e[0]
         if kind == "as":
             alias = e[1]
             continue
-        unit = e[1] if kind in ("pre_forward", "post_forward", "pre_backward", "post_backward", "grad") else None
-        if unit is not None and alias is not None and unit == middle_unit:
-            unit = index_of[alias]
+        if alias is not None and kind in ("pre_forward", "post_forward", "pre_backward", "post_backward", "grad"):
+            e = (kind, index_of[alias] if e[1] == middle_unit else e[1], *e[2:])
         if kind == "ops":
-            check([tl.between_ops()], rise=e[1])
+            check(rise=e[1], ops=True)
             level += e[2]
         elif kind == "phase":
             phase = e[1]
@@ -307,13 +264,12 @@ def replay(
             held["(loss)"] = out.logits_and_loss
             backward = True
         else:  # one of FSDP2's hooks, a `FsdpTimeline` method of the same name
-            if kind == "pre_backward" and unit in blocks:
+            if kind == "pre_backward" and e[1] in blocks:
                 done.add("(loss)")
             elif kind == "post_backward":
-                done.update(unit_names[unit])
-            check(getattr(tl, kind)(*([] if unit is None else [unit, *e[2:]])) or [])
+                done.update(unit_names[e[1]])
+            getattr(tl, kind)(*e[1:])
             if kind == "end_backward" and final_transient:
-                check([tl.extra()._replace(clone=final_transient)])
+                check(clone=final_transient)
     out.grads_sharded = tl.grads_sharded
-    out.max_gathered, out.max_buffers = tl.max_gathered, tl.max_buffers
     return out

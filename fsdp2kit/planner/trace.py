@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from fsdp2kit.parallel.context_parallel import check_heads
 from fsdp2kit.planner.live import LiveBytes
 from fsdp2kit.weights.nf4 import is_nf4, meta_nf4
 
-__all__ = ["Recording", "block_names", "meta_copy", "record_step", "step_model", "unit_modules"]
+__all__ = ["Recording", "block_names", "meta_copy", "record_step", "run_step", "step_model", "unit_modules"]
 
 # Blocks that run as themselves before the one that stands for the middle ones: the first two hold a little
 # more than the rest (the embedding's and first block's outputs are still referenced), measured on Llama.
@@ -76,88 +75,49 @@ def meta_copy(
     memo: dict[int, object] = {}
     # Parameters and buffers go into the memo first, so deepcopy never copies real storage.
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in memo:
-            continue
-        if is_traceable_wrapper_subclass(t) and t.device.type == "meta":
-            memo[id(t)] = t
-            continue
-        if is_nf4(t):  # a real NF4 weight (QLoRA from a fresh init): its meta placeholder, same inner tensors
+        if id(t) in memo or (is_traceable_wrapper_subclass(t) and t.device.type == "meta"):
+            memo.setdefault(id(t), t)  # a meta wrapper subclass (meta NF4) stays as it is
+        elif is_nf4(t):  # a real NF4 weight (QLoRA from a fresh init): its meta placeholder, same inner tensors
             nf4 = meta_nf4(t.shape, t.dtype, t.block_size, t.scaler_block_size)
             memo[id(t)] = nn.Parameter(nf4, requires_grad=False)
-            continue
-        cast = dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) and id(t) not in own_dtype
-        dt = dtype if cast else t.dtype
-        new = torch.empty((shapes or {}).get(id(t), t.shape), dtype=dt, device="meta")
-        memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+        else:
+            own = dtype is None or not t.is_floating_point() or not isinstance(t, nn.Parameter) or id(t) in own_dtype
+            new = torch.empty((shapes or {}).get(id(t), t.shape), dtype=t.dtype if own else dtype, device="meta")
+            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     if keep is not None:
         first = find_blocks(model)[0]
-        keep_ids = {id(b) for b in keep}
         for parent in model.modules():
             if isinstance(parent, nn.ModuleList) and any(c is first for c in parent):
-                memo[id(parent)] = nn.ModuleList([copy.deepcopy(c, memo) for c in parent if id(c) in keep_ids])
+                memo[id(parent)] = nn.ModuleList([copy.deepcopy(c, memo) for c in parent if any(c is k for k in keep)])
     return copy.deepcopy(model, memo)
 
 
-def _exchange(x: torch.Tensor) -> torch.Tensor:
-    """One ``all_to_all_single``'s buffers on a rank: a contiguous send buffer, then the receive buffer."""
-    send = x.contiguous()
-    return torch.empty_like(send)
+def _all_to_all(x: torch.Tensor, cp: int, split: int, cat: int) -> torch.Tensor:
+    """``x`` through one ``all_to_all_single`` on a rank: dim ``split`` cut into ``cp`` blocks, a contiguous send
+    buffer, the receive buffer, the received blocks put in order along dim ``cat`` (a copy)."""
+    send = x.unflatten(split, (cp, -1)).movedim(split, 0).contiguous()
+    recv = torch.empty_like(send)
+    del send
+    return recv.movedim(0, cat).flatten(cat, cat + 1)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` with the copies `fsdp2kit.apply_context_parallel`'s
-    all-to-all style makes (the exchange, then the reorder back to token order). Saves nothing."""
-
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        b, h, s, d = x.shape
-        recv = _exchange(x.reshape(b, cp, h // cp, s, d).transpose(0, 1))  # (peer, b, h/cp, s/cp, d)
-        whole = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
-        del recv
-        return whole.clone()  # the reorder's index_select
+class _AllToAll(torch.autograd.Function):
+    """``(b, heads, seq/cp, d)`` -> ``(b, heads/cp, seq, d)`` (``to_heads``) or the output back as ``(b, seq/cp, heads,
+    d)``, with the copies `fsdp2kit.apply_context_parallel`'s all-to-all style makes; saves nothing."""
 
     @staticmethod
-    def backward(ctx, grad):
-        cp = ctx.cp
-        b, h, n, d = grad.shape
-        grad = grad.clone()  # index_select's backward
-        recv = _exchange(grad.reshape(b, h, cp, n // cp, d).permute(2, 0, 1, 3, 4))
-        return recv.transpose(0, 1).reshape(b, h * cp, n // cp, d), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """The attention output back: ``(b, heads/cp, seq, d)`` -> ``(b, heads, seq/cp, d)``, laid out as
-    ``(b, seq/cp, heads, d)``. Saves nothing."""
-
-    @staticmethod
-    def forward(ctx, out, cp):
-        ctx.cp = cp
-        b, h, n, d = out.shape
-        ordered = out.transpose(1, 2).contiguous().clone()  # transformers' layout, then the reorder
-        recv = _exchange(ordered.reshape(b, cp, n // cp, h, d).transpose(0, 1))  # (peer, b, seq/cp, h, d)
-        return recv.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * h, d).transpose(1, 2)
+    def forward(ctx, x, cp, to_heads):
+        ctx.cp, ctx.to_heads = cp, to_heads
+        if to_heads:
+            return _all_to_all(x, cp, 1, 2).clone()  # the reorder's index_select
+        ordered = x.transpose(1, 2).contiguous().clone()  # transformers' layout, then the reorder
+        return _all_to_all(ordered, cp, 1, 2).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad):
-        cp = ctx.cp
-        b, hh, s, d = grad.shape
-        g = grad.transpose(1, 2).reshape(b, s, cp, hh // cp, d).permute(2, 0, 1, 3, 4)
-        recv = _exchange(g)  # (peer, b, seq/cp, h/cp, d)
-        whole = recv.transpose(0, 1).reshape(b, cp * s, hh // cp, d)
-        del recv
-        return whole.clone().transpose(1, 2), None  # index_select's backward
-
-
-def _ulysses(flash, q, k, v, cp: int) -> torch.Tensor:
-    """Attention as the all-to-all style runs it on a rank: q, then k and v stacked (one exchange), to
-    ``heads/cp`` heads over the whole sequence; the output back to this rank's tokens."""
-    check_heads(cp, q.shape[1], k.shape[1])
-    b, kv_heads, s, d = k.shape
-    q = _SeqToHeads.apply(q, cp)
-    kv = _SeqToHeads.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp)
-    kv = kv.unflatten(1, (kv_heads // cp, 2))
-    return _HeadsToSeq.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp)
+        if ctx.to_heads:  # index_select's backward first
+            return _all_to_all(grad.clone(), ctx.cp, 2, 1), None, None
+        return _all_to_all(grad.transpose(1, 2), ctx.cp, 2, 1).clone().transpose(1, 2), None, None
 
 
 def _half_added(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -228,50 +188,38 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), home[: k.numel()].view(k.shape), home[k.numel() :].view(v.shape), None
 
 
-def _fused_sdpa(
-    sdpa,
-    q,
-    k,
-    v,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    *,
-    cp: int = 1,
-    style: str = "all_to_all",
-):
-    if q.device.type != "meta":
-        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-
-    def flash(q, k, v):
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-        )
-        return out
-
-    if cp > 1 and style == "ring":
-        groups = q.shape[1] // k.shape[1]  # GQA: k and v repeated to the query heads first, as the ring style does
-        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
-        return _RingAttention.apply(q, k, v, cp)
-    if cp > 1:
-        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every
-        # head (docs/memory_planner.md, "Context parallelism").
-        return _ulysses(flash, q, k, v, cp)
-    return flash(q, k, v)
-
-
-def _grouped_on_meta(can_grouped, input, weight, offs) -> bool:
-    if weight.device.type == "meta" and weight.dtype != torch.bfloat16:
-        return False
-    return can_grouped(input, weight, offs)
-
-
 @contextlib.contextmanager
 def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
     """What must differ between a shapes-only step and a real one (docs/memory_planner.md, "How" and "MoE"),
     diverted for this thread only: not a TorchFunctionMode, none is active while backward recomputes a block."""
+
+    def sdpa(original, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta":
+            return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+        def flash(q, k, v):
+            kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return kernel(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+        if cp > 1 and style == "ring":
+            groups = q.shape[1] // k.shape[1]  # GQA: k and v repeated to the query heads first, as the ring does
+            k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
+            return _RingAttention.apply(q, k, v, cp)
+        if cp == 1:
+            return flash(q, k, v)
+        # Context parallelism, all-to-all (Ulysses) style: this rank holds seq/cp tokens of every head; q, then k and
+        # v stacked (one exchange) go to heads/cp heads over the whole sequence, the output back to this rank's
+        # tokens (docs/memory_planner.md, "Context parallelism").
+        check_heads(cp, q.shape[1], k.shape[1])
+        b, kv_heads, s, d = k.shape
+        q = _AllToAll.apply(q, cp, True)
+        kv = _AllToAll.apply(torch.stack([k, v], dim=2).reshape(b, 2 * kv_heads, s, d), cp, True)
+        kv = kv.unflatten(1, (kv_heads // cp, 2))
+        return _AllToAll.apply(flash(q, kv[:, :, 0], kv[:, :, 1]), cp, False)
+
+    def grouped_on_meta(can_grouped, input, weight, offs) -> bool:
+        return (weight.device.type != "meta" or weight.dtype == torch.bfloat16) and can_grouped(input, weight, offs)
+
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
         for name, answer in (("is_tracing", False), ("find_packed_sequence_indices", None)):
@@ -279,8 +227,7 @@ def _as_a_real_step(cp: int = 1, style: str = "all_to_all"):
                 stack.enter_context(divert(masking, name, lambda original, *a, answer=answer, **k: answer))
         moe = sys.modules.get("transformers.integrations.moe")
         if hasattr(moe, "_can_use_grouped_mm"):
-            stack.enter_context(divert(moe, "_can_use_grouped_mm", _grouped_on_meta))
-        sdpa = functools.partial(_fused_sdpa, cp=cp, style=style)
+            stack.enter_context(divert(moe, "_can_use_grouped_mm", grouped_on_meta))
         stack.enter_context(divert(F, "scaled_dot_product_attention", sdpa))
         yield
 
@@ -306,18 +253,12 @@ def step_model(
     blocks = find_blocks(model)
     keep, repeat = None, 0
     every_n = isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool)
-    if (
-        lead is not None
-        and not every_n
-        and len(blocks) > lead + 3
-        and len({_signature(b) for b in blocks[lead:-1]}) == 1
-    ):
+    if lead is not None and not every_n and len(blocks) > lead + 3 and len(set(map(_signature, blocks[lead:-1]))) == 1:
         keep, repeat = [*blocks[: lead + 1], blocks[-1]], len(blocks) - lead - 2
     clone = meta_copy(model, compute_dtype, keep, own_dtype=own_dtype)
     clone.train()
-    config = getattr(clone, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
+    if hasattr(getattr(clone, "config", None), "use_cache"):
+        clone.config.use_cache = False
     if callable(activation_checkpointing):
         activation_checkpointing(clone)
     elif activation_checkpointing is not None:
@@ -332,6 +273,39 @@ def step_model(
 def unit_modules(unit_names: list[list[str]], modules: dict[str, nn.Module]) -> list[tuple[int, str, nn.Module]]:
     """``(unit index, name, module)`` for every module of ``unit_names`` that the step copy has."""
     return [(i, n, modules[n]) for i, names in enumerate(unit_names) for n in names if n in modules]
+
+
+def run_step(clone, batch: int, seq: int, mark, hooks, on_grad=None, *, cp=1, cp_style="all_to_all", mode=None) -> None:
+    """A forward of meta ``clone`` on ``batch`` x ``seq`` ids, the recipe's loss (fp32 logits) and backward in ``mode``,
+    with ``hooks`` (module, pre-hook, hook; kwargs) and ``on_grad`` for the step; ``mark(phase)`` as phases begin."""
+    handles = [m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True) for m, pre, _ in hooks]
+    handles += [m.register_forward_hook(post, with_kwargs=True) for m, _, post in hooks]
+    if on_grad is not None:
+        handles += [p.register_post_accumulate_grad_hook(on_grad) for p in clone.parameters() if p.requires_grad]
+    try:
+        with _as_a_real_step(cp, cp_style), mode or contextlib.nullcontext():
+            # The batch is counted too: a real loop holds it for the whole step.
+            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+            labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
+            if cp > 1:
+                # The loop read the whole sequences and keeps them while the model runs on this rank's
+                # part, which needs its positions (fsdp2kit.split_for_context_parallel).
+                whole = torch.zeros(batch, seq * cp, dtype=torch.long, device="meta")  # noqa: F841
+                positions = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+                out = clone(ids, position_ids=positions)
+            else:
+                out = clone(ids)
+            logits = out.logits if hasattr(out, "logits") else out
+            del out
+            mark("forward loss")
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels)
+            del logits
+            mark("backward loss")
+            loss.backward()
+            mark("backward (end)")
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def record_step(
@@ -349,88 +323,60 @@ def record_step(
 ) -> Recording:
     """One forward + backward of a meta copy of ``model``, its memory events naming units by index in ``unit_names``;
     ``seq``: a rank's tokens (with ``cp > 1``, its share, attention as ``cp_style`` runs it)."""
-    clone, modules, kept_names, repeat = step_model(
-        model, compute_dtype, activation_checkpointing, _LEAD if truncate else None, own_dtype
-    )
+    lead = _LEAD if truncate else None
+    clone, modules, kept_names, repeat = step_model(model, compute_dtype, activation_checkpointing, lead, own_dtype)
 
     rec = Recording(blocks=kept_names, repeat=repeat)
-    events = rec.events
-    run = {"level": 0, "high": 0, "open": False}
-
-    def on_op(now: int) -> None:
-        run["high"] = max(run["high"], now)
-        run["open"] = True
-
-    live = LiveBytes(on_op=on_op, incremental=True)
-
-    def flush() -> None:
-        if run["open"]:
-            events.append(("ops", run["high"] - run["level"], live.live - run["level"]))
-            run["level"] = run["high"] = live.live
-            run["open"] = False
+    run = {"level": 0, "high": 0, "open": False, "backward": False}
+    live = LiveBytes(on_op=lambda now: run.update(high=max(run["high"], now), open=True), incremental=True)
 
     def emit(*event) -> None:
-        flush()
-        events.append(event)
+        if run["open"]:  # the ops since the last event
+            rec.events.append(("ops", run["high"] - run["level"], live.live - run["level"]))
+            run.update(level=live.live, high=live.live, open=False)
+        rec.events.append(event)
 
-    state = {"backward": False}
-    calls: dict[int, int] = {}
+    calls: Counter[int] = Counter()
     unit_size = Counter(i for i, _, _ in unit_modules(unit_names, modules))
 
     def make_hooks(name: str, index: int):
+        label = name or "(root)"
+
+        def backward_hook(kind: str) -> None:
+            emit("phase", f"backward {label}")
+            emit(kind, index)
+
         def pre(mod, args, kwargs):
-            if state["backward"]:
+            if run["backward"]:
                 return None  # a checkpointed block recomputing: FSDP2 has it unsharded already
-            emit("phase", f"forward {name or '(root)'}")
-            n = calls.get(index, 0)
-            calls[index] = n + 1
-            if n == 0:
+            emit("phase", f"forward {label}")
+            calls[index] += 1
+            if calls[index] == 1:
                 emit("pre_forward", index)
             emit("enter", name)
             # FSDP2 runs a unit's pre-forward once, at its first module: only those inputs get the
             # post-backward hook (a tied head's unit, first called at the embedding, whose input
             # needs no gradient, reduces its gradients at the end of backward).
             grad_inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-            if n > 0 or not grad_inputs:
+            if calls[index] > 1 or not grad_inputs:
                 return None
-
-            def post_backward() -> None:
-                emit("phase", f"backward {name or '(root)'}")
-                emit("post_backward", index)
-
-            args = list(args)
-            wrapped = _PostBackward.apply(post_backward, *[args[i] for i in grad_inputs])
-            for i, w in zip(grad_inputs, wrapped):
-                args[i] = w
-            return tuple(args), kwargs
+            hooked = _PostBackward.apply(lambda: backward_hook("post_backward"), *[args[i] for i in grad_inputs])
+            wrapped = dict(zip(grad_inputs, hooked))
+            return tuple(wrapped.get(i, a) for i, a in enumerate(args)), kwargs
 
         def post(mod, args, kwargs, output):
-            if state["backward"]:
-                return None
-            emit("exit", name)
-            if calls[index] == unit_size[index]:
-                emit("post_forward", index)
-            if mod is clone:
-                emit("end_forward")
-
-            def pre_backward(grad):
-                emit("phase", f"backward {name or '(root)'}")
-                emit("pre_backward", index)
-                return grad
-
-            on_output_grad(output, pre_backward)
-            return None
+            if not run["backward"]:
+                emit("exit", name)
+                if calls[index] == unit_size[index]:
+                    emit("post_forward", index)
+                if mod is clone:
+                    emit("end_forward")
+                on_output_grad(output, lambda grad: backward_hook("pre_backward"))
 
         return pre, post
 
-    handles = []
-    param_unit: dict[int, int] = {}
-    for i, n, module in unit_modules(unit_names, modules):
-        pre, post = make_hooks(n, i)
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
-        for p in module.parameters():
-            param_unit.setdefault(id(p), i)
+    # a parameter's unit: the first that holds it
+    param_unit = {id(p): i for i, _, module in reversed(unit_modules(unit_names, modules)) for p in module.parameters()}
 
     def on_grad(p: torch.Tensor) -> None:
         # FSDP2 holds the unsharded gradient until the unit's post-backward: the timeline counts
@@ -439,40 +385,20 @@ def record_step(
             emit("grad", param_unit[id(p)], p.grad.untyped_storage().nbytes())
         p.grad = None
 
-    for p in clone.parameters():
-        if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(on_grad))
-
     # Parameters are the timeline's to count (sharded, gathered); buffers count from the start.
     live.ignore(clone.parameters())
     live.track(clone.buffers())
-    events.append(("ops", live.live, live.live))
+    rec.events.append(("ops", live.live, live.live))
     run["level"] = run["high"] = live.live
-    try:
-        with _as_a_real_step(cp, cp_style), live:
-            # The batch is counted too: a real loop holds it for the whole step.
-            ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-            labels = torch.zeros(batch * seq, dtype=torch.long, device="meta")
-            if cp > 1:
-                # The loop read the whole sequences and keeps them while the model runs on this rank's
-                # part, which needs its positions (fsdp2kit.split_for_context_parallel).
-                whole = torch.zeros(batch, seq * cp, dtype=torch.long, device="meta")  # noqa: F841
-                positions = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-                out = clone(ids, position_ids=positions)
-            else:
-                out = clone(ids)
-            logits = out.logits if hasattr(out, "logits") else out
-            del out
-            emit("phase", "forward loss")
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels)
-            del logits
+
+    def mark(phase: str) -> None:
+        if phase == "backward loss":
             emit("loss_done")
-            state["backward"] = True
-            emit("phase", "backward loss")
-            loss.backward()
-            emit("phase", "backward (end)")
+            run["backward"] = True
+        emit("phase", phase)
+        if phase == "backward (end)":
             emit("end_backward")
-    finally:
-        for h in handles:
-            h.remove()
+
+    hooks = [(module, *make_hooks(n, i)) for i, n, module in unit_modules(unit_names, modules)]
+    run_step(clone, batch, seq, mark, hooks, on_grad, cp=cp, cp_style=cp_style, mode=live)
     return rec
