@@ -1,7 +1,5 @@
-"""Consolidated state dicts (one ``torch.save`` file or safetensors files) read into each rank's shards.
-
-How it works and why: docs/internals.md, section fsdp2kit/migrate/full_state.py.
-"""
+"""Consolidated state dicts (one ``torch.save`` file or safetensors files) read into each rank's shards
+(how and why: docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -75,12 +73,11 @@ def full_state_files(path: Path) -> list[Path]:
     )
 
 
-class _TorchFiles:
+class _TorchFiles(dict):
     """The tensors of ``torch.save``'d state dicts, memory-mapped, behind SafetensorsReader's methods."""
 
     def __init__(self, files: list[Path]):
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.files: dict[str, Path] = {}
+        super().__init__()
         for f in files:
             data = torch_load_safely(f)
             if isinstance(data, dict) and not any(isinstance(v, torch.Tensor) for v in data.values()):
@@ -90,31 +87,21 @@ class _TorchFiles:
             if not isinstance(data, dict):
                 raise ValueError(f"{f} holds a {type(data).__name__}, not a state dict")
             for k, v in data.items():
-                if isinstance(v, torch.Tensor):
-                    self.tensors[k], self.files[k] = v, f
-                else:
+                if not isinstance(v, torch.Tensor):
                     raise ValueError(
                         f"{f}: {k!r} is a {type(v).__name__}, not a tensor; is this an optimizer or training-state "
                         "file rather than model weights?"
                     )
+                self[k] = v
+        self.files = self  # SafetensorsReader's key -> file map: only its keys are read here
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.tensors[key].shape)
+        return tuple(self[key].shape)
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self.tensors[key][index]
+        return self[key][index]
 
-    def close(self) -> None:
-        self.tensors.clear()
-
-
-def _reader(files: list[Path]) -> SafetensorsReader | _TorchFiles:
-    """A reader of the files' tensors; its ``files`` maps each key to its file."""
-    if all(f.suffix == ".safetensors" for f in files):
-        return SafetensorsReader.of(files)
-    if any(f.suffix == ".safetensors" for f in files):
-        raise ValueError(f"mixed safetensors and torch files: {fmt_list([str(f) for f in files])}")
-    return _TorchFiles(files)
+    close = dict.clear
 
 
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:
@@ -130,7 +117,12 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportRes
     path = Path(path)
     with all_ranks_or_none(model, "load_full_state_dict"):
         files = full_state_files(path)
-        reader = _reader(files)
+        if all(f.suffix == ".safetensors" for f in files):
+            reader = SafetensorsReader.of(files)
+        elif any(f.suffix == ".safetensors" for f in files):
+            raise ValueError(f"mixed safetensors and torch files: {fmt_list([str(f) for f in files])}")
+        else:
+            reader = _TorchFiles(files)
         by_name = {clean_fqn(k): k for k in reader.files}
         tensors, aliases = model_tensors(model)
         groups: dict[str, list[str]] = {}
