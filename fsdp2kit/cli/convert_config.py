@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fsdp2kit.migrate import convert_config
+
 
 def add_convert_config(subparsers) -> None:
     p = subparsers.add_parser(
@@ -26,8 +28,6 @@ def add_convert_config(subparsers) -> None:
 
 
 def run_convert_config(args) -> int:
-    from fsdp2kit.migrate import convert_config
-
     conv = convert_config(args.file, source=args.source)
     config_name = args.output or f"{Path(args.file).stem}.toml"
     if conv.refused and not args.allow_refused:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import torch
+
+from fsdp2kit.checkpoint import resolve_step_dir
+from fsdp2kit.weights.export import dcp_to_hf, has_tokenizer
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -51,11 +57,6 @@ def add_export_hf(subparsers) -> None:
 
 
 def run_export_hf(args) -> int:
-    import torch
-
-    from fsdp2kit.checkpoint import resolve_step_dir
-    from fsdp2kit.weights.export import dcp_to_hf, has_tokenizer
-
     source = resolve_step_dir(args.ckpt_dir, args.step)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype in _DTYPES else None
     if args.dtype == "auto" and not (args.base and not args.merge):  # an adapter directory is written as trained
@@ -80,10 +81,6 @@ def run_export_hf(args) -> int:
 
 def _stored_dtype(where):
     """The floating dtype named by the config.json at ``where`` (a file or its directory), or None."""
-    import json
-
-    import torch
-
     file = where / "config.json" if where.is_dir() else where
     saved = json.loads(file.read_text()) if file.is_file() else {}
     named = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype")), None)

@@ -6,16 +6,15 @@ import json
 import math
 from pathlib import Path
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from fsdp2kit._internal.fmt import fmt_bytes
+from fsdp2kit.checkpoint import incomplete_dirs, list_steps, read_metadata, resolve_step, step_dir
+from fsdp2kit.weights.adapter_checkpoint import read_info
 
 
 def describe_step(path: Path) -> dict:
     """What a step directory holds, from DCP metadata alone: no process group, no tensor read."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fsdp2kit.checkpoint import read_metadata
-    from fsdp2kit.weights.adapter_checkpoint import read_info
-
     metadata = read_metadata(path)
     stored: dict[str, int] = {}
     if isinstance(metadata.storage_data, dict):
@@ -46,8 +45,6 @@ def inspect(ckpt_dir: str | Path, step: int | None = None) -> dict:
 
     ``ckpt_dir`` may also be a single step directory (one holding ``.metadata``).
     """
-    from fsdp2kit.checkpoint import incomplete_dirs, list_steps, resolve_step, step_dir
-
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
