@@ -1,9 +1,5 @@
-"""Accelerate's `accelerate config` YAML -> recipe settings, key by key (FSDP1 and FSDP2 configs).
-
-The keys and values are those `accelerate config` writes and `accelerate launch` reads
-(accelerate/commands/config/cluster.py and utils/dataclasses.py); a ``deepspeed_config`` block goes
-to the DeepSpeed rules (deepspeed.py). The tables: docs/migrating.md.
-"""
+"""Accelerate's `accelerate config` YAML (FSDP1 and FSDP2) -> recipe settings, key by key, as `accelerate launch`
+reads them (accelerate/commands/config/cluster.py, utils/dataclasses.py). The tables: docs/migrating.md."""
 
 from __future__ import annotations
 

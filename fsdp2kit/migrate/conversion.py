@@ -36,6 +36,7 @@ RECIPE_KEYS: dict[str, tuple[str, ...]] = {
 
 MAPPED, LAUNCH, NOT_NEEDED, REFUSED = "mapped", "launch", "not needed", "refused"
 NO_GAIN = "nothing to convert (off / empty)"
+SECTIONS = {LAUNCH: "Launch options", NOT_NEEDED: "Not needed under FSDP2", REFUSED: "REFUSED"}  # of the TOML's header
 
 
 def truthy(value: Any) -> bool:
@@ -169,11 +170,7 @@ class Conversion:
             "# Launch:",
             f"#   {self.command(config_path)}",
         ]
-        for verdict, title in (
-            (LAUNCH, "Launch options"),
-            (NOT_NEEDED, "Not needed under FSDP2"),
-            (REFUSED, "REFUSED"),
-        ):
+        for verdict, title in SECTIONS.items():
             chosen = [e for e in self.entries if e.verdict == verdict]
             lines += ["#", f"# {title}:"] if chosen else []
             for e in chosen:
