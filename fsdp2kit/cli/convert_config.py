@@ -19,8 +19,8 @@ def add_convert_config(subparsers) -> None:
         "is printed on stderr. docs/migrating.md has the tables.",
     )
     p.add_argument("file", help="an `accelerate config` YAML (or JSON), or a DeepSpeed config JSON")
-    p.add_argument("--source", choices=["accelerate", "deepspeed"], default=None, help="default: .json is DeepSpeed")
-    p.add_argument("-o", "--output", default=None, help="write the TOML here instead of stdout")
+    p.add_argument("--source", choices=["accelerate", "deepspeed"], help="default: .json is DeepSpeed")
+    p.add_argument("-o", "--output", help="write the TOML here instead of stdout")
     p.add_argument(
         "--allow-refused", action="store_true", help="write the TOML anyway, refused keys listed in its header"
     )

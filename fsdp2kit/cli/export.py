@@ -26,19 +26,17 @@ def add_export_hf(subparsers) -> None:
     )
     p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
     p.add_argument("out_dir", help="where to write model*.safetensors and config.json")
-    p.add_argument("--step", type=int, default=None, help="the step to export (default: the newest complete one)")
+    p.add_argument("--step", type=int, help="the step to export (default: the newest complete one)")
     p.add_argument(
         "--dtype",
         choices=[*sorted(_DTYPES), "auto"],
-        default=None,
         help="cast on export; auto: the dtype the config says the pretrained model was stored in (a bf16 model "
         "trained with fp32 masters is written in bf16 again), as saved without one (default: as saved)",
     )
-    p.add_argument("--config", default=None, help="a Hugging Face config directory, when the step has no config.json")
+    p.add_argument("--config", help="a Hugging Face config directory, when the step has no config.json")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     p.add_argument(
         "--base",
-        default=None,
         help="a LoRA/QLoRA checkpoint holds only the adapters: the pretrained model directory the run started from",
     )
     p.add_argument(
@@ -48,7 +46,6 @@ def add_export_hf(subparsers) -> None:
     )
     p.add_argument(
         "--tokenizer",
-        default=None,
         metavar="DIR",
         help="the tokenizer directory to write beside the weights (default: the one in --base, --config or the step)",
     )

@@ -106,7 +106,7 @@ def add_inspect(subparsers) -> None:
         "step or --step, every key with its shape, dtype and size. Reads DCP metadata only.",
     )
     p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
-    p.add_argument("--step", type=int, default=None, help="the step to describe (default: the newest complete one)")
+    p.add_argument("--step", type=int, help="the step to describe (default: the newest complete one)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run_inspect)
 
