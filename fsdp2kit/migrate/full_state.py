@@ -78,6 +78,7 @@ class _TorchFiles(dict):
 
     def __init__(self, files: list[Path]):
         super().__init__()
+        self.files: dict[str, Path] = {}  # key -> file, as SafetensorsReader's
         for f in files:
             data = torch_load_safely(f)
             if isinstance(data, dict) and not any(isinstance(v, torch.Tensor) for v in data.values()):
@@ -92,8 +93,7 @@ class _TorchFiles(dict):
                         f"{f}: {k!r} is a {type(v).__name__}, not a tensor; is this an optimizer or training-state "
                         "file rather than model weights?"
                     )
-                self[k] = v
-        self.files = self  # SafetensorsReader's key -> file map: only its keys are read here
+                self[k], self.files[k] = v, f
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self[key].shape)
