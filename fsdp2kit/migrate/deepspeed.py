@@ -7,6 +7,7 @@ value of ``"auto"`` (filled in by the HF Trainer) leaves the recipe's default. T
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -115,18 +116,6 @@ def convert_accelerate_deepspeed(conv: Conversion, cfg: dict, yaml_path: str) ->
     apply_rules(conv, first | cfg, {"deepspeed_config_file": config_file, **ACCELERATE_DS}, "deepspeed_config.")
 
 
-def _train_batch_size(conv: Conversion, src: str, value: Any, micro: Any, accum: Any) -> None:
-    if _is_auto(value):
-        conv.not_needed(src, value, AUTO)
-    elif isinstance(micro, int) and isinstance(accum, int) and micro * accum and value % (micro * accum) == 0:
-        ranks = value // (micro * accum)
-        conv.nproc_per_node = conv.nproc_per_node or ranks
-        why = "one node assumed; train_batch_size = micro batch x grad_accum x ranks, which the recipe derives"
-        conv.launch(src, value, f"{ranks} ranks in all", why)
-    else:
-        conv.not_needed(src, value, "derived: data.batch_size x train.grad_accum x the world size")
-
-
 def _block(convert: Any) -> Rule:
     """A rule for a nested block: ``convert(conv, dict, prefix)`` on its keys."""
     return lambda conv, src, value: convert(conv, dict(value or {}), src + ".")
@@ -134,12 +123,20 @@ def _block(convert: Any) -> Rule:
 
 def _convert(conv: Conversion, data: dict, p: str) -> None:
     micro, accum = data.get("train_micro_batch_size_per_gpu"), data.get("gradient_accumulation_steps")
-    rules = {"train_batch_size": lambda conv, src, value: _train_batch_size(conv, src, value, micro, accum)}
-    apply_rules(conv, data, rules | TOP, p)
+
+    def train_batch_size(conv: Conversion, src: str, value: Any) -> None:
+        if isinstance(micro, int) and isinstance(accum, int) and micro * accum and value % (micro * accum) == 0:
+            ranks = value // (micro * accum)
+            conv.nproc_per_node = conv.nproc_per_node or ranks
+            why = "one node assumed; train_batch_size = micro batch x grad_accum x ranks, which the recipe derives"
+            conv.launch(src, value, f"{ranks} ranks in all", why)
+        else:
+            conv.not_needed(src, value, "derived: data.batch_size x train.grad_accum x the world size")
+
+    apply_rules(conv, data, {"train_batch_size": _unless_auto(train_batch_size), **TOP}, p)
 
 
-def _precision(conv: Conversion, src: str, value: Any) -> None:
-    key = src.rsplit(":", 1)[-1]  # bf16, fp16 or amp, after a file's "name:" prefix
+def _precision(key: str, conv: Conversion, src: str, value: Any) -> None:
     cfg = dict(value) if isinstance(value, dict) else {"enabled": value}
     enabled = cfg.pop("enabled", False)
     if key == "amp":
@@ -291,7 +288,7 @@ TOP: dict[str, Rule] = {
     "zero_optimization": _block(_zero),
     "optimizer": _block(_optimizer),
     "scheduler": _block(_scheduler),
-    **dict.fromkeys(("bf16", "fp16", "amp"), _precision),
+    **{key: partial(_precision, key) for key in ("bf16", "fp16", "amp")},
     "steps_per_print": mapped("log", "every", int),
     **dict.fromkeys(
         ("wall_clock_breakdown", "memory_breakdown", "dump_state"),
