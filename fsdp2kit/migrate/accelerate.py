@@ -256,14 +256,6 @@ def _parallelism(conv: Conversion, cfg: dict, prefix: str = "parallelism_config.
 STRATEGY_NAMES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
 
-def strategy_name(value: Any) -> str | None:
-    """FSDP1's strategy as accelerate accepts it: a name (any case) or the enum number 1-5."""
-    text = "" if isinstance(value, bool) else str(value).strip().upper()
-    if text.isdigit():
-        return STRATEGY_NAMES[int(text) - 1] if 1 <= int(text) <= len(STRATEGY_NAMES) else None
-    return text if text in STRATEGY_NAMES else None
-
-
 # Names accelerate has read for a key, besides its own (accelerate <= 0.33 read the first as the
 # second, with a FutureWarning; removed in 0.34, huggingface/accelerate#3098, though its FSDP guide
 # still shows it). Keys without the "fsdp" prefix are covered by `canonical_keys`.
@@ -342,9 +334,10 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
     def strategy(conv: Conversion, src: str, value: Any) -> None:
         if isinstance(value, bool) or (version == 2 and str(value).lower() in ("true", "false")):
             name = "FULL_SHARD" if truthy(value) else "SHARD_GRAD_OP"
-        else:
-            name = strategy_name(value)
-        if name is None:
+        else:  # a name (any case), or FSDP1's enum number 1-5
+            text = str(value).strip().upper()
+            name = dict(enumerate(STRATEGY_NAMES, 1)).get(int(text)) if text.isdigit() else text
+        if name not in STRATEGY_NAMES:
             conv.refuse(src, value, f"expected a strategy name or 1-5 ({', '.join(STRATEGY_NAMES)}) or a bool")
             return
         note = ""
