@@ -10,7 +10,7 @@ import torch
 from fsdp2kit.checkpoint import resolve_step_dir
 from fsdp2kit.weights.export import dcp_to_hf, has_tokenizer
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_export_hf(subparsers) -> None:
@@ -55,9 +55,13 @@ def add_export_hf(subparsers) -> None:
 
 def run_export_hf(args) -> int:
     source = resolve_step_dir(args.ckpt_dir, args.step)
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype in _DTYPES else None
+    dtype = _DTYPES.get(args.dtype)
     if args.dtype == "auto" and not (args.base and not args.merge):  # an adapter directory is written as trained
-        dtype = _stored_dtype(Path(args.config) if args.config else Path(source))
+        where = Path(args.config or source)  # the floating dtype its config.json names, if any
+        file = where / "config.json" if where.is_dir() else where
+        saved = json.loads(file.read_text()) if file.is_file() else {}
+        named = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype")), None)
+        dtype = named if isinstance(named, torch.dtype) and named.is_floating_point else None
     out = dcp_to_hf(
         source,
         args.out_dir,
@@ -74,11 +78,3 @@ def run_export_hf(args) -> int:
     else:
         print(f"wrote {out} without a tokenizer (none in --base, --config or the step): pass --tokenizer DIR")
     return 0
-
-
-def _stored_dtype(where):
-    """The floating dtype named by the config.json at ``where`` (a file or its directory), or None."""
-    file = where / "config.json" if where.is_dir() else where
-    saved = json.loads(file.read_text()) if file.is_file() else {}
-    named = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype")), None)
-    return named if isinstance(named, torch.dtype) and named.is_floating_point else None
