@@ -306,12 +306,8 @@ WRAP_POLICIES = {
 
 
 def _auto_wrap_policy(conv: Conversion, src: str, value: Any) -> None:
-    if not value:
-        conv.not_needed(src, value, NO_GAIN)
-    elif str(value).upper() in WRAP_POLICIES:
-        conv.not_needed(src, value, WRAP_POLICIES[str(value).upper()])
-    else:
-        conv.refuse(src, value, "expected " + ", ".join(WRAP_POLICIES))
+    reason = WRAP_POLICIES.get(str(value).upper()) if value else NO_GAIN
+    conv.refuse_if(reason is None, src, value, "expected " + ", ".join(WRAP_POLICIES), reason)
 
 
 def _activation_checkpointing(conv: Conversion, src: str, value: Any) -> None:

@@ -1,8 +1,5 @@
-"""DeepSpeed's ZeRO JSON config (and Accelerate's deepspeed_config block) -> recipe settings, key by key.
-
-ZeRO stage 3 is FULL_SHARD, stages 1 and 2 SHARD_GRAD_OP (FSDP2 has no optimizer-only sharding); a
-value of ``"auto"`` (filled in by the HF Trainer) leaves the recipe's default. The tables: docs/migrating.md.
-"""
+"""DeepSpeed's ZeRO JSON config (and Accelerate's deepspeed_config block) -> recipe settings, key by key
+(stages, "auto" and every key: docs/migrating.md)."""
 
 from __future__ import annotations
 
