@@ -82,9 +82,8 @@ class _TorchFiles(dict):
         for f in files:
             data = torch_load_safely(f)
             if isinstance(data, dict) and not any(isinstance(v, torch.Tensor) for v in data.values()):
-                inner = [k for k in WRAPPING_KEYS if isinstance(data.get(k), dict)]
-                if inner:  # torch.save({"model": state_dict, ...}) and DeepSpeed-style {"module": ...}
-                    data = data[inner[0]]
+                # torch.save({"model": state_dict, ...}) and DeepSpeed-style {"module": ...}
+                data = next((data[k] for k in WRAPPING_KEYS if isinstance(data.get(k), dict)), data)
             if not isinstance(data, dict):
                 raise ValueError(f"{f} holds a {type(data).__name__}, not a state dict")
             for k, v in data.items():
@@ -125,19 +124,17 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportRes
             reader = _TorchFiles(files)
         by_name = {clean_fqn(k): k for k in reader.files}
         tensors, aliases = model_tensors(model)
-        groups: dict[str, list[str]] = {}
+        sources: dict[str, str] = {}  # a tensor's first name -> its key in the file (one name of a tied weight)
         for name, first in aliases.items():
-            groups.setdefault(first, []).append(name)
-        sources, missing, mismatched = {}, [], []
-        for first, names in groups.items():
-            present = [n for n in names if n in by_name]
-            if not present:
-                missing.append(first)
-                continue
-            sources[first] = by_name[present[0]]
-            got, want = tuple(reader.shape(sources[first])), tuple(tensors[first].shape)
-            if got != want:
-                mismatched.append(f"{first} {list(got)} in the file, {list(want)} in the model")
+            if name in by_name:
+                sources.setdefault(first, by_name[name])
+        firsts = [name for name, first in aliases.items() if name == first]
+        missing = [name for name in firsts if name not in sources]
+        mismatched = [
+            f"{name} {list(reader.shape(sources[name]))} in the file, {list(tensors[name].shape)} in the model"
+            for name in firsts
+            if name in sources and tuple(reader.shape(sources[name])) != tuple(tensors[name].shape)
+        ]
         skippable = {clean_fqn(n) for n, _ in model.named_buffers(remove_duplicate=False)}  # in extra: non-persistent
         extra = sorted(n for n in by_name if n not in tensors)
         skipped = [n for n in extra if n in skippable]
