@@ -151,14 +151,11 @@ class Conversion:
 
     def command(self, config_path: str = "CONFIG.toml", script: str = "recipes/train.py") -> str:
         """The torchrun line that runs the recipe with this conversion's TOML."""
-        parts = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
-        parts.append("torchrun")
+        parts = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())] + ["torchrun"]
         if self.nnodes is not None and self.nnodes > 1:
             parts.append(f"--nnodes={self.nnodes}")
-        parts.append(f"--nproc_per_node={self.nproc_per_node if self.nproc_per_node else 'gpu'}")
-        parts += self.torchrun_options
-        parts += [script, "--config", shlex.quote(config_path)]
-        return " ".join(parts)
+        parts += [f"--nproc_per_node={self.nproc_per_node or 'gpu'}", *self.torchrun_options]
+        return " ".join([*parts, script, "--config", shlex.quote(config_path)])
 
     def to_toml(self, config_path: str = "CONFIG.toml") -> str:
         """The recipe TOML: a header that accounts for every source key, then the tables."""
@@ -179,10 +176,8 @@ class Conversion:
                 if e.note:
                     lines.append(f"#       {e.note}")
         for table, keys in RECIPE_KEYS.items():
-            values = self.settings.get(table)
-            if not values:
-                continue
-            lines += ["", f"[{table}]"]
+            values = self.settings.get(table) or {}
+            lines += ["", f"[{table}]"] if values else []
             for key in [k for k in keys if k in values]:
                 sources = [e for e in self.entries if e.verdict == MAPPED and e.target == f"{table}.{key}"]
                 quoted = "; ".join(f"{e.key} = {_shown(e.value)}" for e in sources)
