@@ -39,10 +39,7 @@ def describe_step(path: Path) -> dict:
 
 
 def inspect(ckpt_dir: str | Path, step: int | None = None) -> dict:
-    """A checkpoint root's steps (complete and incomplete) and one step's contents.
-
-    ``ckpt_dir`` may also be a single step directory (one holding ``.metadata``).
-    """
+    """A checkpoint root's steps (complete and incomplete) and one step's contents (or one step directory's)."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")

@@ -58,18 +58,15 @@ def full_state_files(path: Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist")
-    for name in DIR_CANDIDATES:
-        candidate = path / name
-        if not candidate.is_file():
-            continue
-        return sorted(set(index_files(candidate).values())) if name.endswith(".index.json") else [candidate]
+    for candidate in (path / name for name in DIR_CANDIDATES):
+        if candidate.is_file():
+            return sorted(set(index_files(candidate).values())) if candidate.suffix == ".json" else [candidate]
     shards = sorted(path.glob("*.safetensors"))
     if shards:
         return shards
-    found = sorted(p.name for p in path.iterdir())
     raise FileNotFoundError(
         f"{path} holds no consolidated state dict (looked for {', '.join(DIR_CANDIDATES)}, *.safetensors); "
-        f"it has: {fmt_list(found)}"
+        f"it has: {fmt_list(sorted(p.name for p in path.iterdir()))}"
     )
 
 
