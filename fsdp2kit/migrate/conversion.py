@@ -99,12 +99,12 @@ class Conversion:
         """Map source key ``src`` to recipe key ``table.key``; two sources must agree on a value."""
         if key not in RECIPE_KEYS.get(table, ()):
             raise AssertionError(f"{table}.{key} is not a recipe key this converter may set")
-        previous = self.settings.setdefault(table, {}).get(key, _UNSET)
-        if previous is not _UNSET and previous != value:
-            why = f"conflicts with another key that set {table}.{key} = {_toml_value(previous)}; "
+        values = self.settings.setdefault(table, {})
+        if key in values and values[key] != value:
+            why = f"conflicts with another key that set {table}.{key} = {_toml_value(values[key])}; "
             self.refuse(src, src_value, why + f"this one asks for {_toml_value(value)}: make the two agree")
             return
-        self.settings[table][key] = value
+        values[key] = value
         self.entries.append(Entry(src, src_value, MAPPED, f"{table}.{key}", note))
 
     def launch(self, src: str, src_value: Any, target: str, note: str = "") -> None:
@@ -216,5 +216,4 @@ def mapped(table: str, key: str, cast: Callable[[Any], Any] = lambda v: v, note:
     return lambda conv, src, value: conv.set(table, key, cast(value), src, value, note)
 
 
-_UNSET = object()
 _HYBRID = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}

@@ -44,8 +44,7 @@ def _layout(path: Path) -> tuple[str, Path, Path | None]:
     if (path / ".metadata").is_file():
         return "dcp", path, path
     if (path / FULL_MODEL).is_file():
-        optim = path / FULL_OPTIM
-        return "full", path / FULL_MODEL, optim if optim.is_file() else None
+        return _layout(path / FULL_MODEL)
     rank_files = sorted(p.name for p in path.glob("*_rank*.bin"))
     if rank_files:
         raise ValueError(
