@@ -265,8 +265,7 @@ ALIASES = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
 def canonical_keys(conv: Conversion, cfg: dict) -> tuple[dict, dict]:
     """``cfg`` under accelerate's current key names (a key without the "fsdp" prefix is read as "fsdp_" + key, as
     accelerate 0.6-0.11 wrote them; `ALIASES`), and each one's spelling; of two spellings the current one wins."""
-    out: dict = {}
-    written: dict = {}
+    out, written = {}, {}
     for key in sorted(cfg, key=lambda k: not k.startswith("fsdp") or k in ALIASES):  # current names first
         name = key if key.startswith("fsdp") else "fsdp_" + key
         name = ALIASES.get(name, name)
