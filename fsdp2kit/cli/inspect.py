@@ -16,7 +16,10 @@ from fsdp2kit.weights.adapter_checkpoint import read_info
 def describe_step(path: Path) -> dict:
     """What a step directory holds, from DCP metadata alone: no process group, no tensor read."""
     metadata = read_metadata(path)
-    stored = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    stored: dict[str, int] = {}
+    if isinstance(metadata.storage_data, dict):
+        for index, info in metadata.storage_data.items():
+            stored[index.fqn] = stored.get(index.fqn, 0) + getattr(info, "length", 0)
     entries = []
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
@@ -24,8 +27,7 @@ def describe_step(path: Path) -> dict:
             name = str(dtype).removeprefix("torch.")
             entries.append(dict(key=key, shape=list(md.size), dtype=name, numel=numel, bytes=numel * dtype.itemsize))
         else:  # a small pickled value (an optimizer hyper-parameter): its size on disk
-            size = sum(getattr(info, "length", 0) for index, info in stored.items() if index.fqn == key)
-            entries.append({"key": key, "shape": None, "dtype": "object", "numel": None, "bytes": size})
+            entries.append({"key": key, "shape": None, "dtype": "object", "numel": None, "bytes": stored.get(key, 0)})
     info = read_info(path)
     files = sorted(p for p in path.iterdir() if p.suffix == ".distcp")
     return {

@@ -68,8 +68,7 @@ ACCELERATE_DS: dict[str, Rule] = {
         ("offload_optimizer_nvme_path", "offload_param_nvme_path"),
         refused_when(lambda v: str(v).lower() not in ("none", ""), NVME),
     ),
-    "gradient_accumulation_steps": TRAIN["gradient_accumulation_steps"],
-    "gradient_clipping": TRAIN["gradient_clipping"],
+    **{key: TRAIN[key] for key in ("gradient_accumulation_steps", "gradient_clipping")},
     "zero3_save_16bit_model": EXPORT,
     "zero3_init_flag": lambda conv, src, value: (
         conv.set("model", "meta_init", True, src, value, "meta-device init: no rank holds the whole model")
