@@ -6,8 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import yaml  # PyYAML, a dependency of transformers (and of ours)
-
 from fsdp2kit.migrate.accelerate import convert_accelerate
 from fsdp2kit.migrate.conversion import ConfigConversionError, Conversion
 from fsdp2kit.migrate.deepspeed import convert_deepspeed
@@ -24,6 +22,8 @@ def convert_config(path: str | os.PathLike, *, source: str | None = None) -> Con
     ``conv.to_toml()`` is the recipe config, ``conv.command()`` the torchrun line, and
     ``conv.refused`` the keys that have no FSDP2 counterpart (each with the alternative).
     """
+    import yaml  # PyYAML, a dependency of transformers (and of ours); imported here, not at `import fsdp2kit`
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is not a file")
