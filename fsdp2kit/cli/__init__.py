@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fsdp2kit.checkpoint import CheckpointError
 from fsdp2kit.cli.convert_config import add_convert_config
 from fsdp2kit.cli.export import add_export_hf
 from fsdp2kit.cli.inspect import add_inspect
@@ -38,8 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    from fsdp2kit.checkpoint import CheckpointError
-
     try:
         return int(args.func(args) or 0)
     except (CheckpointError, FileNotFoundError, ValueError) as e:

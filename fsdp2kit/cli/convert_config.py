@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fsdp2kit.migrate import convert_config
+
 
 def add_convert_config(subparsers) -> None:
     p = subparsers.add_parser(
@@ -17,8 +19,8 @@ def add_convert_config(subparsers) -> None:
         "is printed on stderr. docs/migrating.md has the tables.",
     )
     p.add_argument("file", help="an `accelerate config` YAML (or JSON), or a DeepSpeed config JSON")
-    p.add_argument("--source", choices=["accelerate", "deepspeed"], default=None, help="default: .json is DeepSpeed")
-    p.add_argument("-o", "--output", default=None, help="write the TOML here instead of stdout")
+    p.add_argument("--source", choices=["accelerate", "deepspeed"], help="default: .json is DeepSpeed")
+    p.add_argument("-o", "--output", help="write the TOML here instead of stdout")
     p.add_argument(
         "--allow-refused", action="store_true", help="write the TOML anyway, refused keys listed in its header"
     )
@@ -26,8 +28,6 @@ def add_convert_config(subparsers) -> None:
 
 
 def run_convert_config(args) -> int:
-    from fsdp2kit.migrate import convert_config
-
     conv = convert_config(args.file, source=args.source)
     config_name = args.output or f"{Path(args.file).stem}.toml"
     if conv.refused and not args.allow_refused:

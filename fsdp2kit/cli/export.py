@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+import torch
+
+from fsdp2kit.checkpoint import resolve_step_dir
+from fsdp2kit.weights.export import dcp_to_hf, has_tokenizer
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_export_hf(subparsers) -> None:
@@ -20,19 +26,17 @@ def add_export_hf(subparsers) -> None:
     )
     p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
     p.add_argument("out_dir", help="where to write model*.safetensors and config.json")
-    p.add_argument("--step", type=int, default=None, help="the step to export (default: the newest complete one)")
+    p.add_argument("--step", type=int, help="the step to export (default: the newest complete one)")
     p.add_argument(
         "--dtype",
         choices=[*sorted(_DTYPES), "auto"],
-        default=None,
         help="cast on export; auto: the dtype the config says the pretrained model was stored in (a bf16 model "
         "trained with fp32 masters is written in bf16 again), as saved without one (default: as saved)",
     )
-    p.add_argument("--config", default=None, help="a Hugging Face config directory, when the step has no config.json")
+    p.add_argument("--config", help="a Hugging Face config directory, when the step has no config.json")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     p.add_argument(
         "--base",
-        default=None,
         help="a LoRA/QLoRA checkpoint holds only the adapters: the pretrained model directory the run started from",
     )
     p.add_argument(
@@ -42,7 +46,6 @@ def add_export_hf(subparsers) -> None:
     )
     p.add_argument(
         "--tokenizer",
-        default=None,
         metavar="DIR",
         help="the tokenizer directory to write beside the weights (default: the one in --base, --config or the step)",
     )
@@ -51,15 +54,14 @@ def add_export_hf(subparsers) -> None:
 
 
 def run_export_hf(args) -> int:
-    import torch
-
-    from fsdp2kit.checkpoint import resolve_step_dir
-    from fsdp2kit.weights.export import dcp_to_hf, has_tokenizer
-
     source = resolve_step_dir(args.ckpt_dir, args.step)
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype in _DTYPES else None
+    dtype = _DTYPES.get(args.dtype)
     if args.dtype == "auto" and not (args.base and not args.merge):  # an adapter directory is written as trained
-        dtype = _stored_dtype(Path(args.config) if args.config else Path(source))
+        where = Path(args.config or source)  # the floating dtype its config.json names, if any
+        file = where / "config.json" if where.is_dir() else where
+        saved = json.loads(file.read_text()) if file.is_file() else {}
+        named = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype")), None)
+        dtype = named if isinstance(named, torch.dtype) and named.is_floating_point else None
     out = dcp_to_hf(
         source,
         args.out_dir,
@@ -76,15 +78,3 @@ def run_export_hf(args) -> int:
     else:
         print(f"wrote {out} without a tokenizer (none in --base, --config or the step): pass --tokenizer DIR")
     return 0
-
-
-def _stored_dtype(where):
-    """The floating dtype named by the config.json at ``where`` (a file or its directory), or None."""
-    import json
-
-    import torch
-
-    file = where / "config.json" if where.is_dir() else where
-    saved = json.loads(file.read_text()) if file.is_file() else {}
-    named = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype")), None)
-    return named if isinstance(named, torch.dtype) and named.is_floating_point else None

@@ -6,16 +6,15 @@ import json
 import math
 from pathlib import Path
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from fsdp2kit._internal.fmt import fmt_bytes
+from fsdp2kit.checkpoint import incomplete_dirs, list_steps, read_metadata, resolve_step, step_dir
+from fsdp2kit.weights.adapter_checkpoint import read_info
 
 
 def describe_step(path: Path) -> dict:
     """What a step directory holds, from DCP metadata alone: no process group, no tensor read."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fsdp2kit.checkpoint import read_metadata
-    from fsdp2kit.weights.adapter_checkpoint import read_info
-
     metadata = read_metadata(path)
     stored: dict[str, int] = {}
     if isinstance(metadata.storage_data, dict):
@@ -42,12 +41,7 @@ def describe_step(path: Path) -> dict:
 
 
 def inspect(ckpt_dir: str | Path, step: int | None = None) -> dict:
-    """A checkpoint root's steps (complete and incomplete) and one step's contents.
-
-    ``ckpt_dir`` may also be a single step directory (one holding ``.metadata``).
-    """
-    from fsdp2kit.checkpoint import incomplete_dirs, list_steps, resolve_step, step_dir
-
+    """A checkpoint root's steps (complete and incomplete) and one step's contents (or one step directory's)."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
@@ -109,7 +103,7 @@ def add_inspect(subparsers) -> None:
         "step or --step, every key with its shape, dtype and size. Reads DCP metadata only.",
     )
     p.add_argument("ckpt_dir", help="a Checkpointer root, or one step directory")
-    p.add_argument("--step", type=int, default=None, help="the step to describe (default: the newest complete one)")
+    p.add_argument("--step", type=int, help="the step to describe (default: the newest complete one)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.set_defaults(func=run_inspect)
 

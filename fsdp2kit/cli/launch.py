@@ -29,12 +29,10 @@ def add_launch(subparsers) -> None:
 
 
 def _describe(rank: int, exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"rank {rank} killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"rank {rank} killed by signal {-exitcode}"
-    return f"rank {rank} exited with status {exitcode}"
+    if exitcode >= 0:
+        return f"rank {rank} exited with status {exitcode}"
+    name = {s.value: s.name for s in signal.Signals}.get(-exitcode, f"signal {-exitcode}")
+    return f"rank {rank} killed by {name}"
 
 
 def run_launch(argv: list[str]) -> int:

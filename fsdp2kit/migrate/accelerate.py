@@ -1,9 +1,5 @@
-"""Accelerate's `accelerate config` YAML -> recipe settings, key by key (FSDP1 and FSDP2 configs).
-
-The keys and values are those `accelerate config` writes and `accelerate launch` reads
-(accelerate/commands/config/cluster.py and utils/dataclasses.py); a ``deepspeed_config`` block goes
-to the DeepSpeed rules (deepspeed.py). The tables: docs/migrating.md.
-"""
+"""Accelerate's `accelerate config` YAML (FSDP1 and FSDP2) -> recipe settings, key by key, as `accelerate launch`
+reads them (accelerate/commands/config/cluster.py, utils/dataclasses.py). The tables: docs/migrating.md."""
 
 from __future__ import annotations
 
@@ -260,14 +256,6 @@ def _parallelism(conv: Conversion, cfg: dict, prefix: str = "parallelism_config.
 STRATEGY_NAMES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
 
-def strategy_name(value: Any) -> str | None:
-    """FSDP1's strategy as accelerate accepts it: a name (any case) or the enum number 1-5."""
-    text = "" if isinstance(value, bool) else str(value).strip().upper()
-    if text.isdigit():
-        return STRATEGY_NAMES[int(text) - 1] if 1 <= int(text) <= len(STRATEGY_NAMES) else None
-    return text if text in STRATEGY_NAMES else None
-
-
 # Names accelerate has read for a key, besides its own (accelerate <= 0.33 read the first as the
 # second, with a FutureWarning; removed in 0.34, huggingface/accelerate#3098, though its FSDP guide
 # still shows it). Keys without the "fsdp" prefix are covered by `canonical_keys`.
@@ -277,8 +265,7 @@ ALIASES = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
 def canonical_keys(conv: Conversion, cfg: dict) -> tuple[dict, dict]:
     """``cfg`` under accelerate's current key names (a key without the "fsdp" prefix is read as "fsdp_" + key, as
     accelerate 0.6-0.11 wrote them; `ALIASES`), and each one's spelling; of two spellings the current one wins."""
-    out: dict = {}
-    written: dict = {}
+    out, written = {}, {}
     for key in sorted(cfg, key=lambda k: not k.startswith("fsdp") or k in ALIASES):  # current names first
         name = key if key.startswith("fsdp") else "fsdp_" + key
         name = ALIASES.get(name, name)
@@ -318,12 +305,8 @@ WRAP_POLICIES = {
 
 
 def _auto_wrap_policy(conv: Conversion, src: str, value: Any) -> None:
-    if not value:
-        conv.not_needed(src, value, NO_GAIN)
-    elif str(value).upper() in WRAP_POLICIES:
-        conv.not_needed(src, value, WRAP_POLICIES[str(value).upper()])
-    else:
-        conv.refuse(src, value, "expected " + ", ".join(WRAP_POLICIES))
+    reason = WRAP_POLICIES.get(str(value).upper()) if value else NO_GAIN
+    conv.refuse_if(reason is None, src, value, "expected " + ", ".join(WRAP_POLICIES), reason)
 
 
 def _activation_checkpointing(conv: Conversion, src: str, value: Any) -> None:
@@ -346,9 +329,10 @@ def convert_fsdp_config(conv: Conversion, cfg: dict, machines: int) -> None:
     def strategy(conv: Conversion, src: str, value: Any) -> None:
         if isinstance(value, bool) or (version == 2 and str(value).lower() in ("true", "false")):
             name = "FULL_SHARD" if truthy(value) else "SHARD_GRAD_OP"
-        else:
-            name = strategy_name(value)
-        if name is None:
+        else:  # a name (any case), or FSDP1's enum number 1-5
+            text = str(value).strip().upper()
+            name = dict(enumerate(STRATEGY_NAMES, 1)).get(int(text)) if text.isdigit() else text
+        if name not in STRATEGY_NAMES:
             conv.refuse(src, value, f"expected a strategy name or 1-5 ({', '.join(STRATEGY_NAMES)}) or a bool")
             return
         note = ""

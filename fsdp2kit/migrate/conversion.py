@@ -36,6 +36,7 @@ RECIPE_KEYS: dict[str, tuple[str, ...]] = {
 
 MAPPED, LAUNCH, NOT_NEEDED, REFUSED = "mapped", "launch", "not needed", "refused"
 NO_GAIN = "nothing to convert (off / empty)"
+SECTIONS = {LAUNCH: "Launch options", NOT_NEEDED: "Not needed under FSDP2", REFUSED: "REFUSED"}  # of the TOML's header
 
 
 def truthy(value: Any) -> bool:
@@ -98,12 +99,12 @@ class Conversion:
         """Map source key ``src`` to recipe key ``table.key``; two sources must agree on a value."""
         if key not in RECIPE_KEYS.get(table, ()):
             raise AssertionError(f"{table}.{key} is not a recipe key this converter may set")
-        previous = self.settings.setdefault(table, {}).get(key, _UNSET)
-        if previous is not _UNSET and previous != value:
-            why = f"conflicts with another key that set {table}.{key} = {_toml_value(previous)}; "
+        values = self.settings.setdefault(table, {})
+        if key in values and values[key] != value:
+            why = f"conflicts with another key that set {table}.{key} = {_toml_value(values[key])}; "
             self.refuse(src, src_value, why + f"this one asks for {_toml_value(value)}: make the two agree")
             return
-        self.settings[table][key] = value
+        values[key] = value
         self.entries.append(Entry(src, src_value, MAPPED, f"{table}.{key}", note))
 
     def launch(self, src: str, src_value: Any, target: str, note: str = "") -> None:
@@ -150,14 +151,11 @@ class Conversion:
 
     def command(self, config_path: str = "CONFIG.toml", script: str = "recipes/train.py") -> str:
         """The torchrun line that runs the recipe with this conversion's TOML."""
-        parts = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
-        parts.append("torchrun")
+        parts = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())] + ["torchrun"]
         if self.nnodes is not None and self.nnodes > 1:
             parts.append(f"--nnodes={self.nnodes}")
-        parts.append(f"--nproc_per_node={self.nproc_per_node if self.nproc_per_node else 'gpu'}")
-        parts += self.torchrun_options
-        parts += [script, "--config", shlex.quote(config_path)]
-        return " ".join(parts)
+        parts += [f"--nproc_per_node={self.nproc_per_node or 'gpu'}", *self.torchrun_options]
+        return " ".join([*parts, script, "--config", shlex.quote(config_path)])
 
     def to_toml(self, config_path: str = "CONFIG.toml") -> str:
         """The recipe TOML: a header that accounts for every source key, then the tables."""
@@ -169,11 +167,7 @@ class Conversion:
             "# Launch:",
             f"#   {self.command(config_path)}",
         ]
-        for verdict, title in (
-            (LAUNCH, "Launch options"),
-            (NOT_NEEDED, "Not needed under FSDP2"),
-            (REFUSED, "REFUSED"),
-        ):
+        for verdict, title in SECTIONS.items():
             chosen = [e for e in self.entries if e.verdict == verdict]
             lines += ["#", f"# {title}:"] if chosen else []
             for e in chosen:
@@ -182,10 +176,8 @@ class Conversion:
                 if e.note:
                     lines.append(f"#       {e.note}")
         for table, keys in RECIPE_KEYS.items():
-            values = self.settings.get(table)
-            if not values:
-                continue
-            lines += ["", f"[{table}]"]
+            values = self.settings.get(table) or {}
+            lines += ["", f"[{table}]"] if values else []
             for key in [k for k in keys if k in values]:
                 sources = [e for e in self.entries if e.verdict == MAPPED and e.target == f"{table}.{key}"]
                 quoted = "; ".join(f"{e.key} = {_shown(e.value)}" for e in sources)
@@ -224,5 +216,4 @@ def mapped(table: str, key: str, cast: Callable[[Any], Any] = lambda v: v, note:
     return lambda conv, src, value: conv.set(table, key, cast(value), src, value, note)
 
 
-_UNSET = object()
 _HYBRID = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}

@@ -22,25 +22,21 @@ def convert_config(path: str | os.PathLike, *, source: str | None = None) -> Con
     ``conv.to_toml()`` is the recipe config, ``conv.command()`` the torchrun line, and
     ``conv.refused`` the keys that have no FSDP2 counterpart (each with the alternative).
     """
+    import yaml  # PyYAML, a dependency of transformers (and of ours); imported here, not at `import fsdp2kit`
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is not a file")
     text = path.read_text()
-    kind = (source or ("deepspeed" if path.suffix.lower() == ".json" else "accelerate")).lower()
+    is_json = path.suffix.lower() == ".json"
+    kind = (source or ("deepspeed" if is_json else "accelerate")).lower()
     if kind not in ("accelerate", "deepspeed"):
         raise ValueError(f"source={source!r}: expected 'accelerate' or 'deepspeed'")
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise ConfigConversionError(f"{path} is not valid JSON: {e}") from None
-    else:
-        import yaml  # PyYAML, a dependency of transformers (and of ours)
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigConversionError(f"{path} is not valid YAML: {e}") from None
+    parse, error, form = (json.loads, ValueError, "JSON") if is_json else (yaml.safe_load, yaml.YAMLError, "YAML")
+    try:
+        data = parse(text)
+    except error as e:
+        raise ConfigConversionError(f"{path} is not valid {form}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigConversionError(f"{path}: expected a mapping of keys at the top level, got {type(data).__name__}")
     if kind == "deepspeed":

@@ -1,7 +1,5 @@
-"""`load_fsdp1_checkpoint`: FSDP1 / Accelerate checkpoints (sharded DCP or full files) into an FSDP2 model.
-
-How it works and why: docs/internals.md, section fsdp2kit/migrate/fsdp1_checkpoint.py.
-"""
+"""`load_fsdp1_checkpoint`: FSDP1 / Accelerate checkpoints (sharded DCP or full files) into an FSDP2 model
+(how and why: docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import state_dict as dsd
 
 from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.fmt import fmt_list, key_problems
@@ -45,8 +44,7 @@ def _layout(path: Path) -> tuple[str, Path, Path | None]:
     if (path / ".metadata").is_file():
         return "dcp", path, path
     if (path / FULL_MODEL).is_file():
-        optim = path / FULL_OPTIM
-        return "full", path / FULL_MODEL, optim if optim.is_file() else None
+        return _layout(path / FULL_MODEL)
     rank_files = sorted(p.name for p in path.glob("*_rank*.bin"))
     if rank_files:
         raise ValueError(
@@ -60,12 +58,10 @@ def _layout(path: Path) -> tuple[str, Path, Path | None]:
 
 
 def _load_dcp_model(model: nn.Module, path: Path) -> int:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
     with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
         metadata = read_metadata(path)
         stored = set(metadata.state_dict_metadata)
-        state = get_model_state_dict(model)
+        state = dsd.get_model_state_dict(model)
         prefix = next((p for p in ("model.", "") if all(p + k in stored for k in state)), None)
         best = prefix if prefix is not None else "model." if any(k.startswith("model.") for k in stored) else ""
         missing = sorted(k for k in state if best + k not in stored)
@@ -77,14 +73,12 @@ def _load_dcp_model(model: nn.Module, path: Path) -> int:
     dcp.load(
         {"model": state} if prefix else state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner()
     )
-    set_model_state_dict(model, state)
+    dsd.set_model_state_dict(model, state)
     return len(state)
 
 
 def _load_dcp_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    state = get_optimizer_state_dict(model, optimizer)  # per-FQN, with the state the optimizer will have
+    state = dsd.get_optimizer_state_dict(model, optimizer)  # per-FQN, with the state the optimizer will have
     with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
         metadata = read_metadata(path)
         stored = set(metadata.state_dict_metadata)
@@ -99,28 +93,10 @@ def _load_dcp_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path
                 "type, or parameters that were frozen when it was saved?)"
             )
     dcp.load({prefix: state}, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
-    set_optimizer_state_dict(model, optimizer, state)
-
-
-def _check_adam_moments(state: dict, path: Path) -> None:
-    """Refuse Adam state whose first moment equals its second everywhere, which training never
-    produces but FSDP1's full ``optim_state_dict`` with ``use_orig_params=True`` writes (docs/migrating.md)."""
-    pairs = [
-        (e["exp_avg"], e["exp_avg_sq"])
-        for e in state["state"].values()
-        if isinstance(e, dict) and isinstance(e.get("exp_avg"), torch.Tensor) and "exp_avg_sq" in e
-    ]
-    if pairs and all(torch.equal(a, b) and bool((a < 0).sum() == 0) for a, b in pairs):
-        raise ValueError(
-            f"{path}: every exp_avg equals its exp_avg_sq, which training never produces; FSDP1's full optimizer "
-            "state dict with use_orig_params=True writes this (seen with torch 2.13 on CPU). The weights are "
-            "fine: load them with optimizer=None, or save the optimizer with SHARDED_STATE_DICT and load that"
-        )
+    dsd.set_optimizer_state_dict(model, optimizer, state)
 
 
 def _load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     with all_ranks_or_none(model, "load_fsdp1_checkpoint"):
         state = torch_load_safely(path)
         if not (isinstance(state, dict) and isinstance(state.get("state"), dict) and "param_groups" in state):
@@ -131,12 +107,24 @@ def _load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, pat
                 "flat per-rank shards. Save it with FSDP.optim_state_dict(model, optimizer) (what Accelerate does) "
                 "under FSDP1 at the original world size, then load that"
             )
-        _check_adam_moments(state, path)
+        # FSDP1's full optim_state_dict with use_orig_params=True writes Adam state whose first moment equals its
+        # second everywhere, which training never produces (docs/migrating.md)
+        pairs = [
+            (e["exp_avg"], e["exp_avg_sq"])
+            for e in state["state"].values()
+            if isinstance(e, dict) and isinstance(e.get("exp_avg"), torch.Tensor) and "exp_avg_sq" in e
+        ]
+        if pairs and all(torch.equal(a, b) and bool((a < 0).sum() == 0) for a, b in pairs):
+            raise ValueError(
+                f"{path}: every exp_avg equals its exp_avg_sq, which training never produces; FSDP1's full optimizer "
+                "state dict with use_orig_params=True writes this (seen with torch 2.13 on CPU). The weights are "
+                "fine: load them with optimizer=None, or save the optimizer with SHARDED_STATE_DICT and load that"
+            )
         names = {clean_fqn(n) for n, _ in model.named_parameters()}
         unknown = sorted(k for k in state["state"] if k not in names)
         if unknown:
             raise ValueError(f"{path} has optimizer state for parameters the model lacks: {fmt_list(unknown)}")
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    dsd.set_optimizer_state_dict(model, optimizer, state, options=dsd.StateDictOptions(full_state_dict=True))
 
 
 def load_fsdp1_checkpoint(
@@ -158,14 +146,10 @@ def load_fsdp1_checkpoint(
             raise ValueError(f"{path} holds no optimizer state this can read ({OPTIM_DIR}/ or {FULL_OPTIM})")
     if kind == "full":
         result = load_full_state_dict(model, model_at)
-        if optimizer is not None:
-            _load_full_optimizer(model, optimizer, optim_at)
-            result.optimizer_source = str(optim_at)
-        return result
-    allocate_for_load(model)  # DCP loads into real storage
-    result = ImportResult("dcp", str(model_at))
-    result.tensors = _load_dcp_model(model, model_at)
+    else:
+        allocate_for_load(model)  # DCP loads into real storage
+        result = ImportResult("dcp", str(model_at), tensors=_load_dcp_model(model, model_at))
     if optimizer is not None:
-        _load_dcp_optimizer(model, optimizer, optim_at)
+        (_load_full_optimizer if kind == "full" else _load_dcp_optimizer)(model, optimizer, optim_at)
         result.optimizer_source = str(optim_at)
     return result

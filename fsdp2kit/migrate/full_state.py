@@ -1,7 +1,5 @@
-"""Consolidated state dicts (one ``torch.save`` file or safetensors files) read into each rank's shards.
-
-How it works and why: docs/internals.md, section fsdp2kit/migrate/full_state.py.
-"""
+"""Consolidated state dicts (one ``torch.save`` file or safetensors files) read into each rank's shards
+(how and why: docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -60,61 +58,46 @@ def full_state_files(path: Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist")
-    for name in DIR_CANDIDATES:
-        candidate = path / name
-        if not candidate.is_file():
-            continue
-        return sorted(set(index_files(candidate).values())) if name.endswith(".index.json") else [candidate]
+    for candidate in (path / name for name in DIR_CANDIDATES):
+        if candidate.is_file():
+            return sorted(set(index_files(candidate).values())) if candidate.suffix == ".json" else [candidate]
     shards = sorted(path.glob("*.safetensors"))
     if shards:
         return shards
-    found = sorted(p.name for p in path.iterdir())
     raise FileNotFoundError(
         f"{path} holds no consolidated state dict (looked for {', '.join(DIR_CANDIDATES)}, *.safetensors); "
-        f"it has: {fmt_list(found)}"
+        f"it has: {fmt_list(sorted(p.name for p in path.iterdir()))}"
     )
 
 
-class _TorchFiles:
+class _TorchFiles(dict):
     """The tensors of ``torch.save``'d state dicts, memory-mapped, behind SafetensorsReader's methods."""
 
     def __init__(self, files: list[Path]):
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.files: dict[str, Path] = {}
+        super().__init__()
+        self.files: dict[str, Path] = {}  # key -> file, as SafetensorsReader's
         for f in files:
             data = torch_load_safely(f)
             if isinstance(data, dict) and not any(isinstance(v, torch.Tensor) for v in data.values()):
-                inner = [k for k in WRAPPING_KEYS if isinstance(data.get(k), dict)]
-                if inner:  # torch.save({"model": state_dict, ...}) and DeepSpeed-style {"module": ...}
-                    data = data[inner[0]]
+                # torch.save({"model": state_dict, ...}) and DeepSpeed-style {"module": ...}
+                data = next((data[k] for k in WRAPPING_KEYS if isinstance(data.get(k), dict)), data)
             if not isinstance(data, dict):
                 raise ValueError(f"{f} holds a {type(data).__name__}, not a state dict")
             for k, v in data.items():
-                if isinstance(v, torch.Tensor):
-                    self.tensors[k], self.files[k] = v, f
-                else:
+                if not isinstance(v, torch.Tensor):
                     raise ValueError(
                         f"{f}: {k!r} is a {type(v).__name__}, not a tensor; is this an optimizer or training-state "
                         "file rather than model weights?"
                     )
+                self[k], self.files[k] = v, f
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.tensors[key].shape)
+        return tuple(self[key].shape)
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self.tensors[key][index]
+        return self[key][index]
 
-    def close(self) -> None:
-        self.tensors.clear()
-
-
-def _reader(files: list[Path]) -> SafetensorsReader | _TorchFiles:
-    """A reader of the files' tensors; its ``files`` maps each key to its file."""
-    if all(f.suffix == ".safetensors" for f in files):
-        return SafetensorsReader.of(files)
-    if any(f.suffix == ".safetensors" for f in files):
-        raise ValueError(f"mixed safetensors and torch files: {fmt_list([str(f) for f in files])}")
-    return _TorchFiles(files)
+    close = dict.clear
 
 
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:
@@ -130,22 +113,25 @@ def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportRes
     path = Path(path)
     with all_ranks_or_none(model, "load_full_state_dict"):
         files = full_state_files(path)
-        reader = _reader(files)
+        if all(f.suffix == ".safetensors" for f in files):
+            reader = SafetensorsReader.of(files)
+        elif any(f.suffix == ".safetensors" for f in files):
+            raise ValueError(f"mixed safetensors and torch files: {fmt_list([str(f) for f in files])}")
+        else:
+            reader = _TorchFiles(files)
         by_name = {clean_fqn(k): k for k in reader.files}
         tensors, aliases = model_tensors(model)
-        groups: dict[str, list[str]] = {}
+        sources: dict[str, str] = {}  # a tensor's first name -> its key in the file (one name of a tied weight)
         for name, first in aliases.items():
-            groups.setdefault(first, []).append(name)
-        sources, missing, mismatched = {}, [], []
-        for first, names in groups.items():
-            present = [n for n in names if n in by_name]
-            if not present:
-                missing.append(first)
-                continue
-            sources[first] = by_name[present[0]]
-            got, want = tuple(reader.shape(sources[first])), tuple(tensors[first].shape)
-            if got != want:
-                mismatched.append(f"{first} {list(got)} in the file, {list(want)} in the model")
+            if name in by_name:
+                sources.setdefault(first, by_name[name])
+        firsts = [name for name, first in aliases.items() if name == first]
+        missing = [name for name in firsts if name not in sources]
+        mismatched = [
+            f"{name} {list(reader.shape(sources[name]))} in the file, {list(tensors[name].shape)} in the model"
+            for name in firsts
+            if name in sources and tuple(reader.shape(sources[name])) != tuple(tensors[name].shape)
+        ]
         skippable = {clean_fqn(n) for n, _ in model.named_buffers(remove_duplicate=False)}  # in extra: non-persistent
         extra = sorted(n for n in by_name if n not in tensors)
         skipped = [n for n in extra if n in skippable]
