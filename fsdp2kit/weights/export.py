@@ -14,7 +14,7 @@ from fsdp2kit._internal.dtensor import gather_full, reshard_all
 from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
-from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, merged_weight, peft_view
+from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, lora_merges, merged_weight, peft_view
 from fsdp2kit.weights.hf_layout import model_tensors, save_layout
 from fsdp2kit.weights.hf_writer import FirstRankWriter
 from fsdp2kit.weights.nf4 import is_nf4
@@ -136,13 +136,12 @@ def export_hf(
         if not is_peft_model(model):
             name = type(model).__name__
             raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
-        lora = tensors
-        model, tensors, aliases, merges = peft_view(model, lora, aliases, for_merge=True)  # the wrapped model
+        merges = lora_merges(model)
+        model, tensors, aliases = peft_view(model, tensors, aliases)  # the wrapped model
 
         def full_of(name: str) -> torch.Tensor:  # the base weight with the active adapters folded in
             weight = gather_full(tensors[name])
-            factors = [(gather_full(lora[m.lora_a]), gather_full(lora[m.lora_b]), m) for m in merges.get(name, [])]
-            return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
+            return merged_weight(weight, merges.get(name, [])) if name in merges or is_nf4(weight) else weight
 
     out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf", max_bytes=max_bytes)
     tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks

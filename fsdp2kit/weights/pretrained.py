@@ -89,7 +89,7 @@ def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor],
     """The model whose checkpoint is read, and its tensors under that checkpoint's names (a peft
     model's base under the base's own names, the adapters left out)."""
     tensors, aliases = model_tensors(model)
-    return peft_view(model, tensors, aliases)[:3] if is_peft_model(model) else (model, tensors, aliases)
+    return peft_view(model, tensors, aliases) if is_peft_model(model) else (model, tensors, aliases)
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:
