@@ -19,8 +19,7 @@ from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard, model_meshes
 from fsdp2kit._internal.scoped import divert
 from fsdp2kit.dist import mesh_device
-from fsdp2kit.weights.allocate import allocate, target_device
-from fsdp2kit.weights.buffers import copy_buffers, fill_buffers
+from fsdp2kit.weights.allocate import allocate, copy_buffers, fill_buffers, target_device
 from fsdp2kit.weights.hf_layout import is_pretrained
 from fsdp2kit.weights.nf4 import is_nf4
 
