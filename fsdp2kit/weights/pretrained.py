@@ -16,8 +16,7 @@ from fsdp2kit.weights.adapters import is_peft_model, peft_init_fn, peft_view
 from fsdp2kit.weights.allocate import allocate_for_load, target_device
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
-from fsdp2kit.weights.nf4 import is_nf4
-from fsdp2kit.weights.nf4_load import allocate_nf4, fill_nf4
+from fsdp2kit.weights.nf4 import allocate_nf4, fill_nf4, is_nf4
 from fsdp2kit.weights.safetensors import SafetensorsReader, checkpoint_files
 
 
