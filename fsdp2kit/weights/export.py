@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.dtensor import gather_full, reshard_all
+from fsdp2kit._internal.agree import raise_agreed
+from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
 from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
 from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, lora_merges, merged_weight, peft_view
 from fsdp2kit.weights.hf_layout import model_tensors, save_layout
-from fsdp2kit.weights.hf_writer import FirstRankWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+T = TypeVar("T")
 
 
 def parse_size(size: int | str) -> int:
@@ -274,3 +279,92 @@ def dcp_to_hf(
 
     full_of = lambda name: out.do(functools.partial(read, name))  # an error is kept for out.finish
     return _write(model, out, names, full_of, dtype, dtype or held, tok)
+
+
+class FirstRankWriter:
+    """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``, renamed
+    into place by `finish`; its errors are kept (it still joins every gather) and raised on every rank there.
+    `add` and `write_index` (in its `do` calls) write safetensors files of at most ``max_bytes``."""
+
+    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, what: str, *, max_bytes=0, alone=False):
+        self.model, self.out, self.what, self.max = model, Path(out_dir), what, max_bytes
+        self.writes = alone or is_first_rank(model)
+        self.error: BaseException | None = None
+        self.dir: Path | None = None
+        self.pending: dict[str, torch.Tensor] = {}  # safetensors files: a new one each time max_bytes would be passed
+        self.pending_bytes = self.total = self.files = 0
+        self.file_of: dict[str, int] = {}  # tensor name -> its file's number
+        self.do(lambda: self._stage(overwrite))
+
+    def _stage(self, overwrite: bool) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"{self.out} exists and is not a directory")
+        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{self.out} exists and is not empty; pass overwrite=True to replace it")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+
+    def _commit(self) -> None:
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+            self.out.rename(old)
+        self.dir.rename(self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.file_of:
+            raise ValueError(f"two tensors would be saved as {name!r}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+        self.file_of[name] = self.files
+
+    def flush(self) -> None:
+        if self.pending:
+            from safetensors.torch import save_file
+
+            save_file(self.pending, str(self.dir / f".part-{self.files}"), metadata={"format": "pt"})
+            self.files += 1
+            self.pending, self.pending_bytes = {}, 0
+
+    def write_index(self) -> None:
+        """The pending tensors, then the files under their final names, with the index when there are several."""
+        self.flush()
+        if not self.files:
+            raise ValueError("nothing to write: the model has no parameters or persistent buffers")
+        n = self.files
+        names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)] if n > 1 else ["model.safetensors"]
+        for i, name in enumerate(names):
+            (self.dir / f".part-{i}").rename(self.dir / name)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": self.total},
+                "weight_map": {k: names[i] for k, i in sorted(self.file_of.items())},
+            }
+            (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    def do(self, fn: Callable[[], T]) -> T | None:
+        """``fn()`` on the writing rank, unless an error came first (then kept for `finish`): its result,
+        None on the other ranks, after an error, or when it raised."""
+        if self.writes and self.error is None:
+            try:
+                return fn()
+            except BaseException as exc:
+                self.error = exc
+        return None
+
+    def finish(self, last: Callable[[], None] = lambda: None) -> Path | None:
+        """Write the ``last`` files and publish; the output directory on the writing rank, None elsewhere."""
+        if self.dir is not None:
+            self.do(last)
+            self.do(self._commit)
+            if self.error is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
+        raise_agreed(self.error, self.model, self.what)
+        return self.out if self.writes else None
