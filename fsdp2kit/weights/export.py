@@ -58,20 +58,17 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
     """The tokenizer to write: ``tokenizer`` itself (anything with ``save_pretrained``), the one in a
     directory given as a path, else the one in the directory the model came from; None for none."""
-    if tokenizer is False:
-        return None
+    if tokenizer is False or hasattr(tokenizer, "save_pretrained"):
+        return None if tokenizer is False else tokenizer
+    directory = tokenizer
     if tokenizer is None:  # the local directory the model's config was read from, if it holds one
         directory = getattr(getattr(model, "config", None), "_name_or_path", None)
         if not (isinstance(directory, str) and directory and has_tokenizer(directory)):
             return None
-    elif isinstance(tokenizer, (str, os.PathLike)):
-        directory = tokenizer
-        if not has_tokenizer(directory):
-            raise FileNotFoundError(f"tokenizer={str(directory)!r} is not a directory holding a tokenizer")
-    elif hasattr(tokenizer, "save_pretrained"):
-        return tokenizer
-    else:
+    elif not isinstance(tokenizer, (str, os.PathLike)):
         raise TypeError(f"tokenizer: expected a tokenizer, a directory or None, got {type(tokenizer).__name__}")
+    elif not has_tokenizer(directory):
+        raise FileNotFoundError(f"tokenizer={str(directory)!r} is not a directory holding a tokenizer")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
@@ -133,7 +130,6 @@ def export_hf(
 
     Returns the output directory on the writing rank, None on the others.
     """
-    max_bytes = parse_size(max_shard_size)
     reshard_all(model)
     tensors, aliases = model_tensors(model)
     full_of = lambda name: gather_full(tensors[name])
@@ -148,7 +144,7 @@ def export_hf(
             weight = gather_full(tensors[name])
             return merged_weight(weight, merges.get(name, [])) if name in merges or is_nf4(weight) else weight
 
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf", max_bytes=max_bytes)
+    out = FirstRankWriter(model, out_dir, overwrite, "export_hf", max_shard_size)
     tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks
     if is_peft_model(model):
         return _export_adapters(model, out, tensors, dtype, tok)
@@ -182,15 +178,13 @@ def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtyp
     (gathered one at a time, kept on the writing rank's CPU): what peft writes for an unsharded model."""
     with torch.no_grad():
         for adapter in list(model.peft_config):
-            fulls = {}
+            fulls = {}  # this adapter's, on the writing rank's CPU (the last one's freed before these gathers)
             for n in adapter_keys(model, adapter, tensors):
                 full = gather_full(tensors[n])  # collective: every rank gathers each tensor, in order
                 if out.writes:
-                    fulls[n] = _cast(full, dtype).contiguous()  # on the CPU
-                del full
+                    fulls[n] = _cast(full, dtype).contiguous()
             save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
             out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
-            fulls.clear()  # written: not held through the next adapter's gathers
     return out.finish(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
 
 
@@ -267,10 +261,9 @@ def dcp_to_hf(
     if problems:
         raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(problems))
 
-    max_bytes = parse_size(max_shard_size)
     dtypes = {n: stored[source[n]].properties.dtype for n in names}
     held = next((d for d in dtypes.values() if d.is_floating_point), None)
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", max_bytes=max_bytes, alone=True)
+    out = FirstRankWriter(model, out_dir, overwrite, "dcp_to_hf", max_shard_size, alone=True)
 
     def read(name: str) -> torch.Tensor:  # one dcp.load a tensor: ~6 ms each, against seconds of reading
         state = {source[name]: torch.empty(stored[source[name]].size, dtype=dtypes[name])}
@@ -284,14 +277,14 @@ def dcp_to_hf(
 class FirstRankWriter:
     """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``, renamed
     into place by `finish`; its errors are kept (it still joins every gather) and raised on every rank there.
-    `add` and `write_index` (in its `do` calls) write safetensors files of at most ``max_bytes``."""
+    `add` and `write_index` (in its `do` calls) write safetensors files of at most ``max_shard_size``."""
 
-    def __init__(self, model: nn.Module, out_dir: Path, overwrite: bool, what: str, *, max_bytes=0, alone=False):
-        self.model, self.out, self.what, self.max = model, Path(out_dir), what, max_bytes
+    def __init__(self, model: nn.Module, out_dir, overwrite: bool, what: str, max_shard_size, *, alone=False):
+        self.model, self.out, self.what, self.max = model, Path(out_dir), what, parse_size(max_shard_size)
         self.writes = alone or is_first_rank(model)
         self.error: BaseException | None = None
         self.dir: Path | None = None
-        self.pending: dict[str, torch.Tensor] = {}  # safetensors files: a new one each time max_bytes would be passed
+        self.pending: dict[str, torch.Tensor] = {}  # safetensors files: a new one each time self.max would be passed
         self.pending_bytes = self.total = self.files = 0
         self.file_of: dict[str, int] = {}  # tensor name -> its file's number
         self.do(lambda: self._stage(overwrite))
