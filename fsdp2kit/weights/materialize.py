@@ -93,6 +93,13 @@ class _Replay(TorchFunctionMode):
         for n, p in saved.items():
             self._commit(p, result[n].detach(), through_owner=True)
 
+    def _refused(self, op: str, how: str) -> RuntimeError:
+        return RuntimeError(
+            f"{self.current}'s initialisation calls {op} on a sharded parameter {how}; materialize replays writes "
+            "of whole parameters only. Use torch.nn.init.* on the parameter itself, or pass "
+            "materialize(model, init_fn=...)."
+        )
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
@@ -102,11 +109,7 @@ class _Replay(TorchFunctionMode):
         new = False
         if isinstance(target, DTensor) and (in_place or "out" in kwargs):
             if id(target) not in self.names:
-                raise RuntimeError(
-                    f"{self.current}'s initialisation calls {name} on a sharded parameter through a slice or copy "
-                    "(e.g. .data); materialize replays initialisation on whole parameters only. Use torch.nn.init.* "
-                    "on the parameter itself, or pass materialize(model, init_fn=...)."
-                )
+                raise self._refused(name, "through a slice or copy (e.g. .data)")
             new = id(target) not in self.stand_ins
             if new:
                 self.stand_ins[id(target)] = (target, self._blank(target))
@@ -125,12 +128,8 @@ class _Replay(TorchFunctionMode):
         result = func(*args, **kwargs)
         if new:
             full = self.stand_ins[id(target)][1]
-            if full.is_floating_point() and full.numel() and torch.isnan(full).all():
-                raise RuntimeError(  # it read the value (mul_, add_...): the stand-in has none to give
-                    f"{self.current}'s initialisation calls {name} on a sharded parameter it has not written in the "
-                    "same call; materialize replays writes of whole parameters (torch.nn.init.*). Use those there, "
-                    "or pass materialize(model, init_fn=...)."
-                )
+            if full.is_floating_point() and full.numel() and torch.isnan(full).all():  # it read the value (mul_...)
+                raise self._refused(name, "it has not written in the same call")
         owner = next((p for p, full in self.stand_ins.values() if full is result), None)
         return result if owner is None else owner
 
