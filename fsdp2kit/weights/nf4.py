@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2kit._internal.dtensor import local_shard
@@ -75,9 +74,7 @@ def quantize_nf4(
     """
     with quiet_imports():  # torchao's import-time log lines on a CPU build
         from torchao.quantization import to_nf4
-    if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-        isinstance(p, DTensor) for p in model.parameters()
-    ):
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # fully_shard's (and TP's) parameters
         raise ValueError(
             "quantize_nf4 must run before shard_model (and before PEFT wrapping): the model is already sharded. "
             "Quantize the unsharded model, wrap it with peft, then call shard_model"
