@@ -17,6 +17,7 @@ from fsdp2kit.blocks import BlockSpec, find_blocks
 # whole on every rank.
 NF4_ROW_TENSORS = ("quantized_data", "quantized_scalers", "quantization_factor")
 NF4_INNER_TENSORS = (*NF4_ROW_TENSORS, "scaler_mean", "nf4")
+_PIECE = 1 << 16  # weights quantized at once by quantize_rows (a multiple of any block size up to 65536)
 
 
 def is_nf4(t: torch.Tensor) -> bool:
@@ -153,11 +154,17 @@ def quantize_rows(
     group_absmax = get_block_absmax(centred, scaler_block_size).unsqueeze(-1).expand(n_groups, scaler_block_size)
     factor = 256 / (2 * group_absmax)
     scalers = (centred.view(n_groups, scaler_block_size) * factor).round().clamp(-128, 127)
-    # The 16-value table exactly as to_nf4 builds it (dtype and device of the weight); torchao's code search
-    # runs in chunks of 1M weights, so its peak does not grow with the shard.
+    # The 16-value table exactly as to_nf4 builds it (dtype and device of the weight).
     ones = torch.ones(block_size * scaler_block_size, dtype=rows.dtype, device=rows.device)
     table = to_nf4(ones, block_size, scaler_block_size).nf4
-    data = NF4Tensor.convert_to_norm_float_weight(flat, flat.numel() // block_size, block_size, table)
+    # The 4-bit codes, a piece at a time: torchao's nearest-value search holds 16 values per weight
+    # (about 70 MB in bf16 for 1M weights); pieces of _PIECE weights keep it near 5 MB, same bits.
+    data = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=rows.device)
+    piece = max(block_size, _PIECE // block_size * block_size)
+    for start in range(0, flat.numel(), piece):
+        part = flat[start : start + piece]
+        codes = NF4Tensor.convert_to_norm_float_weight(part, part.numel() // block_size, block_size, table)
+        data[start // 2 : start // 2 + codes.numel()] = codes
     return {
         "quantized_data": data,
         "quantized_scalers": scalers.flatten().to(torch.int8),
