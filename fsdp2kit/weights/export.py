@@ -299,13 +299,11 @@ class FirstRankWriter:
         self.dir.mkdir()
 
     def _commit(self) -> None:
-        old = None
+        old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
         if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
             self.out.rename(old)
         self.dir.rename(self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # nothing there when there was no old directory
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.file_of:

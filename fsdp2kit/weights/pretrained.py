@@ -34,14 +34,11 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     """Read a local Hugging Face safetensors checkpoint straight into each rank's shards (docs/loading.md).
 
     Call it after `shard_model`, on every rank (a meta-device model gets its storage here). Each
-    rank reads only the box of each tensor its shard holds, as a copy: nothing of the model refers
-    to the files once this returns. Every file's header is checked against its size first (a
-    truncated or padded file is a ``ValueError`` naming it). Keys and layouts that differ from
-    the module are mapped with transformers' own renamings and weight converters, as
+    rank copies only the rows its shards hold; a truncated or padded file is a ``ValueError`` naming
+    it. Keys and layouts are mapped with transformers' own renamings and weight converters, as
     ``from_pretrained`` does; values are cast to each parameter's dtype; a tied weight needs one
-    of its names on disk. NF4 weights (`quantize_nf4` before `shard_model`) are quantized from
-    each rank's rows, bit for bit the shard of ``to_nf4(full weight)`` (docs/lora.md). A peft
-    model's base is read under the base's own names; the adapters keep their init.
+    of its names on disk. NF4 weights (`quantize_nf4`) are quantized from each rank's rows
+    (docs/lora.md). A peft model's base is read under the base's own names; the adapters keep their init.
 
     With ``strict=True`` a missing key, an unexpected key or a different shape is a ``ValueError``
     naming the keys, raised before anything is read. With ``strict=False`` shapes still raise and
