@@ -161,17 +161,12 @@ def plan_load(
             target, pattern = rename_source_key(key, renamings, converters, prefix, model_tensors)
             if target not in model_tensors and key in model_tensors:
                 target, pattern = key, None
-        if target not in model_tensors:
+        # No place in the model, or a second checkpoint key for one model key (e.g. legacy and new names).
+        if target not in model_tensors or (pattern is None and target in groups):
             plan.unexpected.append(key)
             continue
-        if pattern is None:
-            if target in groups:  # a second checkpoint key for the same model key (e.g. legacy and new names)
-                plan.unexpected.append(key)
-                continue
-            groups[target] = Group([target], {key: [key]})
-        else:
-            group = groups.setdefault(target, Group([target], {}, by_pattern[pattern]))
-            group.sources.setdefault(pattern, []).append(key)
+        group = groups.setdefault(target, Group([target], {}, by_pattern[pattern] if pattern else None))
+        group.sources.setdefault(pattern or key, []).append(key)
 
     filled: set[str] = set()
     for first, group in groups.items():
