@@ -9,7 +9,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,6 @@ from fsdp2kit.weights.hf_layout import model_tensors, save_layout
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-T = TypeVar("T")
 
 
 def parse_size(size: int | str) -> int:
@@ -285,7 +284,7 @@ class FirstRankWriter:
         self.error: BaseException | None = None
         self.dir: Path | None = None
         self.pending: dict[str, torch.Tensor] = {}  # safetensors files: a new one each time self.max would be passed
-        self.pending_bytes = self.total = self.files = 0
+        self.total = self.files = 0
         self.file_of: dict[str, int] = {}  # tensor name -> its file's number
         self.do(lambda: self._stage(overwrite))
 
@@ -308,12 +307,10 @@ class FirstRankWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.file_of:
             raise ValueError(f"two tensors would be saved as {name!r}")
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max:
+        if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > self.max:
             self.flush()
         self.pending[name] = tensor.contiguous()
-        self.pending_bytes += nbytes
-        self.total += nbytes
+        self.total += tensor.nbytes
         self.file_of[name] = self.files
 
     def flush(self) -> None:
@@ -322,7 +319,7 @@ class FirstRankWriter:
 
             save_file(self.pending, str(self.dir / f".part-{self.files}"), metadata={"format": "pt"})
             self.files += 1
-            self.pending, self.pending_bytes = {}, 0
+            self.pending = {}
 
     def write_index(self) -> None:
         """The pending tensors, then the files under their final names, with the index when there are several."""
@@ -340,7 +337,7 @@ class FirstRankWriter:
             }
             (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
-    def do(self, fn: Callable[[], T]) -> T | None:
+    def do(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the writing rank, unless an error came first (then kept for `finish`): its result,
         None on the other ranks, after an error, or when it raised."""
         if self.writes and self.error is None:
