@@ -33,10 +33,9 @@ def peft_description(model: nn.Module) -> dict | None:
     nf4 = [(n, local_shard(p)) for n, p in model.named_parameters() if is_nf4(p)]
     plain = [p.dtype for p in model.parameters() if not p.requires_grad and not is_nf4(p) and p.is_floating_point()]
     base_dtype = max(set(plain), key=plain.count) if plain else (nf4[0][1].dtype if nf4 else None)
-    active = model.active_adapters
     return {
         "adapters": adapters,
-        "active": list(active) if isinstance(active, (list, tuple)) else [active],
+        "active": list(model.active_adapters),  # peft's PeftModel gives a list
         "base_dtype": str(base_dtype).removeprefix("torch.") if base_dtype is not None else None,
         "nf4": {
             "block_size": nf4[0][1].block_size,
