@@ -125,16 +125,14 @@ class LoadPlan:
     mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..) vs model (..)"
 
 
-def _ignored(model: nn.Module, keys: Iterable[str], attribute: str) -> set[str]:
-    """Keys a transformers model declares may be missing / unexpected (regexes on the model)."""
+def _not_ignored(model: nn.Module, keys: Iterable[str], attribute: str) -> list[str]:
+    """``keys`` in natural order, less those a transformers model declares may be missing / unexpected (regexes)."""
     patterns = set(getattr(model, attribute, None) or ())
     if attribute == "_keys_to_ignore_on_load_unexpected":
         # transformers also ignores these two, which older checkpoints stored as persistent buffers.
         patterns |= {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
-    if not patterns or not is_pretrained(model):
-        return set()
-    regex = re.compile("|".join(f"({p})" for p in patterns))
-    return {k for k in keys if regex.search(k)}
+    regex = re.compile("|".join(f"({p})" for p in patterns)) if patterns and is_pretrained(model) else None
+    return sorted({k for k in keys if regex is None or not regex.search(k)}, key=natural_key)
 
 
 def plan_load(
@@ -198,12 +196,9 @@ def plan_load(
             filled |= roots
 
     # A tied tensor is filled by any one of its names; the others may be absent from the file.
-    plan.missing = [k for k in model_tensors if aliases.get(k, k) == k and k not in filled]
-    plan.missing = sorted(set(plan.missing) - _ignored(model, plan.missing, "_keys_to_ignore_on_load_missing"))
-    plan.unexpected = sorted(
-        set(plan.unexpected) - _ignored(model, plan.unexpected, "_keys_to_ignore_on_load_unexpected"),
-        key=natural_key,
-    )
+    missing = [k for k in model_tensors if aliases.get(k, k) == k and k not in filled]
+    plan.missing = _not_ignored(model, missing, "_keys_to_ignore_on_load_missing")
+    plan.unexpected = _not_ignored(model, plan.unexpected, "_keys_to_ignore_on_load_unexpected")
     return plan
 
 
