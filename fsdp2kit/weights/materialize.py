@@ -179,12 +179,10 @@ def materialize(
     Call it after `fsdp2kit.shard_model`, on every rank of the mesh (it is collective); only
     tensors still on the meta device are touched. Parameters get the model's own init
     (transformers' ``_init_weights``, else ``reset_parameters``), or ``init_fn(module)`` for every
-    module, run on full-size plain stand-ins one module at a time from a copy of the mesh's first
-    rank's random state; each rank keeps its rows and its own random state. The result is bit for
-    bit the same init on an unsharded copy, at any world size (docs/internals.md). A tied weight
-    takes its first owner's init; a parameter no init writes is a ``ValueError`` naming it.
-    Buffers get the values an ordinary CPU construction gives them; those it cannot recompute
-    must be filled by ``init_fn``, or it raises.
+    module: bit for bit that init on an unsharded copy, at any world size, and each rank keeps its
+    own random state (docs/internals.md). A tied weight takes its first owner's init; a parameter
+    no init writes is a ``ValueError`` naming it. Buffers get the values an ordinary CPU
+    construction gives them; those it cannot recompute must be filled by ``init_fn``, or it raises.
 
     Args:
         model: built under ``torch.device("meta")``, after `shard_model` (or unsharded).
