@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn as nn
 
 from fsdp2kit._internal.dtensor import gather_full, local_shard
-from fsdp2kit.weights.hf_layout import clean_fqn
+from fsdp2kit.weights.hf_layout import clean_fqn, is_instance_of
 from fsdp2kit.weights.nf4 import is_nf4
 
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether ``model`` is a peft ``PeftModel`` (without importing peft for other models)."""
-    if "peft" not in sys.modules:
-        return False
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
+    return is_instance_of(model, "peft", "PeftModel")
 
 
 def peft_description(model: nn.Module) -> dict | None:

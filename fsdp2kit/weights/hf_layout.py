@@ -36,13 +36,14 @@ def original_class(module: nn.Module) -> type:
     return cls
 
 
+def is_instance_of(obj: object, package: str, name: str) -> bool:
+    """``isinstance(obj, package.name)``, without importing ``package`` when nothing has (then it is False)."""
+    return package in sys.modules and isinstance(obj, getattr(sys.modules[package], name))
+
+
 def is_pretrained(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
-
-    return isinstance(module, PreTrainedModel)
+    return is_instance_of(module, "transformers", "PreTrainedModel")
 
 
 def natural_key(key: str) -> list:
