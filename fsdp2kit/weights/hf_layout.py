@@ -7,7 +7,7 @@ import functools
 import re
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -118,14 +118,6 @@ class Group:
         )
 
 
-@dataclass
-class LoadPlan:
-    groups: list[Group] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)  # model keys nothing on disk fills
-    unexpected: list[str] = field(default_factory=list)  # checkpoint keys with no place in the model
-    mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..) vs model (..)"
-
-
 def _not_ignored(model: nn.Module, keys: Iterable[str], attribute: str) -> list[str]:
     """``keys`` in natural order, less those a transformers model declares may be missing / unexpected (regexes)."""
     patterns = set(getattr(model, attribute, None) or ())
@@ -141,11 +133,13 @@ def plan_load(
     disk_shapes: dict[str, tuple[int, ...]],
     model_tensors: dict[str, torch.Tensor],
     aliases: dict[str, str],
-) -> LoadPlan:
+) -> tuple[list[Group], list[str], list[str], list[str]]:
     """Match checkpoint keys to model keys (clean names, tied names included; ``aliases``: tied name ->
-    first name) as from_pretrained does; conversions are dry-run on meta tensors to check shapes."""
+    first name) as from_pretrained does, conversions dry-run on meta tensors to check shapes. Returns the
+    groups to load, the model keys nothing on disk fills, the checkpoint keys with no place in the model,
+    and the shape mismatches."""
     transforms = _conversions(model, for_saving=False)
-    plan = LoadPlan()
+    loads, unexpected, mismatched = [], [], []  # of Group, checkpoint key, message
     if transforms:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -162,7 +156,7 @@ def plan_load(
                 target, pattern = key, None
         # No place in the model, or a second checkpoint key for one model key (e.g. legacy and new names).
         if target not in model_tensors or (pattern is None and target in groups):
-            plan.unexpected.append(key)
+            unexpected.append(key)
             continue
         group = groups.setdefault(target, Group([target], {}, by_pattern[pattern] if pattern else None))
         group.sources.setdefault(pattern or key, []).append(key)
@@ -174,14 +168,14 @@ def plan_load(
             try:
                 produced = group.convert(model, metas)
             except Exception as exc:
-                plan.mismatched.append(f"{first}: converting {group.source_keys[:4]}... failed: {exc}")
+                mismatched.append(f"{first}: converting {group.source_keys[:4]}... failed: {exc}")
                 continue
             group.targets = list(produced)
             shapes = {k: tuple(v.shape) for k, v in produced.items()}
         else:
             shapes = {first: tuple(disk_shapes[group.source_keys[0]])}
         if any(n not in model_tensors for n in shapes):
-            plan.unexpected.extend(group.source_keys)
+            unexpected.extend(group.source_keys)
             continue
         src = group.source_keys[0] if group.converter is None else f"{len(group.source_keys)} keys"
         wrong = [
@@ -189,18 +183,17 @@ def plan_load(
             for name, shape in shapes.items()
             if shape != tuple(model_tensors[name].shape)
         ]
-        plan.mismatched.extend(wrong)
+        mismatched.extend(wrong)
         roots = {aliases.get(n, n) for n in group.targets}
         if not wrong and not roots & filled:  # two checkpoint keys that fill one tied tensor: the first wins
-            plan.groups.append(group)
+            loads.append(group)
         if not wrong:
             filled |= roots
 
     # A tied tensor is filled by any one of its names; the others may be absent from the file.
     missing = [k for k in model_tensors if aliases.get(k, k) == k and k not in filled]
-    plan.missing = _not_ignored(model, missing, "_keys_to_ignore_on_load_missing")
-    plan.unexpected = _not_ignored(model, plan.unexpected, "_keys_to_ignore_on_load_unexpected")
-    return plan
+    missing = _not_ignored(model, missing, "_keys_to_ignore_on_load_missing")
+    return loads, missing, _not_ignored(model, unexpected, "_keys_to_ignore_on_load_unexpected"), mismatched
 
 
 def save_layout(model: nn.Module, keys: list[str]) -> tuple[list[list[str]], Callable[[dict], dict]]:

@@ -51,21 +51,21 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         reader = SafetensorsReader(files)
         shapes = {k: reader.shape(k) for k in files}
         target, tensors, aliases = _load_targets(model)
-        plan = plan_load(target, shapes, tensors, aliases)
-        problems = key_problems(plan.missing if strict else (), plan.unexpected if strict else (), plan.mismatched)
-        nf4_missing = [n for n in plan.missing if n in tensors and is_nf4(tensors[n])]
+        groups, missing, unexpected, mismatched = plan_load(target, shapes, tensors, aliases)
+        problems = key_problems(missing if strict else (), unexpected if strict else (), mismatched)
+        nf4_missing = [n for n in missing if n in tensors and is_nf4(tensors[n])]
         if nf4_missing:
             problems.append(
                 f"NF4 weights missing from the checkpoint (quantized from it only): {fmt_list(nf4_missing)}"
             )
         if problems:
-            hint = " Is this the checkpoint of another model?" if len(plan.groups) < len(tensors) // 2 else ""
+            hint = " Is this the checkpoint of another model?" if len(groups) < len(tensors) // 2 else ""
             raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)
     with all_ranks_or_none(model, "load_pretrained"):
         allocate_nf4(model, target_device(model, None))  # meta NF4 placeholders: filled below, not initialised
     if is_peft_model(model) and any(p.is_meta for p in model.parameters()):
         materialize(model, init_fn=peft_init_fn(model))  # the adapters' own init; the base is read below
-    elif plan.missing and any(t.is_meta for t in tensors.values()):
+    elif missing and any(t.is_meta for t in tensors.values()):
         materialize(model)  # the parameters the checkpoint lacks get the model's own init
     else:
         allocate_for_load(model, "load_pretrained")
@@ -73,12 +73,12 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
 
     with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
         try:
-            for group in plan.groups:
+            for group in groups:
                 _load_group(target, group, tensors, reader)
         finally:
             reader.close()
-    loaded = sum(len(group.targets) for group in plan.groups)
-    return LoadResult(plan.missing, plan.unexpected, tensors=loaded, bytes_read=reader.bytes)
+    loaded = sum(len(group.targets) for group in groups)
+    return LoadResult(missing, unexpected, tensors=loaded, bytes_read=reader.bytes)
 
 
 def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
