@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -76,8 +77,6 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
 def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
     """Copies of the config and generation config with ``dtype`` and the tokenizer's BOS/EOS/PAD ids (PAD: EOS
     when it has none; ``generate`` stops at the tokenizer's EOS), and the tokenizer beside them."""
-    import copy
-
     ids = {}
     if tokenizer is not None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -145,8 +144,18 @@ def export_hf(
 
     out = FirstRankWriter(model, out_dir, overwrite, "export_hf", max_shard_size)
     tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks
-    if is_peft_model(model):
-        return _export_adapters(model, out, tensors, dtype, tok)
+    if is_peft_model(model):  # peft's adapter directory, from the full adapter tensors on the writing rank's CPU
+        with torch.no_grad():
+            for adapter in list(model.peft_config):
+                fulls = {}  # this adapter's (the last one's freed before these gathers)
+                for n in adapter_keys(model, adapter, tensors):
+                    full = gather_full(tensors[n])  # collective: every rank gathers each tensor, in order
+                    if out.writes:
+                        fulls[n] = _cast(full, dtype).contiguous()
+                save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
+                out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
+        out.do(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
+        return out.finish()
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     names = _export_names(model, tensors, aliases)
     return _write(model, out, names, full_of, dtype, dtype or held, tok)
@@ -156,35 +165,13 @@ def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok
     """``names`` in the model's checkpoint layout, a conversion group at a time (``full_of`` may be
     collective: it runs on every rank), then the configs and the tokenizer."""
     groups, to_hf = save_layout(model, list(names))
-
-    def write(fulls: dict[str, torch.Tensor]) -> None:
-        for name, t in to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
-            out.add(name, t)
-
     with torch.no_grad():
         for group in groups:
-            out.do(functools.partial(write, {n: full_of(n) for n in group}))  # gathered on every rank, in order
-
-    def last() -> None:
-        out.write_index()
-        _save_config(model, out.dir, config_dtype, tok)
-
-    return out.finish(last)
-
-
-def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
-    """PEFT's adapter directory, written by peft's ``save_pretrained`` from the full adapter tensors
-    (gathered one at a time, kept on the writing rank's CPU): what peft writes for an unsharded model."""
-    with torch.no_grad():
-        for adapter in list(model.peft_config):
-            fulls = {}  # this adapter's, on the writing rank's CPU (the last one's freed before these gathers)
-            for n in adapter_keys(model, adapter, tensors):
-                full = gather_full(tensors[n])  # collective: every rank gathers each tensor, in order
-                if out.writes:
-                    fulls[n] = _cast(full, dtype).contiguous()
-            save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
-            out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
-    return out.finish(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
+            fulls = {n: full_of(n) for n in group}  # gathered on every rank, in order
+            out.do(lambda fulls=fulls: out.add(to_hf({n: _cast(v, dtype) for n, v in fulls.items()})))
+    out.do(out.write_index)
+    out.do(lambda: _save_config(model, out.dir, config_dtype, tok))
+    return out.finish()
 
 
 def dcp_to_hf(
@@ -304,14 +291,15 @@ class FirstRankWriter:
         self.dir.rename(self.out)
         shutil.rmtree(old, ignore_errors=True)  # nothing there when there was no old directory
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.file_of:
-            raise ValueError(f"two tensors would be saved as {name!r}")
-        if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > self.max:
-            self.flush()
-        self.pending[name] = tensor.contiguous()
-        self.total += tensor.nbytes
-        self.file_of[name] = self.files
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            if name in self.file_of:
+                raise ValueError(f"two tensors would be saved as {name!r}")
+            if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > self.max:
+                self.flush()
+            self.pending[name] = tensor.contiguous()
+            self.total += tensor.nbytes
+            self.file_of[name] = self.files
 
     def flush(self) -> None:
         if self.pending:
@@ -347,10 +335,9 @@ class FirstRankWriter:
                 self.error = exc
         return None
 
-    def finish(self, last: Callable[[], None] = lambda: None) -> Path | None:
-        """Write the ``last`` files and publish; the output directory on the writing rank, None elsewhere."""
+    def finish(self) -> Path | None:
+        """Publish; the output directory on the writing rank, None elsewhere."""
         if self.dir is not None:
-            self.do(last)
             self.do(self._commit)
             if self.error is not None:
                 shutil.rmtree(self.dir, ignore_errors=True)
