@@ -222,16 +222,9 @@ def materialize(
             copy_buffers(model, values)
         undone = sorted(replay.names[pid] for pid in replay.write if pid not in replay.done)
         if undone:
-            how = "init_fn" if init_fn is not None else "the model's initialisation (_init_weights / reset_parameters)"
-            raise ValueError(
-                f"{how} left {len(undone)} parameter(s) unset: {undone[:20]}. "
-                + ("Initialise them in init_fn." if init_fn else "Pass materialize(model, init_fn=...) that sets them.")
-            )
-        unset = [
-            n for n in unfound if model.get_buffer(n).is_floating_point() and torch.isnan(model.get_buffer(n)).any()
-        ]
+            how = "init_fn" if init_fn else "the model's initialisation (_init_weights / reset_parameters)"
+            raise ValueError(f"{how} left parameters {undone[:20]} unset: set them in materialize(model, init_fn=...)")
+        unset = [n for n in unfound if torch.isnan(model.get_buffer(n)).any()]  # False for integer buffers
         if unset:
-            raise ValueError(
-                f"init_fn left buffers {unset} unset; they cannot be recomputed from the model's construction"
-            )
+            raise ValueError(f"init_fn left buffers {unset} unset (the model's construction cannot recompute them)")
     return model
