@@ -53,8 +53,7 @@ def adapter_keys(model: nn.Module, adapter: str, tensors: dict[str, torch.Tensor
 
 
 def base_name(name: str) -> str:
-    name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def peft_view(
@@ -184,9 +183,8 @@ def apply_lora(
     """
     from peft import LoraConfig, get_peft_model
 
-    if isinstance(targets, str):
-        targets = [targets] if targets != "all-linear" else "all-linear"
     if targets != "all-linear":
+        targets = [targets] if isinstance(targets, str) else targets
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
         if unmatched:

@@ -30,15 +30,11 @@ def is_nf4(t: torch.Tensor) -> bool:
 def nf4_shard_problem(t: torch.Tensor, shard: int) -> str | None:
     """Why ``t`` (an NF4Tensor) cannot be split into ``shard`` equal row blocks of whole scaler groups
     (FSDP would pad, which NF4 cannot represent), or None."""
-    rows, numel = t.shape[0], t.numel()
-    group = t.block_size * t.scaler_block_size
-    if rows % shard:
-        return f"{rows} rows do not split evenly over {shard} ranks"
-    if (numel // shard) % group:
-        return (
-            f"{numel // shard} elements per rank are not a multiple of block_size x scaler_block_size = "
-            f"{t.block_size} x {t.scaler_block_size}"
-        )
+    per_rank, group = t.numel() // shard, t.block_size * t.scaler_block_size
+    if t.shape[0] % shard:
+        return f"{t.shape[0]} rows do not split evenly over {shard} ranks"
+    if per_rank % group:
+        return f"{per_rank} elements per rank are not a multiple of block_size x scaler_block_size = {group}"
     return None
 
 

@@ -55,9 +55,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         problems = key_problems(missing if strict else (), unexpected if strict else (), mismatched)
         nf4_missing = [n for n in missing if n in tensors and is_nf4(tensors[n])]
         if nf4_missing:
-            problems.append(
-                f"NF4 weights missing from the checkpoint (quantized from it only): {fmt_list(nf4_missing)}"
-            )
+            problems.append(f"NF4 weights missing from the checkpoint (quantized from it): {fmt_list(nf4_missing)}")
         if problems:
             hint = " Is this the checkpoint of another model?" if len(groups) < len(tensors) // 2 else ""
             raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)
@@ -77,8 +75,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
                 _load_group(target, group, tensors, reader)
         finally:
             reader.close()
-    loaded = sum(len(group.targets) for group in groups)
-    return LoadResult(missing, unexpected, tensors=loaded, bytes_read=reader.bytes)
+    return LoadResult(missing, unexpected, sum(len(group.targets) for group in groups), reader.bytes)
 
 
 def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
