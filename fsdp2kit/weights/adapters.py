@@ -103,9 +103,8 @@ def lora_merges(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
 
 
 def merged_weight(weight: torch.Tensor, layers: list[tuple[nn.Module, str]]) -> torch.Tensor:
-    """``weight + sum(scaling * B @ A)`` over the (layer, adapter) pairs, bit for bit peft's ``merge_and_unload()``
-    (summed in the wider dtype, rounded to the weight's); an NF4 weight is dequantized first. Collective: the
-    factors are gathered whole."""
+    """``weight + sum(scaling * B @ A)`` over the (layer, adapter) pairs in the wider dtype, bit for bit peft's
+    ``merge_and_unload()``; an NF4 weight is dequantized first. Collective: the factors are gathered whole."""
     if is_nf4(weight):
         weight = weight.get_original_weight()
     out = weight

@@ -261,9 +261,8 @@ def dcp_to_hf(
 
 
 class FirstRankWriter:
-    """The mesh's first rank (or, ``alone``, this process) writes into a hidden sibling of ``out_dir``, renamed
-    into place by `finish`; its errors are kept (it still joins every gather) and raised on every rank there.
-    `add` and `write_index` (in its `do` calls) write safetensors files of at most ``max_shard_size``."""
+    """The mesh's first rank (``alone``: this process) writes safetensors files of at most ``max_shard_size`` into a
+    hidden sibling of ``out_dir``, renamed into place by `finish`; errors are kept and raised there on every rank."""
 
     def __init__(self, model: nn.Module, out_dir, overwrite: bool, what: str, max_shard_size, *, alone=False):
         self.model, self.out, self.what, self.max = model, Path(out_dir), what, parse_size(max_shard_size)

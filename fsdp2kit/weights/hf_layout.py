@@ -134,10 +134,8 @@ def plan_load(
     model_tensors: dict[str, torch.Tensor],
     aliases: dict[str, str],
 ) -> tuple[list[Group], list[str], list[str], list[str]]:
-    """Match checkpoint keys to model keys (clean names, tied names included; ``aliases``: tied name ->
-    first name) as from_pretrained does, conversions dry-run on meta tensors to check shapes. Returns the
-    groups to load, the model keys nothing on disk fills, the checkpoint keys with no place in the model,
-    and the shape mismatches."""
+    """Checkpoint keys matched to model keys as from_pretrained does (``aliases``: tied name -> first name), conversions
+    dry-run on meta. Returns the groups to load, missing model keys, unexpected checkpoint keys, shape mismatches."""
     transforms = _conversions(model, for_saving=False)
     loads, unexpected, mismatched = [], [], []  # of Group, checkpoint key, message
     if transforms:
