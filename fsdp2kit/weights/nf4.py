@@ -71,15 +71,12 @@ def quantize_nf4(
     """
     with quiet_imports():  # torchao's import-time log lines on a CPU build
         from torchao.quantization import to_nf4
-    if any(isinstance(p, DTensor) for p in model.parameters()):  # fully_shard's (and TP's) parameters
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())  # fully_shard's (and TP's) parameters
+    if sharded or any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules()):
         raise ValueError(
-            "quantize_nf4 must run before shard_model (and before PEFT wrapping): the model is already sharded. "
-            "Quantize the unsharded model, wrap it with peft, then call shard_model"
-        )
-    if any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules()):
-        raise ValueError(
-            "quantize_nf4 must run before PEFT wrapping: quantize the base model, then call get_peft_model "
-            "(PEFT's layers then wrap the NF4 weights and train fp32 adapters beside them)"
+            f"quantize_nf4 must run before shard_model and before PEFT wrapping: the model is already "
+            f"{'sharded' if sharded else 'wrapped'}. Quantize the base model, wrap it with peft (its layers wrap the "
+            "NF4 weights and train adapters beside them), then call shard_model"
         )
     names = {id(m): n for n, m in model.named_modules()}
     group = block_size * scaler_block_size

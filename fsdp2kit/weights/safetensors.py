@@ -17,15 +17,8 @@ def checkpoint_files(hf_dir: Path) -> dict[str, Path]:
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"load_pretrained: {hf_dir} is not a directory")
     index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():  # a sharded checkpoint: every file its index names must be there
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
-        files = {k: index.parent / v for k, v in weight_map.items()}
-        absent = sorted({str(f) for f in files.values() if not f.is_file()})
-        if absent:
-            raise FileNotFoundError(f"{index} names files that are not there: {fmt_list(absent)}")
-        return files
+    if index.is_file():
+        return index_files(index)
     single = hf_dir / "model.safetensors"
     candidates = [single] if single.is_file() else sorted(hf_dir.glob("*.safetensors"))
     if not candidates:
@@ -34,7 +27,19 @@ def checkpoint_files(hf_dir: Path) -> dict[str, Path]:
             f"load_pretrained: no model.safetensors, model.safetensors.index.json or *.safetensors in {hf_dir} "
             f"(found {found}); .bin / .pt checkpoints are not read (they unpickle code): convert them first"
         )
-    return {k: path for path in candidates for k in check_file(path)}  # each file checked now
+    return SafetensorsReader.of(candidates).files
+
+
+def index_files(index: Path) -> dict[str, Path]:
+    """key -> file, from a sharded checkpoint's ``*.index.json``; every file it names must be there."""
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map")
+    files = {k: index.parent / v for k, v in weight_map.items()}
+    absent = sorted({str(f) for f in files.values() if not f.is_file()})
+    if absent:
+        raise FileNotFoundError(f"{index} names files that are not there: {fmt_list(absent)}")
+    return files
 
 
 def check_file(path: Path) -> list[str]:
@@ -63,6 +68,11 @@ class SafetensorsReader:
         self.files = files
         self.handles: dict[Path, tuple[object, set[str]]] = {}
         self.bytes = 0
+
+    @classmethod
+    def of(cls, paths: list[Path]) -> SafetensorsReader:
+        """A reader of every tensor of these files (each checked now)."""
+        return cls({k: path for path in paths for k in check_file(path)})
 
     def _slice(self, key: str):
         path = self.files[key]
