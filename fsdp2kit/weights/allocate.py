@@ -46,11 +46,9 @@ def allocate(model: nn.Module, device: torch.device) -> tuple[set[str], set[str]
     reshard_all(model)
 
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-    for slots in ties:
-        _, module, name = slots[0]
-        shared = module._parameters[name]
-        for _, other, other_name in slots[1:]:
-            other._parameters[other_name] = shared
+    for (_, module, name), *others in ties:
+        for _, other, other_name in others:
+            other._parameters[other_name] = module._parameters[name]
     return params, buffers
 
 

@@ -60,18 +60,17 @@ def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
     directory given as a path, else the one in the directory the model came from; None for none."""
     if tokenizer is False or hasattr(tokenizer, "save_pretrained"):
         return None if tokenizer is False else tokenizer
-    directory = tokenizer
     if tokenizer is None:  # the local directory the model's config was read from, if it holds one
-        directory = getattr(getattr(model, "config", None), "_name_or_path", None)
-        if not (isinstance(directory, str) and directory and has_tokenizer(directory)):
+        tokenizer = getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not (isinstance(tokenizer, str) and tokenizer and has_tokenizer(tokenizer)):
             return None
     elif not isinstance(tokenizer, (str, os.PathLike)):
         raise TypeError(f"tokenizer: expected a tokenizer, a directory or None, got {type(tokenizer).__name__}")
-    elif not has_tokenizer(directory):
-        raise FileNotFoundError(f"tokenizer={str(directory)!r} is not a directory holding a tokenizer")
+    elif not has_tokenizer(tokenizer):
+        raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding a tokenizer")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
 
 
 def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
@@ -133,8 +132,7 @@ def export_hf(
     full_of = lambda name: gather_full(tensors[name])
     if merge:
         if not is_peft_model(model):
-            name = type(model).__name__
-            raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
+            raise ValueError(f"export_hf(merge=True) merges peft adapters: {type(model).__name__} is not a PeftModel")
         merges = lora_merges(model)
         model, tensors, aliases = peft_view(model, tensors, aliases)  # the wrapped model
 

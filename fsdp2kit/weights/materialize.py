@@ -86,8 +86,7 @@ class _Replay(TorchFunctionMode):
             fn()
         finally:
             result = {n: module._parameters[n] for n in saved}
-            for n, p in saved.items():
-                module._parameters[n] = p
+            module._parameters.update(saved)
         for p, full in self.stand_ins.values():  # other modules' parameters, as the call left them
             self._commit(p, full, through_owner=False)
         for n, p in saved.items():
