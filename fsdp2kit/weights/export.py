@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from safetensors.torch import save_file
 
 from fsdp2kit._internal.agree import raise_agreed
 from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
@@ -300,8 +301,6 @@ class FirstRankWriter:
 
     def flush(self) -> None:
         if self.pending:
-            from safetensors.torch import save_file
-
             save_file(self.pending, str(self.dir / f".part-{self.files}"), metadata={"format": "pt"})
             self.files += 1
             self.pending = {}

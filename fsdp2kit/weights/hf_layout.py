@@ -213,12 +213,7 @@ def save_layout(model: nn.Module, keys: list[str]) -> tuple[list[list[str]], Cal
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every clean model key of the state dict (tied names included) -> tensor, and tied name -> first name."""
-    tensors: dict[str, torch.Tensor] = {}
+    state = model.state_dict(keep_vars=True)  # not a tensor: a module's get_extra_state() entry
+    tensors = {clean_fqn(name): t for name, t in state.items() if isinstance(t, torch.Tensor)}
     first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if not isinstance(t, torch.Tensor):  # a module's get_extra_state() entry
-            continue
-        tensors[clean_fqn(name)] = t
-        aliases[clean_fqn(name)] = first.setdefault(id(t), clean_fqn(name))
-    return tensors, aliases
+    return tensors, {name: first.setdefault(id(t), name) for name, t in tensors.items()}
