@@ -41,8 +41,7 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
         raise FileNotFoundError(f"base={str(base)!r} is not a Hugging Face model directory (no config.json there)")
     dtype = getattr(torch, desc["base_dtype"]) if desc.get("base_dtype") else None
     model = from_pretrained(AutoModelForCausalLM, str(base), dtype=dtype, local_files_only=True)
-    nf4 = desc.get("nf4")
-    if nf4:
+    if nf4 := desc.get("nf4"):
         groups = {k: nf4[k] for k in ("block_size", "scaler_block_size")}
         done = quantize_nf4(model, **groups, dtype=getattr(torch, nf4["dtype"]))
         differ = sorted(set(done) ^ set(nf4["weights"]))

@@ -242,8 +242,7 @@ def dcp_to_hf(
         for name, found in source.items()
         if found is not None and tuple(stored[found].size) != tuple(tensors[name].shape)
     ]
-    problems = key_problems(missing, sorted(set(stored) - set(tensors)), mismatched)
-    if problems:
+    if problems := key_problems(missing, sorted(set(stored) - set(tensors)), mismatched):
         raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(problems))
 
     dtypes = {n: stored[source[n]].properties.dtype for n in names}

@@ -219,11 +219,9 @@ def materialize(
                 for module, label, fn in calls:
                     replay.call(module, label, fn)
             copy_buffers(model, values)
-        undone = sorted(replay.names[pid] for pid in replay.write if pid not in replay.done)
-        if undone:
+        if undone := sorted(replay.names[pid] for pid in replay.write if pid not in replay.done):
             how = "init_fn" if init_fn else "the model's initialisation (_init_weights / reset_parameters)"
             raise ValueError(f"{how} left parameters {undone[:20]} unset: set them in materialize(model, init_fn=...)")
-        unset = [n for n in unfound if torch.isnan(model.get_buffer(n)).any()]  # False for integer buffers
-        if unset:
+        if unset := [n for n in unfound if torch.isnan(model.get_buffer(n)).any()]:  # False for integer buffers
             raise ValueError(f"init_fn left buffers {unset} unset (the model's construction cannot recompute them)")
     return model

@@ -53,8 +53,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         target, tensors, aliases = _load_targets(model)
         groups, missing, unexpected, mismatched = plan_load(target, shapes, tensors, aliases)
         problems = key_problems(missing if strict else (), unexpected if strict else (), mismatched)
-        nf4_missing = [n for n in missing if n in tensors and is_nf4(tensors[n])]
-        if nf4_missing:
+        if nf4_missing := [n for n in missing if n in tensors and is_nf4(tensors[n])]:
             problems.append(f"NF4 weights missing from the checkpoint (quantized from it): {fmt_list(nf4_missing)}")
         if problems:
             hint = " Is this the checkpoint of another model?" if len(groups) < len(tensors) // 2 else ""
