@@ -76,7 +76,7 @@ def measure(hf_dir: str) -> dict:
     from transformers.models.llama import modeling_llama  # noqa: F401
 
     import fsdp2kit as fk
-    from fsdp2kit.weights import nf4_load  # noqa: F401
+    from fsdp2kit.weights import nf4  # noqa: F401
 
     mesh = fk.make_mesh()
 

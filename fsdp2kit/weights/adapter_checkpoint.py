@@ -41,14 +41,9 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
         raise FileNotFoundError(f"base={str(base)!r} is not a Hugging Face model directory (no config.json there)")
     dtype = getattr(torch, desc["base_dtype"]) if desc.get("base_dtype") else None
     model = from_pretrained(AutoModelForCausalLM, str(base), dtype=dtype, local_files_only=True)
-    nf4 = desc.get("nf4")
-    if nf4:
-        done = quantize_nf4(
-            model,
-            block_size=nf4["block_size"],
-            scaler_block_size=nf4["scaler_block_size"],
-            dtype=getattr(torch, nf4["dtype"]),
-        )
+    if nf4 := desc.get("nf4"):
+        groups = {k: nf4[k] for k in ("block_size", "scaler_block_size")}
+        done = quantize_nf4(model, **groups, dtype=getattr(torch, nf4["dtype"]))
         differ = sorted(set(done) ^ set(nf4["weights"]))
         if differ:
             raise ValueError(f"quantizing {base} to NF4 again gives other weights than the run had: {differ[:6]}")

@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-from typing import NamedTuple
-
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.dtensor import local_shard
-from fsdp2kit.weights.hf_layout import clean_fqn
+from fsdp2kit._internal.dtensor import gather_full, local_shard
+from fsdp2kit.weights.hf_layout import clean_fqn, is_instance_of
 from fsdp2kit.weights.nf4 import is_nf4
-
-
-class LoraMerge(NamedTuple):
-    """One active LoRA adapter to fold into a base weight: ``weight + scaling * B @ A`` (transposed
-    when the layer stores its weight as fan_in x fan_out)."""
-
-    lora_a: str  # the name of A in the PEFT model's tensors
-    lora_b: str
-    scaling: float
-    fan_in_fan_out: bool
 
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether ``model`` is a peft ``PeftModel`` (without importing peft for other models)."""
-    if "peft" not in sys.modules:
-        return False
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
+    return is_instance_of(model, "peft", "PeftModel")
 
 
 def peft_description(model: nn.Module) -> dict | None:
@@ -44,10 +27,9 @@ def peft_description(model: nn.Module) -> dict | None:
     nf4 = [(n, local_shard(p)) for n, p in model.named_parameters() if is_nf4(p)]
     plain = [p.dtype for p in model.parameters() if not p.requires_grad and not is_nf4(p) and p.is_floating_point()]
     base_dtype = max(set(plain), key=plain.count) if plain else (nf4[0][1].dtype if nf4 else None)
-    active = model.active_adapters
     return {
         "adapters": adapters,
-        "active": list(active) if isinstance(active, (list, tuple)) else [active],
+        "active": list(model.active_adapters),  # peft's PeftModel gives a list
         "base_dtype": str(base_dtype).removeprefix("torch.") if base_dtype is not None else None,
         "nf4": {
             "block_size": nf4[0][1].block_size,
@@ -71,74 +53,64 @@ def adapter_keys(model: nn.Module, adapter: str, tensors: dict[str, torch.Tensor
 
 
 def base_name(name: str) -> str:
-    name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def peft_view(
-    model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], *, for_merge: bool = False
-) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str], dict[str, list[LoraMerge]]]:
-    """A PEFT model's frozen base under the wrapped model's names: that model, its tensors and tied-name aliases,
-    and with ``for_merge`` each LoRA-wrapped weight's `LoraMerge`s (DoRA, LoRA biases... are a ``ValueError``)."""
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.lora import LoraLayer
-
+    model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]
+) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
+    """A PEFT model's frozen base under the wrapped model's names: that model, its tensors and tied-name aliases."""
     adapters = {n for adapter in model.peft_config for n in adapter_keys(model, adapter, tensors)}
     names = {  # base name -> PEFT model name
         base_name(name.replace(".original_module.", ".")): name
         for name in tensors
         if name not in adapters and ".modules_to_save." not in name
     }
-
-    merges: dict[str, list[LoraMerge]] = {}
-    if for_merge:
-        config_types = sorted({c.peft_type.value for c in model.peft_config.values()})
-        if config_types != ["LORA"]:
-            raise ValueError(f"export_hf(merge=True) merges LoRA adapters only; this model has {config_types}")
-        active = list(model.active_adapters)
-        bad = []
-        for name, module in model.named_modules():
-            label = clean_fqn(name)
-            if ".modules_to_save" in label:
-                bad.append(f"{label} (modules_to_save)")
-            if not isinstance(module, LoraLayer):
-                continue
-            if not isinstance(module, LoraLinear):
-                bad.append(f"{label} ({type(module).__name__})")
-            elif any(a in getattr(module, "lora_magnitude_vector", {}) for a in active):
-                bad.append(f"{label} (DoRA)")
-            elif any(getattr(module.lora_B[a], "bias", None) is not None for a in active if a in module.lora_B):
-                bad.append(f"{label} (lora_bias)")
-            if not bad:
-                merges[base_name(f"{label}.base_layer.weight")] = [
-                    LoraMerge(
-                        f"{label}.lora_A.{a}.weight",
-                        f"{label}.lora_B.{a}.weight",
-                        module.scaling[a],
-                        module.fan_in_fan_out,
-                    )
-                    for a in active
-                    if a in module.lora_A
-                ]
-        if bad:
-            raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
     return (
         model.get_base_model(),
         {b: tensors[n] for b, n in names.items()},
         {b: base_name(aliases.get(n, n)) for b, n in names.items()},
-        merges,
     )
 
 
-def merged_weight(weight: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, LoraMerge]]) -> torch.Tensor:
-    """``weight + sum(scaling * B @ A)`` over ``(A, B, merge)``, bit for bit peft's ``merge_and_unload()``
-    (summed in the wider dtype, rounded to the weight's); an NF4 weight is dequantized first."""
+def lora_merges(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Each LoRA-wrapped base weight's name -> its (layer, active adapter) pairs to fold in; DoRA, LoRA biases,
+    modules_to_save and other PEFT types are a ``ValueError``."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    config_types = sorted({c.peft_type.value for c in model.peft_config.values()})
+    if config_types != ["LORA"]:
+        raise ValueError(f"export_hf(merge=True) merges LoRA adapters only; this model has {config_types}")
+    active = list(model.active_adapters)
+    merges, bad = {}, []
+    for name, module in model.named_modules():
+        label = clean_fqn(name)
+        if ".modules_to_save" in label:
+            bad.append(f"{label} (modules_to_save)")
+        if not isinstance(module, LoraLayer):
+            continue
+        if not isinstance(module, LoraLinear):
+            bad.append(f"{label} ({type(module).__name__})")
+        elif any(a in getattr(module, "lora_magnitude_vector", {}) for a in active):
+            bad.append(f"{label} (DoRA)")
+        elif any(getattr(module.lora_B[a], "bias", None) is not None for a in active if a in module.lora_B):
+            bad.append(f"{label} (lora_bias)")
+        merges[base_name(f"{label}.base_layer.weight")] = [(module, a) for a in active if a in module.lora_A]
+    if bad:
+        raise ValueError(f"export_hf(merge=True) cannot fold these into the base weights: {bad[:8]}")
+    return merges
+
+
+def merged_weight(weight: torch.Tensor, layers: list[tuple[nn.Module, str]]) -> torch.Tensor:
+    """``weight + sum(scaling * B @ A)`` over the (layer, adapter) pairs in the wider dtype, bit for bit peft's
+    ``merge_and_unload()``; an NF4 weight is dequantized first. Collective: the factors are gathered whole."""
     if is_nf4(weight):
         weight = weight.get_original_weight()
     out = weight
-    for a, b, merge in factors:
-        delta = (b @ a).T if merge.fan_in_fan_out else b @ a
-        delta = delta * merge.scaling
+    for layer, adapter in layers:
+        delta = gather_full(layer.lora_B[adapter].weight) @ gather_full(layer.lora_A[adapter].weight)
+        delta = (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
         out = (out.to(torch.promote_types(out.dtype, delta.dtype)) + delta).to(weight.dtype)
     return out
 
@@ -210,9 +182,8 @@ def apply_lora(
     """
     from peft import LoraConfig, get_peft_model
 
-    if isinstance(targets, str):
-        targets = [targets] if targets != "all-linear" else "all-linear"
     if targets != "all-linear":
+        targets = [targets] if isinstance(targets, str) else targets
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
         if unmatched:

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import os
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+from safetensors.torch import save_file
 
-from fsdp2kit._internal.dtensor import gather_full, reshard_all
+from fsdp2kit._internal.agree import raise_agreed
+from fsdp2kit._internal.dtensor import gather_full, is_first_rank, reshard_all
 from fsdp2kit._internal.fmt import key_problems
 from fsdp2kit.checkpoint import read_metadata, resolve_step_dir
 from fsdp2kit.weights.adapter_checkpoint import load_alone, peft_model_from_checkpoint, read_info
-from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, merged_weight, peft_view
+from fsdp2kit.weights.adapters import adapter_keys, is_peft_model, lora_merges, merged_weight, peft_view
 from fsdp2kit.weights.hf_layout import model_tensors, save_layout
-from fsdp2kit.weights.hf_writer import FirstRankWriter
 from fsdp2kit.weights.nf4 import is_nf4
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -53,30 +59,24 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
     """The tokenizer to write: ``tokenizer`` itself (anything with ``save_pretrained``), the one in a
     directory given as a path, else the one in the directory the model came from; None for none."""
-    if tokenizer is False:
-        return None
+    if tokenizer is False or hasattr(tokenizer, "save_pretrained"):
+        return None if tokenizer is False else tokenizer
     if tokenizer is None:  # the local directory the model's config was read from, if it holds one
-        directory = getattr(getattr(model, "config", None), "_name_or_path", None)
-        if not (isinstance(directory, str) and directory and has_tokenizer(directory)):
+        tokenizer = getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not (isinstance(tokenizer, str) and tokenizer and has_tokenizer(tokenizer)):
             return None
-    elif isinstance(tokenizer, (str, os.PathLike)):
-        directory = tokenizer
-        if not has_tokenizer(directory):
-            raise FileNotFoundError(f"tokenizer={str(directory)!r} is not a directory holding a tokenizer")
-    elif hasattr(tokenizer, "save_pretrained"):
-        return tokenizer
-    else:
+    elif not isinstance(tokenizer, (str, os.PathLike)):
         raise TypeError(f"tokenizer: expected a tokenizer, a directory or None, got {type(tokenizer).__name__}")
+    elif not has_tokenizer(tokenizer):
+        raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory holding a tokenizer")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
 
 
 def _save_config(model: nn.Module, directory: Path, dtype: torch.dtype | None, tokenizer=None) -> None:
     """Copies of the config and generation config with ``dtype`` and the tokenizer's BOS/EOS/PAD ids (PAD: EOS
     when it has none; ``generate`` stops at the tokenizer's EOS), and the tokenizer beside them."""
-    import copy
-
     ids = {}
     if tokenizer is not None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -128,26 +128,33 @@ def export_hf(
 
     Returns the output directory on the writing rank, None on the others.
     """
-    max_bytes = parse_size(max_shard_size)
     reshard_all(model)
     tensors, aliases = model_tensors(model)
     full_of = lambda name: gather_full(tensors[name])
     if merge:
         if not is_peft_model(model):
-            name = type(model).__name__
-            raise ValueError(f"export_hf(merge=True) merges peft adapters; {name} is not a peft PeftModel")
-        lora = tensors
-        model, tensors, aliases, merges = peft_view(model, lora, aliases, for_merge=True)  # the wrapped model
+            raise ValueError(f"export_hf(merge=True) merges peft adapters: {type(model).__name__} is not a PeftModel")
+        merges = lora_merges(model)
+        model, tensors, aliases = peft_view(model, tensors, aliases)  # the wrapped model
 
         def full_of(name: str) -> torch.Tensor:  # the base weight with the active adapters folded in
             weight = gather_full(tensors[name])
-            factors = [(gather_full(lora[m.lora_a]), gather_full(lora[m.lora_b]), m) for m in merges.get(name, [])]
-            return merged_weight(weight, factors) if factors or is_nf4(weight) else weight
+            return merged_weight(weight, merges.get(name, [])) if name in merges or is_nf4(weight) else weight
 
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "export_hf", max_bytes=max_bytes)
+    out = FirstRankWriter(model, out_dir, overwrite, "export_hf", max_shard_size)
     tok = out.do(lambda: _resolve_tokenizer(tokenizer, model))  # None on the other ranks
-    if is_peft_model(model):
-        return _export_adapters(model, out, tensors, dtype, tok)
+    if is_peft_model(model):  # peft's adapter directory, from the full adapter tensors on the writing rank's CPU
+        with torch.no_grad():
+            for adapter in list(model.peft_config):
+                fulls = {}  # this adapter's (the last one's freed before these gathers)
+                for n in adapter_keys(model, adapter, tensors):
+                    full = gather_full(tensors[n])  # collective: every rank gathers each tensor, in order
+                    if out.writes:
+                        fulls[n] = _cast(full, dtype).contiguous()
+                save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
+                out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
+        out.do(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
+        return out.finish()
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     names = _export_names(model, tensors, aliases)
     return _write(model, out, names, full_of, dtype, dtype or held, tok)
@@ -157,37 +164,13 @@ def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok
     """``names`` in the model's checkpoint layout, a conversion group at a time (``full_of`` may be
     collective: it runs on every rank), then the configs and the tokenizer."""
     groups, to_hf = save_layout(model, list(names))
-
-    def write(fulls: dict[str, torch.Tensor]) -> None:
-        for name, t in to_hf({n: _cast(v, dtype) for n, v in fulls.items()}).items():
-            out.add(name, t)
-
     with torch.no_grad():
         for group in groups:
-            out.do(functools.partial(write, {n: full_of(n) for n in group}))  # gathered on every rank, in order
-
-    def last() -> None:
-        out.write_index()
-        _save_config(model, out.dir, config_dtype, tok)
-
-    return out.finish(last)
-
-
-def _export_adapters(model: nn.Module, out: FirstRankWriter, tensors: dict, dtype, tok) -> Path | None:
-    """PEFT's adapter directory, written by peft's ``save_pretrained`` from the full adapter tensors
-    (gathered one at a time, kept on the writing rank's CPU): what peft writes for an unsharded model."""
-    with torch.no_grad():
-        for adapter in list(model.peft_config):
-            fulls = {}
-            for n in adapter_keys(model, adapter, tensors):
-                full = gather_full(tensors[n])  # collective: every rank gathers each tensor, in order
-                if out.writes:
-                    fulls[n] = _cast(full, dtype).contiguous()  # on the CPU
-                del full
-            save = functools.partial(model.save_pretrained, str(out.dir), save_embedding_layers=False)
-            out.do(functools.partial(save, selected_adapters=[adapter], state_dict=fulls))
-            fulls.clear()  # written: not held through the next adapter's gathers
-    return out.finish(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
+            fulls = {n: full_of(n) for n in group}  # gathered on every rank, in order
+            out.do(lambda fulls=fulls: out.add(to_hf({n: _cast(v, dtype) for n, v in fulls.items()})))
+    out.do(out.write_index)
+    out.do(lambda: _save_config(model, out.dir, config_dtype, tok))
+    return out.finish()
 
 
 def dcp_to_hf(
@@ -259,14 +242,12 @@ def dcp_to_hf(
         for name, found in source.items()
         if found is not None and tuple(stored[found].size) != tuple(tensors[name].shape)
     ]
-    problems = key_problems(missing, sorted(set(stored) - set(tensors)), mismatched)
-    if problems:
+    if problems := key_problems(missing, sorted(set(stored) - set(tensors)), mismatched):
         raise ValueError(f"{step_dir} does not match {type(model).__name__} from its config: " + "; ".join(problems))
 
-    max_bytes = parse_size(max_shard_size)
     dtypes = {n: stored[source[n]].properties.dtype for n in names}
     held = next((d for d in dtypes.values() if d.is_floating_point), None)
-    out = FirstRankWriter(model, Path(out_dir), overwrite, "dcp_to_hf", max_bytes=max_bytes, alone=True)
+    out = FirstRankWriter(model, out_dir, overwrite, "dcp_to_hf", max_shard_size, alone=True)
 
     def read(name: str) -> torch.Tensor:  # one dcp.load a tensor: ~6 ms each, against seconds of reading
         state = {source[name]: torch.empty(stored[source[name]].size, dtype=dtypes[name])}
@@ -275,3 +256,85 @@ def dcp_to_hf(
 
     full_of = lambda name: out.do(functools.partial(read, name))  # an error is kept for out.finish
     return _write(model, out, names, full_of, dtype, dtype or held, tok)
+
+
+class FirstRankWriter:
+    """The mesh's first rank (``alone``: this process) writes safetensors files of at most ``max_shard_size`` into a
+    hidden sibling of ``out_dir``, renamed into place by `finish`; errors are kept and raised there on every rank."""
+
+    def __init__(self, model: nn.Module, out_dir, overwrite: bool, what: str, max_shard_size, *, alone=False):
+        self.model, self.out, self.what, self.max = model, Path(out_dir), what, parse_size(max_shard_size)
+        self.writes = alone or is_first_rank(model)
+        self.error: BaseException | None = None
+        self.dir: Path | None = None
+        self.pending: dict[str, torch.Tensor] = {}  # safetensors files: a new one each time self.max would be passed
+        self.total = self.files = 0
+        self.file_of: dict[str, int] = {}  # tensor name -> its file's number
+        self.do(lambda: self._stage(overwrite))
+
+    def _stage(self, overwrite: bool) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"{self.out} exists and is not a directory")
+        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{self.out} exists and is not empty; pass overwrite=True to replace it")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = self.out.parent / f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+
+    def _commit(self) -> None:
+        old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+        if self.out.exists():
+            self.out.rename(old)
+        self.dir.rename(self.out)
+        shutil.rmtree(old, ignore_errors=True)  # nothing there when there was no old directory
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            if name in self.file_of:
+                raise ValueError(f"two tensors would be saved as {name!r}")
+            if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > self.max:
+                self.flush()
+            self.pending[name] = tensor.contiguous()
+            self.total += tensor.nbytes
+            self.file_of[name] = self.files
+
+    def flush(self) -> None:
+        if self.pending:
+            save_file(self.pending, str(self.dir / f".part-{self.files}"), metadata={"format": "pt"})
+            self.files += 1
+            self.pending = {}
+
+    def write_index(self) -> None:
+        """The pending tensors, then the files under their final names, with the index when there are several."""
+        self.flush()
+        if not self.files:
+            raise ValueError("nothing to write: the model has no parameters or persistent buffers")
+        n = self.files
+        names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)] if n > 1 else ["model.safetensors"]
+        for i, name in enumerate(names):
+            (self.dir / f".part-{i}").rename(self.dir / name)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": self.total},
+                "weight_map": {k: names[i] for k, i in sorted(self.file_of.items())},
+            }
+            (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    def do(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the writing rank, unless an error came first (then kept for `finish`): its result,
+        None on the other ranks, after an error, or when it raised."""
+        if self.writes and self.error is None:
+            try:
+                return fn()
+            except BaseException as exc:
+                self.error = exc
+        return None
+
+    def finish(self) -> Path | None:
+        """Publish; the output directory on the writing rank, None elsewhere."""
+        if self.dir is not None:
+            self.do(self._commit)
+            if self.error is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
+        raise_agreed(self.error, self.model, self.what)
+        return self.out if self.writes else None

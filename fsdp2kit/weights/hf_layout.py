@@ -7,7 +7,7 @@ import functools
 import re
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,13 +36,14 @@ def original_class(module: nn.Module) -> type:
     return cls
 
 
+def is_instance_of(obj: object, package: str, name: str) -> bool:
+    """``isinstance(obj, package.name)``, without importing ``package`` when nothing has (then it is False)."""
+    return package in sys.modules and isinstance(obj, getattr(sys.modules[package], name))
+
+
 def is_pretrained(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
-
-    return isinstance(module, PreTrainedModel)
+    return is_instance_of(module, "transformers", "PreTrainedModel")
 
 
 def natural_key(key: str) -> list:
@@ -117,24 +118,14 @@ class Group:
         )
 
 
-@dataclass
-class LoadPlan:
-    groups: list[Group] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)  # model keys nothing on disk fills
-    unexpected: list[str] = field(default_factory=list)  # checkpoint keys with no place in the model
-    mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..) vs model (..)"
-
-
-def _ignored(model: nn.Module, keys: Iterable[str], attribute: str) -> set[str]:
-    """Keys a transformers model declares may be missing / unexpected (regexes on the model)."""
+def _not_ignored(model: nn.Module, keys: Iterable[str], attribute: str) -> list[str]:
+    """``keys`` in natural order, less those a transformers model declares may be missing / unexpected (regexes)."""
     patterns = set(getattr(model, attribute, None) or ())
     if attribute == "_keys_to_ignore_on_load_unexpected":
         # transformers also ignores these two, which older checkpoints stored as persistent buffers.
         patterns |= {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
-    if not patterns or not is_pretrained(model):
-        return set()
-    regex = re.compile("|".join(f"({p})" for p in patterns))
-    return {k for k in keys if regex.search(k)}
+    regex = re.compile("|".join(f"({p})" for p in patterns)) if patterns and is_pretrained(model) else None
+    return sorted({k for k in keys if regex is None or not regex.search(k)}, key=natural_key)
 
 
 def plan_load(
@@ -142,11 +133,11 @@ def plan_load(
     disk_shapes: dict[str, tuple[int, ...]],
     model_tensors: dict[str, torch.Tensor],
     aliases: dict[str, str],
-) -> LoadPlan:
-    """Match checkpoint keys to model keys (clean names, tied names included; ``aliases``: tied name ->
-    first name) as from_pretrained does; conversions are dry-run on meta tensors to check shapes."""
+) -> tuple[list[Group], list[str], list[str], list[str]]:
+    """Checkpoint keys matched to model keys as from_pretrained does (``aliases``: tied name -> first name), conversions
+    dry-run on meta. Returns the groups to load, missing model keys, unexpected checkpoint keys, shape mismatches."""
     transforms = _conversions(model, for_saving=False)
-    plan = LoadPlan()
+    loads, unexpected, mismatched = [], [], []  # of Group, checkpoint key, message
     if transforms:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -161,17 +152,12 @@ def plan_load(
             target, pattern = rename_source_key(key, renamings, converters, prefix, model_tensors)
             if target not in model_tensors and key in model_tensors:
                 target, pattern = key, None
-        if target not in model_tensors:
-            plan.unexpected.append(key)
+        # No place in the model, or a second checkpoint key for one model key (e.g. legacy and new names).
+        if target not in model_tensors or (pattern is None and target in groups):
+            unexpected.append(key)
             continue
-        if pattern is None:
-            if target in groups:  # a second checkpoint key for the same model key (e.g. legacy and new names)
-                plan.unexpected.append(key)
-                continue
-            groups[target] = Group([target], {key: [key]})
-        else:
-            group = groups.setdefault(target, Group([target], {}, by_pattern[pattern]))
-            group.sources.setdefault(pattern, []).append(key)
+        group = groups.setdefault(target, Group([target], {}, by_pattern[pattern] if pattern else None))
+        group.sources.setdefault(pattern or key, []).append(key)
 
     filled: set[str] = set()
     for first, group in groups.items():
@@ -180,14 +166,14 @@ def plan_load(
             try:
                 produced = group.convert(model, metas)
             except Exception as exc:
-                plan.mismatched.append(f"{first}: converting {group.source_keys[:4]}... failed: {exc}")
+                mismatched.append(f"{first}: converting {group.source_keys[:4]}... failed: {exc}")
                 continue
             group.targets = list(produced)
             shapes = {k: tuple(v.shape) for k, v in produced.items()}
         else:
             shapes = {first: tuple(disk_shapes[group.source_keys[0]])}
         if any(n not in model_tensors for n in shapes):
-            plan.unexpected.extend(group.source_keys)
+            unexpected.extend(group.source_keys)
             continue
         src = group.source_keys[0] if group.converter is None else f"{len(group.source_keys)} keys"
         wrong = [
@@ -195,21 +181,17 @@ def plan_load(
             for name, shape in shapes.items()
             if shape != tuple(model_tensors[name].shape)
         ]
-        plan.mismatched.extend(wrong)
+        mismatched.extend(wrong)
         roots = {aliases.get(n, n) for n in group.targets}
         if not wrong and not roots & filled:  # two checkpoint keys that fill one tied tensor: the first wins
-            plan.groups.append(group)
+            loads.append(group)
         if not wrong:
             filled |= roots
 
     # A tied tensor is filled by any one of its names; the others may be absent from the file.
-    plan.missing = [k for k in model_tensors if aliases.get(k, k) == k and k not in filled]
-    plan.missing = sorted(set(plan.missing) - _ignored(model, plan.missing, "_keys_to_ignore_on_load_missing"))
-    plan.unexpected = sorted(
-        set(plan.unexpected) - _ignored(model, plan.unexpected, "_keys_to_ignore_on_load_unexpected"),
-        key=natural_key,
-    )
-    return plan
+    missing = [k for k in model_tensors if aliases.get(k, k) == k and k not in filled]
+    missing = _not_ignored(model, missing, "_keys_to_ignore_on_load_missing")
+    return loads, missing, _not_ignored(model, unexpected, "_keys_to_ignore_on_load_unexpected"), mismatched
 
 
 def save_layout(model: nn.Module, keys: list[str]) -> tuple[list[list[str]], Callable[[dict], dict]]:
@@ -231,12 +213,7 @@ def save_layout(model: nn.Module, keys: list[str]) -> tuple[list[list[str]], Cal
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every clean model key of the state dict (tied names included) -> tensor, and tied name -> first name."""
-    tensors: dict[str, torch.Tensor] = {}
+    state = model.state_dict(keep_vars=True)  # not a tensor: a module's get_extra_state() entry
+    tensors = {clean_fqn(name): t for name, t in state.items() if isinstance(t, torch.Tensor)}
     first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if not isinstance(t, torch.Tensor):  # a module's get_extra_state() entry
-            continue
-        tensors[clean_fqn(name)] = t
-        aliases[clean_fqn(name)] = first.setdefault(id(t), clean_fqn(name))
-    return tensors, aliases
+    return tensors, {name: first.setdefault(id(t), name) for name, t in tensors.items()}

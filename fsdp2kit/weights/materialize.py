@@ -19,8 +19,7 @@ from fsdp2kit._internal.agree import all_ranks_or_none
 from fsdp2kit._internal.dtensor import local_index, local_shard, model_meshes
 from fsdp2kit._internal.scoped import divert
 from fsdp2kit.dist import mesh_device
-from fsdp2kit.weights.allocate import allocate, target_device
-from fsdp2kit.weights.buffers import copy_buffers, fill_buffers
+from fsdp2kit.weights.allocate import allocate, copy_buffers, fill_buffers, target_device
 from fsdp2kit.weights.hf_layout import is_pretrained
 from fsdp2kit.weights.nf4 import is_nf4
 
@@ -87,12 +86,18 @@ class _Replay(TorchFunctionMode):
             fn()
         finally:
             result = {n: module._parameters[n] for n in saved}
-            for n, p in saved.items():
-                module._parameters[n] = p
+            module._parameters.update(saved)
         for p, full in self.stand_ins.values():  # other modules' parameters, as the call left them
             self._commit(p, full, through_owner=False)
         for n, p in saved.items():
             self._commit(p, result[n].detach(), through_owner=True)
+
+    def _refused(self, op: str, how: str) -> RuntimeError:
+        return RuntimeError(
+            f"{self.current}'s initialisation calls {op} on a sharded parameter {how}; materialize replays writes "
+            "of whole parameters only. Use torch.nn.init.* on the parameter itself, or pass "
+            "materialize(model, init_fn=...)."
+        )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,11 +108,7 @@ class _Replay(TorchFunctionMode):
         new = False
         if isinstance(target, DTensor) and (in_place or "out" in kwargs):
             if id(target) not in self.names:
-                raise RuntimeError(
-                    f"{self.current}'s initialisation calls {name} on a sharded parameter through a slice or copy "
-                    "(e.g. .data); materialize replays initialisation on whole parameters only. Use torch.nn.init.* "
-                    "on the parameter itself, or pass materialize(model, init_fn=...)."
-                )
+                raise self._refused(name, "through a slice or copy (e.g. .data)")
             new = id(target) not in self.stand_ins
             if new:
                 self.stand_ins[id(target)] = (target, self._blank(target))
@@ -126,12 +127,8 @@ class _Replay(TorchFunctionMode):
         result = func(*args, **kwargs)
         if new:
             full = self.stand_ins[id(target)][1]
-            if full.is_floating_point() and full.numel() and torch.isnan(full).all():
-                raise RuntimeError(  # it read the value (mul_, add_...): the stand-in has none to give
-                    f"{self.current}'s initialisation calls {name} on a sharded parameter it has not written in the "
-                    "same call; materialize replays writes of whole parameters (torch.nn.init.*). Use those there, "
-                    "or pass materialize(model, init_fn=...)."
-                )
+            if full.is_floating_point() and full.numel() and torch.isnan(full).all():  # it read the value (mul_...)
+                raise self._refused(name, "it has not written in the same call")
         owner = next((p for p, full in self.stand_ins.values() if full is result), None)
         return result if owner is None else owner
 
@@ -181,12 +178,10 @@ def materialize(
     Call it after `fsdp2kit.shard_model`, on every rank of the mesh (it is collective); only
     tensors still on the meta device are touched. Parameters get the model's own init
     (transformers' ``_init_weights``, else ``reset_parameters``), or ``init_fn(module)`` for every
-    module, run on full-size plain stand-ins one module at a time from a copy of the mesh's first
-    rank's random state; each rank keeps its rows and its own random state. The result is bit for
-    bit the same init on an unsharded copy, at any world size (docs/internals.md). A tied weight
-    takes its first owner's init; a parameter no init writes is a ``ValueError`` naming it.
-    Buffers get the values an ordinary CPU construction gives them; those it cannot recompute
-    must be filled by ``init_fn``, or it raises.
+    module: bit for bit that init on an unsharded copy, at any world size, and each rank keeps its
+    own random state (docs/internals.md). A tied weight takes its first owner's init; a parameter
+    no init writes is a ``ValueError`` naming it. Buffers get the values an ordinary CPU
+    construction gives them; those it cannot recompute must be filled by ``init_fn``, or it raises.
 
     Args:
         model: built under ``torch.device("meta")``, after `shard_model` (or unsharded).
@@ -224,18 +219,9 @@ def materialize(
                 for module, label, fn in calls:
                     replay.call(module, label, fn)
             copy_buffers(model, values)
-        undone = sorted(replay.names[pid] for pid in replay.write if pid not in replay.done)
-        if undone:
-            how = "init_fn" if init_fn is not None else "the model's initialisation (_init_weights / reset_parameters)"
-            raise ValueError(
-                f"{how} left {len(undone)} parameter(s) unset: {undone[:20]}. "
-                + ("Initialise them in init_fn." if init_fn else "Pass materialize(model, init_fn=...) that sets them.")
-            )
-        unset = [
-            n for n in unfound if model.get_buffer(n).is_floating_point() and torch.isnan(model.get_buffer(n)).any()
-        ]
-        if unset:
-            raise ValueError(
-                f"init_fn left buffers {unset} unset; they cannot be recomputed from the model's construction"
-            )
+        if undone := sorted(replay.names[pid] for pid in replay.write if pid not in replay.done):
+            how = "init_fn" if init_fn else "the model's initialisation (_init_weights / reset_parameters)"
+            raise ValueError(f"{how} left parameters {undone[:20]} unset: set them in materialize(model, init_fn=...)")
+        if unset := [n for n in unfound if torch.isnan(model.get_buffer(n)).any()]:  # False for integer buffers
+            raise ValueError(f"init_fn left buffers {unset} unset (the model's construction cannot recompute them)")
     return model

@@ -16,8 +16,7 @@ from fsdp2kit.weights.adapters import is_peft_model, peft_init_fn, peft_view
 from fsdp2kit.weights.allocate import allocate_for_load, target_device
 from fsdp2kit.weights.hf_layout import model_tensors, plan_load
 from fsdp2kit.weights.materialize import materialize
-from fsdp2kit.weights.nf4 import is_nf4
-from fsdp2kit.weights.nf4_load import allocate_nf4, fill_nf4
+from fsdp2kit.weights.nf4 import allocate_nf4, fill_nf4, is_nf4
 from fsdp2kit.weights.safetensors import SafetensorsReader, checkpoint_files
 
 
@@ -35,14 +34,11 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     """Read a local Hugging Face safetensors checkpoint straight into each rank's shards (docs/loading.md).
 
     Call it after `shard_model`, on every rank (a meta-device model gets its storage here). Each
-    rank reads only the box of each tensor its shard holds, as a copy: nothing of the model refers
-    to the files once this returns. Every file's header is checked against its size first (a
-    truncated or padded file is a ``ValueError`` naming it). Keys and layouts that differ from
-    the module are mapped with transformers' own renamings and weight converters, as
+    rank copies only the rows its shards hold; a truncated or padded file is a ``ValueError`` naming
+    it. Keys and layouts are mapped with transformers' own renamings and weight converters, as
     ``from_pretrained`` does; values are cast to each parameter's dtype; a tied weight needs one
-    of its names on disk. NF4 weights (`quantize_nf4` before `shard_model`) are quantized from
-    each rank's rows, bit for bit the shard of ``to_nf4(full weight)`` (docs/lora.md). A peft
-    model's base is read under the base's own names; the adapters keep their init.
+    of its names on disk. NF4 weights (`quantize_nf4`) are quantized from each rank's rows
+    (docs/lora.md). A peft model's base is read under the base's own names; the adapters keep their init.
 
     With ``strict=True`` a missing key, an unexpected key or a different shape is a ``ValueError``
     naming the keys, raised before anything is read. With ``strict=False`` shapes still raise and
@@ -55,21 +51,18 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
         reader = SafetensorsReader(files)
         shapes = {k: reader.shape(k) for k in files}
         target, tensors, aliases = _load_targets(model)
-        plan = plan_load(target, shapes, tensors, aliases)
-        problems = key_problems(plan.missing if strict else (), plan.unexpected if strict else (), plan.mismatched)
-        nf4_missing = [n for n in plan.missing if n in tensors and is_nf4(tensors[n])]
-        if nf4_missing:
-            problems.append(
-                f"NF4 weights missing from the checkpoint (quantized from it only): {fmt_list(nf4_missing)}"
-            )
+        groups, missing, unexpected, mismatched = plan_load(target, shapes, tensors, aliases)
+        problems = key_problems(missing if strict else (), unexpected if strict else (), mismatched)
+        if nf4_missing := [n for n in missing if n in tensors and is_nf4(tensors[n])]:
+            problems.append(f"NF4 weights missing from the checkpoint (quantized from it): {fmt_list(nf4_missing)}")
         if problems:
-            hint = " Is this the checkpoint of another model?" if len(plan.groups) < len(tensors) // 2 else ""
+            hint = " Is this the checkpoint of another model?" if len(groups) < len(tensors) // 2 else ""
             raise ValueError(f"load_pretrained({hf_dir}) into {type(model).__name__}: " + "; ".join(problems) + hint)
     with all_ranks_or_none(model, "load_pretrained"):
         allocate_nf4(model, target_device(model, None))  # meta NF4 placeholders: filled below, not initialised
     if is_peft_model(model) and any(p.is_meta for p in model.parameters()):
         materialize(model, init_fn=peft_init_fn(model))  # the adapters' own init; the base is read below
-    elif plan.missing and any(t.is_meta for t in tensors.values()):
+    elif missing and any(t.is_meta for t in tensors.values()):
         materialize(model)  # the parameters the checkpoint lacks get the model's own init
     else:
         allocate_for_load(model, "load_pretrained")
@@ -77,19 +70,18 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
 
     with all_ranks_or_none(model, "load_pretrained"), torch.no_grad():
         try:
-            for group in plan.groups:
+            for group in groups:
                 _load_group(target, group, tensors, reader)
         finally:
             reader.close()
-    loaded = sum(len(group.targets) for group in plan.groups)
-    return LoadResult(plan.missing, plan.unexpected, tensors=loaded, bytes_read=reader.bytes)
+    return LoadResult(missing, unexpected, sum(len(group.targets) for group in groups), reader.bytes)
 
 
 def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
     """The model whose checkpoint is read, and its tensors under that checkpoint's names (a peft
     model's base under the base's own names, the adapters left out)."""
     tensors, aliases = model_tensors(model)
-    return peft_view(model, tensors, aliases)[:3] if is_peft_model(model) else (model, tensors, aliases)
+    return peft_view(model, tensors, aliases) if is_peft_model(model) else (model, tensors, aliases)
 
 
 def _copy_into(target: torch.Tensor, part: torch.Tensor) -> None:

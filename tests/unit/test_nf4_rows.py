@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS, meta_nf4
-from fsdp2kit.weights.nf4_load import quantize_rows
+from fsdp2kit.weights.nf4 import NF4_INNER_TENSORS, meta_nf4, quantize_rows
 
 
 @pytest.mark.timeout(60)
