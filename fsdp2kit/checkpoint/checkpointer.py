@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,9 +28,17 @@ from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_op
 from fsdp2kit.checkpoint.comm import FAILURES, active, describe, new_group, quiet_dcp, rank_world
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
 from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
-from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, read_info, resolve_step, step_dir
+from fsdp2kit.checkpoint.layout import (
+    CheckpointError,
+    check_step,
+    list_steps,
+    prepare_dir,
+    publish,
+    read_info,
+    resolve_step,
+    step_dir,
+)
 from fsdp2kit.checkpoint.optim import restore_optimizer, state_kinds
-from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
 from fsdp2kit.checkpoint.state import model_options, resolve_trainable_only, restore_extra, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.weights.adapters import peft_description
@@ -36,13 +46,6 @@ from fsdp2kit.weights.adapters import peft_description
 # torch < 2.13's DefaultStager closes its copier after every stage, so a second stage of any
 # non-tensor state fails (KeyError: <class 'type'>): there, one stager per save.
 _STAGER_REUSABLE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
-
-
-class _PendingSave(NamedTuple):
-    """An asynchronous save in flight: its step, and the writer thread's `Checkpointer._write_step`."""
-
-    step: int
-    future: Future
 
 
 class Checkpointer:
@@ -103,11 +106,11 @@ class Checkpointer:
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._group = None  # what DCP and the agreements run on: the default group, or (async) one of its own
-        self._pending: _PendingSave | None = None  # an asynchronous save in flight
+        self._pending: tuple[int, Future] | None = None  # an asynchronous save in flight: its step and write
         self._stager: DefaultStager | None = None
         self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
-        self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
-        self._plan_key = f"fsdp2kit.Checkpointer-{uuid.uuid4().hex}"  # DCP's plan cache key (_ReusingSavePlanner)
+        self._deleting: list[threading.Thread] = []  # pruned steps are deleted off the critical path
+        self._plan_key = f"fsdp2kit.Checkpointer-{uuid.uuid4().hex}"  # DCP's plan cache key: never shared
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_save={self.async_save})"
@@ -134,11 +137,7 @@ class Checkpointer:
         Returns once the step is published, or (async) once the state is copied.
         """
         check_step(step)
-        if extra is not None and not isinstance(extra, dict):
-            raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
-        for key in extra or {}:
-            if not isinstance(key, str) or not key or key.startswith("__"):
-                raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")
+        _check_extra(extra)
         self._finish_pending()
         self._setup()
         rank, world = rank_world()
@@ -152,22 +151,13 @@ class Checkpointer:
                 info = self._info(step, model, optimizer, extra, world, trainable_only)
         except Exception as e:  # agreed on before DCP starts, so no rank enters it alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
-        if self.async_save:
-            # Everything else runs on the writer thread; a failure there is raised on every rank by
-            # the next save, load, wait or close, so the ranks never disagree on a save in flight.
-            if self._writer_thread is None:
-                self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
-            future = self._writer_thread.submit(self._write_step, step, model, state, info, error)
-            self._pending = _PendingSave(step=step, future=future)
-            return
-        failure = None
-        try:
-            self._write_step(step, model, state, info, error)
-        except CheckpointError:
-            raise  # on every rank already: _write_step raises it only from _agree and its check of the replies
-        except FAILURES as e:
-            failure = describe(e)
-        self._agree(failure, f"save of step {step} to {self.root} failed")
+        if not self.async_save:
+            return self._settle(step, lambda: self._write_step(step, model, state, info, error))
+        # The rest runs on the writer thread; a failure there is raised on every rank by the next
+        # save, load, wait or close, so the ranks never disagree on a save in flight.
+        if self._writer_thread is None:
+            self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
+        self._pending = (step, self._writer_thread.submit(self._write_step, step, model, state, info, error))
 
     def wait(self) -> int | None:
         """Finish the asynchronous save in flight, if any, and the background deletion of pruned steps;
@@ -175,20 +165,31 @@ class Checkpointer:
         try:
             return self._finish_pending()
         finally:
-            self._deleter.join()
+            while self._deleting:
+                self._deleting.pop().join()
 
     def _finish_pending(self) -> int | None:
         """`wait` without waiting for deletions: what save and load need before they start."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        self._settle(pending[0], pending[1].result)
+        return pending[0]
+
+    def _settle(self, step: int, write: Callable[[], Any]) -> None:
+        """Run ``write`` (or wait for it); a failure on any rank is a `CheckpointError` on every rank."""
         error = None
         try:
-            pending.future.result()
-        except BaseException as e:
+            write()
+        except CheckpointError:
+            raise  # raised by an agreement, so on every rank already
+        except FAILURES as e:
             error = describe(e)
-        self._agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
-        return pending.step
+        self._agree(error, f"{self._save_kind} of step {step} to {self.root} failed")
+
+    @property
+    def _save_kind(self) -> str:
+        return "asynchronous save" if self.async_save else "save"
 
     def close(self) -> None:
         """`wait` for a save in flight and free the CPU staging memory of asynchronous saves."""
@@ -215,9 +216,16 @@ class Checkpointer:
         self._setup()
         return agree(problems, what, value=value, groups=(self._group,), error_type=CheckpointError)
 
+    def _discard(self, paths: Iterable[Path]) -> None:
+        """Delete directories renamed out of the way on threads of their own; only `wait` joins them."""
+        self._deleting = [t for t in self._deleting if t.is_alive()]
+        for path in paths:
+            thread = threading.Thread(target=shutil.rmtree, args=(path, True), name="fsdp2kit-prune", daemon=True)
+            thread.start()
+            self._deleting.append(thread)
+
     def _info(self, step: int, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict:
-        """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``, and by
-        ``dcp_to_hf(..., base=...)`` to rebuild a PEFT model offline)."""
+        """``fsdp2kit.json``: read by ``fsdp2kit inspect``, and by ``dcp_to_hf(..., base=...)`` for a PEFT model."""
         per_rank = {k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))}
         return {
             "step": step,
@@ -250,21 +258,23 @@ class Checkpointer:
             self._stager = DefaultStager(options)
         return self._stager.stage(state)
 
-    def _write_step(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> int:
+    def _write_step(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> None:
         """Rank 0 makes the temporary directory; once every rank is ready to save the same step, DCP
         writes and rank 0 publishes. On the writer thread (on the Checkpointer's own group) when async."""
         rank, tmp = rank_world()[0], None
         try:
             if rank == 0 and error is None:
                 try:
-                    tmp = prepare_dir(self.root, step, model, info, self._deleter)
+                    tmp = prepare_dir(self.root, step, model, info, self._discard)
                 except Exception as e:
                     error = f"rank 0 could not prepare the directory: {describe(e)}"
-            what = f"save of step {step} to {self.root} did not start"
+            what = f"{self._save_kind} of step {step} to {self.root} did not start"
             replies = self._agree(error, what, value=(str(tmp) if tmp else None, step))
             steps = {r[1] for r in replies}
             if len(steps) > 1:
                 raise CheckpointError(f"{what}: ranks disagree on the step to save: {sorted(steps)}")
+            planner = DefaultSavePlanner(enable_plan_caching=True)
+            planner._cached_plans_key = self._plan_key  # two Checkpointers never share a cached plan
             with quiet_dcp(not active()):
                 dcp.save(
                     state,
@@ -273,13 +283,12 @@ class Checkpointer:
                     storage_writer=FileSystemWriter(
                         replies[0][0], single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False
                     ),
-                    planner=_ReusingSavePlanner(self._plan_key),
+                    planner=planner,
                     process_group=self._group,
                     no_dist=not active(),
                 )
             if rank == 0:
-                publish(self.root, step, tmp, self.keep_last, self._deleter)
-            return step
+                publish(self.root, step, tmp, self.keep_last, self._discard)
         except BaseException:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -307,10 +316,8 @@ class Checkpointer:
         """
         if step is not None:
             check_step(step)
-        if extra is not None and not isinstance(extra, dict):
-            raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
+        _check_extra(extra)
         self._finish_pending()
-        self._setup()
         rank, world = rank_world()
 
         # Rank 0 chooses the step, so that every rank loads the same one.
@@ -335,10 +342,9 @@ class Checkpointer:
             info = read_info(path)
             problems = check_optimizer(info, optimizer)
             problems += check_against(state, metadata, path, optimizer is not None, upcast)
-            problems += verify_files(metadata, path, checksums=False)  # files there and long enough
             problems += check_extra_keys(extra, metadata)
-            if not problems and self.verify and info.get("checksums") == CHECKSUMS:
-                problems = verify_files(metadata, path, rank, world)
+            checksums = not problems and self.verify and info.get("checksums") == CHECKSUMS
+            problems += verify_files(metadata, path, rank, world, checksums=checksums)
         except Exception as e:
             problems = [describe(e)]
         self._agree(problems, f"cannot load {path}")
@@ -375,10 +381,9 @@ class Checkpointer:
         return choice
 
 
-class _ReusingSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner with plan caching, under a cache key of the Checkpointer's own, so
-    that two Checkpointers never share a cached plan."""
-
-    def __init__(self, plan_key: str):
-        super().__init__(enable_plan_caching=True)
-        self._cached_plans_key = plan_key
+def _check_extra(extra: Any) -> None:
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
+    for key in extra or {}:
+        if not isinstance(key, str) or not key or key.startswith("__"):
+            raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")
