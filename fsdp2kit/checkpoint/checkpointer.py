@@ -24,10 +24,9 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit._internal.agree import agree
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_optimizer
+from fsdp2kit.checkpoint.checks import CHECKSUMS, check_against, check_extra_keys, check_optimizer, verify_files
 from fsdp2kit.checkpoint.comm import FAILURES, active, describe, new_group, quiet_dcp, rank_world
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
-from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
 from fsdp2kit.checkpoint.layout import (
     CheckpointError,
     check_step,
@@ -80,7 +79,7 @@ class Checkpointer:
         trainable_only: leave frozen parameters out of the checkpoint and of what a load expects (a
             LoRA run saves its adapters); ``None``: on when the model has a frozen parameter.
         verify: before a load reads anything into the model, check every record against the CRC-32
-            ``torch.save`` stored with it (integrity.py): a flipped byte or a torn file is a
+            ``torch.save`` stored with it (checks.py): a flipped byte or a torn file is a
             `CheckpointError` naming the file, model and optimizer untouched. Steps saved without
             checksums load unchecked.
     """
@@ -238,7 +237,7 @@ class Checkpointer:
             "extra": sorted(set(extra or {}) - per_rank),
             "extra_per_rank": sorted(per_rank),
             "rng": self.rng,
-            "checksums": CHECKSUMS,  # see integrity.py
+            "checksums": CHECKSUMS,  # see checks.py
             "trainable_only": trainable_only,
             "peft": peft_description(model) if trainable_only else None,
         }

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -141,25 +142,15 @@ def decode(entry: dict) -> Any:
     return _from_tree(json.loads(text), entry.get("tensors", {}))
 
 
-def extra_entries(metadata: Metadata, prefix: tuple[str, ...]) -> dict[str, dict]:
-    """Templates for the ``extra`` entries stored under ``prefix`` (e.g. ("extra", "shared")),
-    built from the metadata alone: {key: {"json": empty uint8, "tensors": {...}}}."""
-    paths = metadata_paths(metadata)
-    entries: dict[str, dict] = {}
-    for flat, path in paths.items():
-        if tuple(path[: len(prefix)]) != prefix or len(path) < len(prefix) + 2:
-            continue
+def templates(metadata: Metadata, prefix: tuple[str, ...]) -> dict:
+    """The state saved under ``prefix`` (e.g. ("extra", "shared")), its tensors empty ones shaped after the
+    metadata: what DCP fills in place on load."""
+    tree: dict = {}
+    for flat, path in metadata_paths(metadata).items():
         md = metadata.state_dict_metadata[flat]
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        key, rest = path[len(prefix)], path[len(prefix) + 1 :]
-        empty = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        entry = entries.setdefault(key, {})
-        if rest == ("json",):
-            entry["json"] = empty
-        elif len(rest) == 2 and rest[0] == "tensors":
-            entry.setdefault("tensors", {})[rest[1]] = empty
-    return {k: v for k, v in entries.items() if "json" in v}
+        if path[: len(prefix)] == prefix and len(path) > len(prefix) and isinstance(md, TensorStorageMetadata):
+            set_element(tree, path[len(prefix) :], torch.empty(tuple(md.size), dtype=md.properties.dtype))
+    return tree
 
 
 def metadata_paths(metadata: Metadata) -> dict[str, tuple]:

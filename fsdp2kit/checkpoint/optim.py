@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.checkpoint.extras import decode, encode, extra_entries
+from fsdp2kit.checkpoint.extras import decode, encode, templates
 
 FORMAT = 2
 PACKED = "packed"
@@ -87,7 +87,7 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, metad
     if optimizer_format(metadata) == 1:
         return get_optimizer_state_dict(model, optimizer, options=FORMAT1_OPTIONS)
     # The records as a save makes them, and the packed entry shaped after the metadata.
-    return {"state": optimizer_to_save(model, optimizer)["state"], **extra_entries(metadata, ("optimizer",))}
+    return {"state": optimizer_to_save(model, optimizer)["state"], PACKED: templates(metadata, ("optimizer", PACKED))}
 
 
 def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
+from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, is_stateful, templates
 from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
 
 
@@ -56,8 +56,8 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int,
         state["optimizer"] = optimizer_template(model, optimizer, metadata)  # in the checkpoint's format
     key = str(rank)
     state["extra"] = {
-        "shared": extra_entries(metadata, ("extra", "shared")),
-        "rank": {key: extra_entries(metadata, ("extra", "rank", key))},
+        "shared": templates(metadata, ("extra", "shared")),
+        "rank": {key: templates(metadata, ("extra", "rank", key))},
     }
     return state
 

@@ -15,33 +15,17 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from fsdp2kit.checkpoint.layout import METADATA_FILE, CheckpointError
 
-# What DCP's .metadata pickle refers to. Anything else in that file is refused, not run.
-_METADATA_GLOBALS = (
-    {
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-    }
-    | {
-        (mod, cls)
-        for mod in ("pathlib", "pathlib._local")
-        for cls in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
-    }
-)
+# What DCP's .metadata pickle refers to: the classes of DCP's metadata module (dataclasses and an enum,
+# whichever a torch version has), and these. Anything else in that file is refused, not run.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+_METADATA_GLOBALS = {
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in _PATHS),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -50,6 +34,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
+        if module == _METADATA_MODULE:
+            found = super().find_class(module, name)  # an attribute look-up in a module torch has imported
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type DCP metadata is made of")
 
 
