@@ -103,28 +103,6 @@ def _to_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
     )
 
 
-def _from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(tree, list):
-        return [_from_tree(v, tensors) for v in tree]
-    if not isinstance(tree, dict):
-        return tree
-    if len(tree) == 1:
-        ((tag, inner),) = tree.items()
-        if tag == "__tensor__":
-            return tensors[str(inner)]
-        if tag == "__ndarray__":
-            return tensors[str(inner)].numpy()
-        if tag == "__tuple__":
-            return tuple(_from_tree(v, tensors) for v in inner)
-        if tag == "__items__":
-            return {_hashable(_from_tree(k, tensors)): _from_tree(v, tensors) for k, v in inner}
-    return {k: _from_tree(v, tensors) for k, v in tree.items()}
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
-
-
 def encode(value: Any, where: str) -> dict:
     """One ``extra`` entry as DCP leaves: {"json": uint8 tensor, "tensors": {"0": ..., ...}}."""
     tensors: list[torch.Tensor] = []
@@ -138,8 +116,23 @@ def encode(value: Any, where: str) -> dict:
 
 
 def decode(entry: dict) -> Any:
-    text = bytes(entry["json"].numpy()).decode()
-    return _from_tree(json.loads(text), entry.get("tensors", {}))
+    tensors = entry.get("tensors", {})
+
+    def untag(obj: dict) -> Any:  # json calls it innermost first: tagged values inside are decoded already
+        if len(obj) != 1:
+            return obj
+        ((tag, inner),) = obj.items()
+        if tag == "__tensor__":
+            return tensors[str(inner)]
+        if tag == "__ndarray__":
+            return tensors[str(inner)].numpy()
+        if tag == "__tuple__":
+            return tuple(inner)
+        if tag == "__items__":
+            return dict(inner)
+        return obj
+
+    return json.loads(bytes(entry["json"].numpy()).decode(), object_hook=untag)
 
 
 def templates(metadata: Metadata, prefix: tuple[str, ...]) -> dict:
