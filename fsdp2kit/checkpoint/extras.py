@@ -82,19 +82,14 @@ def _to_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
         return {"__ndarray__": len(tensors) - 1}
     if np is not None and isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, list):
-        return [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return {"__tuple__": [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, (list, tuple)):
+        items = [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"__tuple__": items}
     if isinstance(value, dict):
+        items = [(k, _to_tree(v, tensors, f"{where}[{k!r}]")) for k, v in value.items()]
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: _to_tree(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
-        return {
-            "__items__": [
-                [_to_tree(k, tensors, f"{where} key"), _to_tree(v, tensors, f"{where}[{k!r}]")]
-                for k, v in value.items()
-            ]
-        }
+            return dict(items)
+        return {"__items__": [[_to_tree(k, tensors, f"{where} key"), v] for k, v in items]}
     hint = " (a nested object with state_dict(): put it at the top level of extra)" if is_stateful(value) else ""
     raise TypeError(
         f"{where} is a {type(value).__qualname__}, which a checkpoint does not store{hint}. extra takes "
