@@ -16,7 +16,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from fsdp2kit._internal.fmt import fmt_list, key_problems
-from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, metadata_paths
+from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, templates
 
 MAX_LISTED = 8
 # Checkpoint dtype -> the dtypes it loads into without a word but a note: the bf16 (or fp16) masters
@@ -90,12 +90,9 @@ def check_extra_keys(extra: dict | None, metadata: Metadata) -> list[str]:
     (a rank that did not exist at save time keeps its value, see PerRank)."""
     if not extra:
         return []
-    shared, per_rank = set(), set()
-    for path in metadata_paths(metadata).values():
-        if path[:2] == ("extra", "shared") and len(path) > 2:
-            shared.add(path[2])
-        elif path[:2] == ("extra", "rank") and len(path) > 3 and path[3] != RNG_KEY:
-            per_rank.add(path[3])
+    saved = templates(metadata, ("extra",))
+    shared = set(saved.get("shared", {}))
+    per_rank = {key for mine in saved.get("rank", {}).values() for key in mine} - {RNG_KEY}
     missing = [
         k for k, v in extra.items() if k not in (per_rank | shared if isinstance(v, (PerRank, RNGState)) else shared)
     ]

@@ -133,21 +133,13 @@ def decode(entry: dict) -> Any:
 def templates(metadata: Metadata, prefix: tuple[str, ...]) -> dict:
     """The state saved under ``prefix`` (e.g. ("extra", "shared")), its tensors empty ones shaped after the
     metadata: what DCP fills in place on load."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}  # flat key -> nested path
     tree: dict = {}
-    for flat, path in metadata_paths(metadata).items():
-        md = metadata.state_dict_metadata[flat]
+    for flat, md in metadata.state_dict_metadata.items():
+        path = tuple(str(p) for p in paths.get(flat, flat.split(".")))
         if path[: len(prefix)] == prefix and len(path) > len(prefix) and isinstance(md, TensorStorageMetadata):
             set_element(tree, path[len(prefix) :], torch.empty(tuple(md.size), dtype=md.properties.dtype))
     return tree
-
-
-def metadata_paths(metadata: Metadata) -> dict[str, tuple]:
-    """Flat DCP key -> path of keys in the saved nested state dict."""
-    if isinstance(metadata.planner_data, dict):
-        return {
-            k: tuple(str(p) for p in v) for k, v in metadata.planner_data.items() if k in metadata.state_dict_metadata
-        }
-    return {k: tuple(k.split(".")) for k in metadata.state_dict_metadata}
 
 
 RNG_KEY = "__rng__"

@@ -69,29 +69,27 @@ def restore_extra(loaded: dict, extra: dict | None, *, rank: int, rng: bool) -> 
     mine = {k: decode(v) for k, v in next(iter(loaded["rank"].values())).items()}
     rng_state = mine.pop(RNG_KEY, None)
     values.update(mine)
-    if extra:
-        missing_here = []
-        for key, target in extra.items():
-            inner = target.value if isinstance(target, PerRank) else target
-            if key not in values:
-                missing_here.append(key)  # only PerRank values get here: checked before loading
-            elif is_stateful(inner):
-                inner.load_state_dict(values[key])
-            else:
-                extra[key] = PerRank(values[key]) if isinstance(target, PerRank) else values[key]
-        if missing_here:
-            warnings.warn(
-                f"rank {rank} has no saved value for per-rank extra {missing_here} (the checkpoint "
-                "was saved by fewer ranks); keeping the current values",
-                stacklevel=4,
-            )
-    if rng:
-        if rng_state is not None:
-            RNGState().load_state_dict(rng_state)
+    missing_here = [key for key in extra or {} if key not in values]  # PerRank ones only: checked before loading
+    for key, target in (extra or {}).items():
+        inner = target.value if isinstance(target, PerRank) else target
+        if key in missing_here:
+            continue
+        if is_stateful(inner):
+            inner.load_state_dict(values[key])
         else:
-            warnings.warn(
-                f"rank {rank}: the checkpoint holds no RNG state for this rank (saved by fewer ranks, "
-                "or with rng=False); its random generators are left as they are",
-                stacklevel=4,
-            )
+            extra[key] = PerRank(values[key]) if isinstance(target, PerRank) else values[key]
+    if missing_here:
+        warnings.warn(
+            f"rank {rank} has no saved value for per-rank extra {missing_here} (the checkpoint "
+            "was saved by fewer ranks); keeping the current values",
+            stacklevel=4,
+        )
+    if rng and rng_state is not None:
+        RNGState().load_state_dict(rng_state)
+    elif rng:
+        warnings.warn(
+            f"rank {rank}: the checkpoint holds no RNG state for this rank (saved by fewer ranks, "
+            "or with rng=False); its random generators are left as they are",
+            stacklevel=4,
+        )
     return values
