@@ -63,7 +63,7 @@ class Checkpointer:
     Every method but `steps` is collective: call it on every rank, in the same order. Errors (a
     bad ``extra`` value, a checkpoint of another model, a corrupt file, a failed write, a rank that
     died) are raised on every rank as `CheckpointError` with the same message, never as a hang.
-    An asynchronous Checkpointer makes a gloo group of its own on first use: make one
+    An asynchronous Checkpointer makes a gloo group of its own on its first save: make one
     per run, not one per save. Works without any process group too. Format and trade-offs:
     docs/checkpoint-format.md.
 
@@ -138,7 +138,8 @@ class Checkpointer:
         check_step(step)
         _check_extra(extra)
         self._finish_pending()
-        self._setup()
+        if self.async_save and self._group is None and active():  # collective: every rank's first save alike
+            self._group = new_group()
         rank, world = rank_world()
         error, state, info = None, None, None
         try:
@@ -205,14 +206,8 @@ class Checkpointer:
                 self._stager.close()  # frees the staging buffers
                 self._stager = None
 
-    def _setup(self) -> None:
-        """Collective the first time (an asynchronous Checkpointer makes its group): every rank calls it alike."""
-        if self.async_save and self._group is None and active():
-            self._group = new_group()
-
     def _agree(self, problems: str | list[str] | None, what: str, value: Any = None) -> list[Any]:
         """Every rank's ``value``, or the same `CheckpointError` on every rank if any rank has a problem."""
-        self._setup()
         return agree(problems, what, value=value, groups=(self._group,), error_type=CheckpointError)
 
     def _discard(self, paths: Iterable[Path]) -> None:
@@ -331,9 +326,7 @@ class Checkpointer:
             return None
         path = step_dir(self.root, choice)
 
-        problems: list[str] = []
         upcast: list[str] = []
-        state: dict[str, Any] = {}
         try:
             metadata = read_metadata(path)
             trainable_only = resolve_trainable_only(model, self.trainable_only)
@@ -362,8 +355,8 @@ class Checkpointer:
             with quiet_dcp(True):
                 dcp.load(
                     state,
-                    storage_reader=SafeReader(path, metadata=metadata),
-                    planner=SafeLoadPlanner(allow_partial_load=False),
+                    storage_reader=SafeReader(path, metadata),
+                    planner=SafeLoadPlanner(),
                     no_dist=True,
                 )
         except FAILURES as e:

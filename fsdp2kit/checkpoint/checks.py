@@ -1,6 +1,5 @@
-"""Checks before a load reads anything: the checkpoint against the model, in sentences that name the keys, and
-every record's bytes against the CRC-32 ``torch.save`` stored with them (which ``torch.load`` never checks):
-docs/checkpoint-format.md ("Integrity")."""
+"""Checks before a load reads anything: keys, shapes, dtypes, files, and every record's CRC-32
+(docs/checkpoint-format.md, "Integrity")."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ UPCASTS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
 def check_optimizer(info: dict, optimizer: torch.optim.Optimizer | None) -> list[str]:
-    """The checkpoint's optimizer (``fsdp2kit.json``'s ``optimizer``, its class name) against the one
-    given. AdamW's and the low-bit AdamWs' states have the same keys and shapes, so without this an
-    8-bit state would load into a full-precision AdamW (or the reverse) without a word."""
+    """The checkpoint's optimizer class against this one: AdamW's and the low-bit AdamWs' states have the same
+    keys and shapes, so nothing else would stop an 8-bit state loading into a full-precision AdamW."""
     saved = info.get("optimizer")
     family = {"OffloadedAdamW": "AdamW"}  # the same state, held in host memory
     here = type(optimizer).__name__ if optimizer is not None else None
@@ -44,9 +42,8 @@ def check_optimizer(info: dict, optimizer: torch.optim.Optimizer | None) -> list
 def check_against(
     state: dict, metadata: Metadata, path: Path, with_optimizer: bool, upcast: list[str] | None = None
 ) -> list[str]:
-    """What stands between this state dict and the checkpoint, in sentences that name the keys.
-    Tensors stored in a dtype of `UPCASTS` and wanted in its wider one are no problem (DCP's reader
-    copies each record into the model's tensor, converting it): their keys go to ``upcast``."""
+    """What stands between this state dict and the checkpoint, naming the keys; tensors stored in a dtype of
+    `UPCASTS` and wanted in its wider one go to ``upcast`` instead (DCP's reader converts them)."""
     saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict({k: v for k, v in state.items() if k != "extra"})
     missing, kind, shape, dtype = [], [], [], []
@@ -105,7 +102,6 @@ def check_extra_keys(extra: dict | None, metadata: Metadata) -> list[str]:
 CHECKSUMS = "zip-crc32"
 """What ``fsdp2kit.json``'s ``checksums`` says of a step whose records can be verified."""
 
-_CHUNK = 1 << 20
 _NAME_LENGTH, _EXTRA_LENGTH = 10, 11  # fields of a local file header (zipfile.structFileHeader)
 
 
@@ -132,9 +128,8 @@ class _Window:
 
 
 def _check_record(fh: BinaryIO, offset: int, length: int, buffer: memoryview) -> str | None:
-    """What is wrong with the archive at ``[offset, offset + length)``, or None. ``zipfile`` reads the
-    archive's directory; each entry's bytes are then checked in ``buffer``-sized reads (zipfile's own
-    reader costs ~0.1 ms per entry, most of the check for a small record, whose archive has 7)."""
+    """What is wrong with the archive at ``[offset, offset + length)``, or None: zipfile reads its directory,
+    each entry's bytes are CRC'd here in ``buffer``-sized reads (faster than zipfile's reader for small ones)."""
     try:
         with zipfile.ZipFile(_Window(fh, offset, length)) as archive:
             entries = archive.infolist()
@@ -161,9 +156,8 @@ def _check_record(fh: BinaryIO, offset: int, length: int, buffer: memoryview) ->
 
 
 def verify_files(metadata: Metadata, path: Path, rank: int = 0, world: int = 1, checksums: bool = True) -> list[str]:
-    """Every data file the metadata points into exists and is long enough; then (``checksums``) this rank's
-    share of them (every ``world``-th, from ``rank``: at the save's world size, the file it wrote) is CRC-checked.
-    One problem per bad file, naming it (and the first bad record)."""
+    """One problem per data file that is missing, too short or (``checksums``: this rank's every ``world``-th,
+    at the save's world size the file it wrote) fails a record's CRC-32, naming it and the first bad record."""
     records: dict[str, set[tuple[int, int]]] = {}
     for info in metadata.storage_data.values():
         records.setdefault(info.relative_path, set()).add((info.offset, info.length))
@@ -176,7 +170,7 @@ def verify_files(metadata: Metadata, path: Path, rank: int = 0, world: int = 1, 
             problems.append(f"data file {file} is truncated ({file.stat().st_size} bytes, metadata needs {end})")
     if problems or not checksums:
         return problems
-    buffer = memoryview(bytearray(_CHUNK))
+    buffer = memoryview(bytearray(1 << 20))
     for name in sorted(records, key=lambda n: (len(n), n))[rank::world]:
         file = path / name
         with open(file, "rb", buffering=0) as fh:

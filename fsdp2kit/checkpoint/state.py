@@ -35,14 +35,13 @@ def state_to_save(
         state["optimizer"] = optimizer_to_save(model, optimizer)  # see optim.py for the layout
     shared, mine = {}, {}
     for key, value in (extra or {}).items():
+        # A shared value is encoded on every rank too, so that a bad one fails on every rank alike, but
+        # stored from rank 0 only: DCP would otherwise keep an arbitrary rank's copy.
+        entry = encode(value.value if isinstance(value, PerRank) else value, f"extra[{key!r}]")
         if isinstance(value, (PerRank, RNGState)):
-            mine[key] = encode(value.value if isinstance(value, PerRank) else value, f"extra[{key!r}]")
-        else:
-            # Encoded on every rank so that a bad value fails on every rank alike, but stored
-            # from rank 0 only: DCP would otherwise keep an arbitrary rank's copy.
-            entry = encode(value, f"extra[{key!r}]")
-            if rank == 0:
-                shared[key] = entry
+            mine[key] = entry
+        elif rank == 0:
+            shared[key] = entry
     if rng:
         mine[RNG_KEY] = encode(RNGState(), "RNG state")
     state["extra"] = {"shared": shared, "rank": {str(rank): mine}}

@@ -58,15 +58,14 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's `FileSystemReader`, whose metadata goes through the allow-list (or is the ``metadata``
-    `read_metadata` already returned for this directory, not read and unpickled again)."""
+    """DCP's `FileSystemReader` with the ``metadata`` `read_metadata` (the allow-list) returned for ``path``."""
 
-    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, **kwargs: Any):
-        super().__init__(path, **kwargs)
+    def __init__(self, path: str | os.PathLike, metadata: Metadata):
+        super().__init__(path)
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = self._metadata if self._metadata is not None else read_metadata(self.path)
+        metadata = self._metadata
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
