@@ -18,9 +18,8 @@ from fsdp2kit._internal.fmt import fmt_list, key_problems
 from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, templates
 
 MAX_LISTED = 8
-# Checkpoint dtype -> the dtypes it loads into without a word but a note: the bf16 (or fp16) masters
-# and optimizer states of runs before fp32 masters were the rule, read into fp32 ones (exact). Every
-# other difference, a narrowing one above all, stays an error.
+# Checkpoint dtype -> the wider one it loads into with a warning (the bf16/fp16 masters and optimizer states
+# of runs before fp32 masters were the rule, exact in fp32); every other difference stays an error.
 UPCASTS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
