@@ -72,10 +72,9 @@ def check_against(
         )
         missing = [k for k in missing if not k.startswith("optimizer.")]
     problems += key_problems(missing, unexpected, shape, holder="this model/optimizer")
-    if dtype:
-        problems.append(f"dtype mismatch: {fmt_list(dtype, MAX_LISTED)}")
-    if kind:
-        problems.append(f"tensor/non-tensor mismatch: {fmt_list(kind, MAX_LISTED)}")
+    for label, items in (("dtype mismatch", dtype), ("tensor/non-tensor mismatch", kind)):
+        if items:
+            problems.append(f"{label}: {fmt_list(items, MAX_LISTED)}")
     if missing or unexpected or shape:
         problems.append("is this a checkpoint of another model (or another optimizer)?")
     return problems

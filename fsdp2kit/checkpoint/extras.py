@@ -50,10 +50,8 @@ class RNGState:
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
-        if "cuda" in state and torch.cuda.is_available():
-            saved = state["cuda"]
-            for device in range(min(len(saved), torch.cuda.device_count())):
-                torch.cuda.set_rng_state(saved[device], device)
+        if "cuda" in state and torch.cuda.is_available():  # devices beyond this process's keep their state
+            torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
         if "numpy" in state and np is not None:
             s = state["numpy"]
             np.random.set_state(

@@ -64,10 +64,9 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int,
 def restore_extra(loaded: dict, extra: dict | None, *, rank: int, rng: bool) -> dict[str, Any]:
     """Put the loaded ``extra`` back: stateful objects in place, plain values into the dict, this
     rank's RNG states into its generators; returns every decoded value (for ``loaded_extra``)."""
-    values = {k: decode(v) for k, v in loaded["shared"].items()}
-    mine = {k: decode(v) for k, v in next(iter(loaded["rank"].values())).items()}
-    rng_state = mine.pop(RNG_KEY, None)
-    values.update(mine)
+    (mine,) = loaded["rank"].values()  # this rank's
+    values = {k: decode(v) for k, v in {**loaded["shared"], **mine}.items()}
+    rng_state = values.pop(RNG_KEY, None)
     missing_here = [key for key in extra or {} if key not in values]  # PerRank ones only: checked before loading
     for key, target in (extra or {}).items():
         inner = target.value if isinstance(target, PerRank) else target
