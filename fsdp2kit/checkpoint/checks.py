@@ -38,9 +38,7 @@ def check_optimizer(info: dict, optimizer: torch.optim.Optimizer | None) -> list
     ]
 
 
-def check_against(
-    state: dict, metadata: Metadata, path: Path, with_optimizer: bool, upcast: list[str] | None = None
-) -> list[str]:
+def check_against(state: dict, metadata: Metadata, path: Path, with_optimizer: bool, upcast: list[str]) -> list[str]:
     """What stands between this state dict and the checkpoint, naming the keys; tensors stored in a dtype of
     `UPCASTS` and wanted in its wider one go to ``upcast`` instead (DCP's reader converts them)."""
     saved = metadata.state_dict_metadata
@@ -56,7 +54,7 @@ def check_against(
             elif tuple(md.size) != tuple(value.shape):
                 shape.append(f"{key}: checkpoint {tuple(md.size)}, here {tuple(value.shape)}")
             elif md.properties.dtype != value.dtype:
-                if UPCASTS.get(md.properties.dtype) == value.dtype and upcast is not None:
+                if UPCASTS.get(md.properties.dtype) == value.dtype:
                     upcast.append(f"{key} ({md.properties.dtype} -> {value.dtype})")
                     continue
                 dtype.append(f"{key}: checkpoint {md.properties.dtype}, here {value.dtype}")
