@@ -353,12 +353,7 @@ class Checkpointer:
             # planner's global step returns the ranks' plans unchanged, so they exchange nothing
             # a rank needs. A failure on any rank is agreed on below, like a restore failure.
             with quiet_dcp(True):
-                dcp.load(
-                    state,
-                    storage_reader=SafeReader(path, metadata),
-                    planner=SafeLoadPlanner(),
-                    no_dist=True,
-                )
+                dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner(), no_dist=True)
         except FAILURES as e:
             error = f"reading failed: {describe(e)}"
         if error is None:
