@@ -349,9 +349,8 @@ class Checkpointer:
 
         error = None
         try:
-            # Every rank reads its own part without DCP's two collectives: its default load
-            # planner's global step returns the ranks' plans unchanged, so they exchange nothing
-            # a rank needs. A failure on any rank is agreed on below, like a restore failure.
+            # Every rank reads its own part without DCP's two collectives (its load planner's global step
+            # exchanges nothing a rank needs); a failure on any rank is agreed on below, like a restore's.
             with quiet_dcp(True):
                 dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner(), no_dist=True)
         except FAILURES as e:
