@@ -1,7 +1,7 @@
 """Where a Checkpointer save and load spend their time: timers around each phase, 2 ranks.
 
 Wraps (monkeypatches, in the benchmark's ranks only) the Checkpointer's steps (state-dict build,
-checks, publish, the object gathers), DCP's planner and file writer/reader, and times them over
+checks, publish, the agreements), DCP's planner and file writer/reader, and times them over
 interleaved repeats beside torch.save+fsync (to a new file, as checkpoint_bench.py) and torch.load of
 the same tensors. Prints one line
 per phase: seconds per save or load (median per call x calls), rank 0 and rank 1.
@@ -50,21 +50,24 @@ def instrument():
 
     import fsdp2kit.checkpoint.checkpointer as C
 
+    # The Checkpointer's phases, as the names it calls them by (checks.py's checks, layout.py's
+    # prepare_dir/publish, the model's restore is DCP's set_model_state_dict, agree the collectives).
     for n in [
         "state_to_save",
         "state_to_load",
         "prepare_dir",
         "publish",
+        "check_optimizer",
         "check_against",
-        "check_files",
+        "check_extra_keys",
         "verify_files",
         "read_metadata",
-        "restore_model",
+        "set_model_state_dict",
         "restore_optimizer",
         "restore_extra",
     ]:
         wrap(C, n, n)
-    wrap(C.Comm, "agree", "comm.agree")
+    wrap(C, "agree", "agree")
     wrap(C.dcp, "save", "dcp.save")
     wrap(C.dcp, "load", "dcp.load")
     wrap(FileSystemWriter, "write_data", "W.write_data")
@@ -86,10 +89,9 @@ def instrument():
     import fsdp2kit.checkpoint.state as S
 
     wrap(S, "get_model_state_dict", "get_model_state_dict")
-    wrap(S, "set_model_state_dict", "set_model_state_dict")
-    import fsdp2kit.checkpoint.publish as P
+    import fsdp2kit.checkpoint.layout as L
 
-    wrap(P, "fsync", "fsync")
+    wrap(L, "fsync", "fsync")
     wrap(FileSystemWriter, "prepare_global_plan", "W.prepare_global_plan")
     import torch.distributed.checkpoint.filesystem as FS
 

@@ -1,6 +1,5 @@
 """transformers' ``from_pretrained``, called so that it cannot leave ``torch.device(...)`` contexts broken
-(transformers 5 can fill torch's cached table of device-context functions with a temporary wrapper:
-docs/internals.md)."""
+(docs/internals.md)."""
 
 from __future__ import annotations
 

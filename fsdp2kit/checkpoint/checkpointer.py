@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,13 +24,20 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from fsdp2kit._internal.agree import agree
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.checkpoint.checks import check_against, check_extra_keys, check_optimizer
+from fsdp2kit.checkpoint.checks import CHECKSUMS, check_against, check_extra_keys, check_optimizer, verify_files
 from fsdp2kit.checkpoint.comm import FAILURES, active, describe, new_group, quiet_dcp, rank_world
 from fsdp2kit.checkpoint.extras import PerRank, RNGState
-from fsdp2kit.checkpoint.integrity import CHECKSUMS, verify_files
-from fsdp2kit.checkpoint.layout import CheckpointError, check_step, list_steps, read_info, resolve_step, step_dir
+from fsdp2kit.checkpoint.layout import (
+    CheckpointError,
+    check_step,
+    list_steps,
+    prepare_dir,
+    publish,
+    read_info,
+    resolve_step,
+    step_dir,
+)
 from fsdp2kit.checkpoint.optim import restore_optimizer, state_kinds
-from fsdp2kit.checkpoint.publish import BackgroundDeleter, prepare_dir, publish
 from fsdp2kit.checkpoint.state import model_options, resolve_trainable_only, restore_extra, state_to_load, state_to_save
 from fsdp2kit.checkpoint.unpickler import SafeLoadPlanner, SafeReader, read_metadata
 from fsdp2kit.weights.adapters import peft_description
@@ -36,13 +45,6 @@ from fsdp2kit.weights.adapters import peft_description
 # torch < 2.13's DefaultStager closes its copier after every stage, so a second stage of any
 # non-tensor state fails (KeyError: <class 'type'>): there, one stager per save.
 _STAGER_REUSABLE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
-
-
-class _PendingSave(NamedTuple):
-    """An asynchronous save in flight: its step, and the writer thread's `Checkpointer._write_step`."""
-
-    step: int
-    future: Future
 
 
 class Checkpointer:
@@ -61,7 +63,7 @@ class Checkpointer:
     Every method but `steps` is collective: call it on every rank, in the same order. Errors (a
     bad ``extra`` value, a checkpoint of another model, a corrupt file, a failed write, a rank that
     died) are raised on every rank as `CheckpointError` with the same message, never as a hang.
-    An asynchronous Checkpointer makes a gloo group of its own on first use: make one
+    An asynchronous Checkpointer makes a gloo group of its own on its first save: make one
     per run, not one per save. Works without any process group too. Format and trade-offs:
     docs/checkpoint-format.md.
 
@@ -77,7 +79,7 @@ class Checkpointer:
         trainable_only: leave frozen parameters out of the checkpoint and of what a load expects (a
             LoRA run saves its adapters); ``None``: on when the model has a frozen parameter.
         verify: before a load reads anything into the model, check every record against the CRC-32
-            ``torch.save`` stored with it (integrity.py): a flipped byte or a torn file is a
+            ``torch.save`` stored with it (checks.py): a flipped byte or a torn file is a
             `CheckpointError` naming the file, model and optimizer untouched. Steps saved without
             checksums load unchecked.
     """
@@ -103,11 +105,11 @@ class Checkpointer:
         self.loaded_extra: dict[str, Any] = {}
         """Every ``extra`` value of the last loaded step, decoded (this rank's `PerRank` values unwrapped)."""
         self._group = None  # what DCP and the agreements run on: the default group, or (async) one of its own
-        self._pending: _PendingSave | None = None  # an asynchronous save in flight
+        self._pending: tuple[int, Future] | None = None  # an asynchronous save in flight: its step and write
         self._stager: DefaultStager | None = None
         self._writer_thread: ThreadPoolExecutor | None = None  # asynchronous saves run here, one at a time
-        self._deleter = BackgroundDeleter()  # pruned steps are deleted off the critical path
-        self._plan_key = f"fsdp2kit.Checkpointer-{uuid.uuid4().hex}"  # DCP's plan cache key (_ReusingSavePlanner)
+        self._deleting: list[threading.Thread] = []  # pruned steps are deleted off the critical path
+        self._plan_key = f"fsdp2kit.Checkpointer-{uuid.uuid4().hex}"  # DCP's plan cache key: never shared
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_save={self.async_save})"
@@ -134,13 +136,10 @@ class Checkpointer:
         Returns once the step is published, or (async) once the state is copied.
         """
         check_step(step)
-        if extra is not None and not isinstance(extra, dict):
-            raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
-        for key in extra or {}:
-            if not isinstance(key, str) or not key or key.startswith("__"):
-                raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")
+        _check_extra(extra)
         self._finish_pending()
-        self._setup()
+        if self.async_save and self._group is None and active():  # collective: every rank's first save alike
+            self._group = new_group()
         rank, world = rank_world()
         error, state, info = None, None, None
         try:
@@ -152,22 +151,13 @@ class Checkpointer:
                 info = self._info(step, model, optimizer, extra, world, trainable_only)
         except Exception as e:  # agreed on before DCP starts, so no rank enters it alone
             error = f"rank {rank} could not prepare the state: {describe(e)}"
-        if self.async_save:
-            # Everything else runs on the writer thread; a failure there is raised on every rank by
-            # the next save, load, wait or close, so the ranks never disagree on a save in flight.
-            if self._writer_thread is None:
-                self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
-            future = self._writer_thread.submit(self._write_step, step, model, state, info, error)
-            self._pending = _PendingSave(step=step, future=future)
-            return
-        failure = None
-        try:
-            self._write_step(step, model, state, info, error)
-        except CheckpointError:
-            raise  # on every rank already: _write_step raises it only from _agree and its check of the replies
-        except FAILURES as e:
-            failure = describe(e)
-        self._agree(failure, f"save of step {step} to {self.root} failed")
+        if not self.async_save:
+            return self._settle(step, lambda: self._write_step(step, model, state, info, error))
+        # The rest runs on the writer thread; a failure there is raised on every rank by the next
+        # save, load, wait or close, so the ranks never disagree on a save in flight.
+        if self._writer_thread is None:
+            self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2kit-checkpoint")
+        self._pending = (step, self._writer_thread.submit(self._write_step, step, model, state, info, error))
 
     def wait(self) -> int | None:
         """Finish the asynchronous save in flight, if any, and the background deletion of pruned steps;
@@ -175,20 +165,31 @@ class Checkpointer:
         try:
             return self._finish_pending()
         finally:
-            self._deleter.join()
+            while self._deleting:
+                self._deleting.pop().join()
 
     def _finish_pending(self) -> int | None:
         """`wait` without waiting for deletions: what save and load need before they start."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        self._settle(pending[0], pending[1].result)
+        return pending[0]
+
+    def _settle(self, step: int, write: Callable[[], Any]) -> None:
+        """Run ``write`` (or wait for it); a failure on any rank is a `CheckpointError` on every rank."""
         error = None
         try:
-            pending.future.result()
-        except BaseException as e:
+            write()
+        except CheckpointError:
+            raise  # raised by an agreement, so on every rank already
+        except FAILURES as e:
             error = describe(e)
-        self._agree(error, f"asynchronous save of step {pending.step} to {self.root} failed")
-        return pending.step
+        self._agree(error, f"{self._save_kind} of step {step} to {self.root} failed")
+
+    @property
+    def _save_kind(self) -> str:
+        return "asynchronous save" if self.async_save else "save"
 
     def close(self) -> None:
         """`wait` for a save in flight and free the CPU staging memory of asynchronous saves."""
@@ -205,19 +206,20 @@ class Checkpointer:
                 self._stager.close()  # frees the staging buffers
                 self._stager = None
 
-    def _setup(self) -> None:
-        """Collective the first time (an asynchronous Checkpointer makes its group): every rank calls it alike."""
-        if self.async_save and self._group is None and active():
-            self._group = new_group()
-
     def _agree(self, problems: str | list[str] | None, what: str, value: Any = None) -> list[Any]:
         """Every rank's ``value``, or the same `CheckpointError` on every rank if any rank has a problem."""
-        self._setup()
         return agree(problems, what, value=value, groups=(self._group,), error_type=CheckpointError)
 
+    def _discard(self, paths: Iterable[Path]) -> None:
+        """Delete directories renamed out of the way on threads of their own; only `wait` joins them."""
+        self._deleting = [t for t in self._deleting if t.is_alive()]
+        for path in paths:
+            thread = threading.Thread(target=shutil.rmtree, args=(path, True), name="fsdp2kit-prune", daemon=True)
+            thread.start()
+            self._deleting.append(thread)
+
     def _info(self, step: int, model, optimizer, extra: dict | None, world: int, trainable_only: bool) -> dict:
-        """What ``fsdp2kit.json`` records beside the DCP files (read by ``fsdp2kit inspect``, and by
-        ``dcp_to_hf(..., base=...)`` to rebuild a PEFT model offline)."""
+        """``fsdp2kit.json``: read by ``fsdp2kit inspect``, and by ``dcp_to_hf(..., base=...)`` for a PEFT model."""
         per_rank = {k for k, v in (extra or {}).items() if isinstance(v, (PerRank, RNGState))}
         return {
             "step": step,
@@ -230,7 +232,7 @@ class Checkpointer:
             "extra": sorted(set(extra or {}) - per_rank),
             "extra_per_rank": sorted(per_rank),
             "rng": self.rng,
-            "checksums": CHECKSUMS,  # see integrity.py
+            "checksums": CHECKSUMS,  # see checks.py
             "trainable_only": trainable_only,
             "peft": peft_description(model) if trainable_only else None,
         }
@@ -250,21 +252,23 @@ class Checkpointer:
             self._stager = DefaultStager(options)
         return self._stager.stage(state)
 
-    def _write_step(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> int:
+    def _write_step(self, step: int, model: nn.Module, state: dict, info: dict | None, error: str | None) -> None:
         """Rank 0 makes the temporary directory; once every rank is ready to save the same step, DCP
         writes and rank 0 publishes. On the writer thread (on the Checkpointer's own group) when async."""
         rank, tmp = rank_world()[0], None
         try:
             if rank == 0 and error is None:
                 try:
-                    tmp = prepare_dir(self.root, step, model, info, self._deleter)
+                    tmp = prepare_dir(self.root, step, model, info, self._discard)
                 except Exception as e:
                     error = f"rank 0 could not prepare the directory: {describe(e)}"
-            what = f"save of step {step} to {self.root} did not start"
+            what = f"{self._save_kind} of step {step} to {self.root} did not start"
             replies = self._agree(error, what, value=(str(tmp) if tmp else None, step))
             steps = {r[1] for r in replies}
             if len(steps) > 1:
                 raise CheckpointError(f"{what}: ranks disagree on the step to save: {sorted(steps)}")
+            planner = DefaultSavePlanner(enable_plan_caching=True)
+            planner._cached_plans_key = self._plan_key  # two Checkpointers never share a cached plan
             with quiet_dcp(not active()):
                 dcp.save(
                     state,
@@ -273,13 +277,12 @@ class Checkpointer:
                     storage_writer=FileSystemWriter(
                         replies[0][0], single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False
                     ),
-                    planner=_ReusingSavePlanner(self._plan_key),
+                    planner=planner,
                     process_group=self._group,
                     no_dist=not active(),
                 )
             if rank == 0:
-                publish(self.root, step, tmp, self.keep_last, self._deleter)
-            return step
+                publish(self.root, step, tmp, self.keep_last, self._discard)
         except BaseException:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -307,10 +310,8 @@ class Checkpointer:
         """
         if step is not None:
             check_step(step)
-        if extra is not None and not isinstance(extra, dict):
-            raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
+        _check_extra(extra)
         self._finish_pending()
-        self._setup()
         rank, world = rank_world()
 
         # Rank 0 chooses the step, so that every rank loads the same one.
@@ -325,9 +326,7 @@ class Checkpointer:
             return None
         path = step_dir(self.root, choice)
 
-        problems: list[str] = []
         upcast: list[str] = []
-        state: dict[str, Any] = {}
         try:
             metadata = read_metadata(path)
             trainable_only = resolve_trainable_only(model, self.trainable_only)
@@ -335,10 +334,9 @@ class Checkpointer:
             info = read_info(path)
             problems = check_optimizer(info, optimizer)
             problems += check_against(state, metadata, path, optimizer is not None, upcast)
-            problems += verify_files(metadata, path, checksums=False)  # files there and long enough
             problems += check_extra_keys(extra, metadata)
-            if not problems and self.verify and info.get("checksums") == CHECKSUMS:
-                problems = verify_files(metadata, path, rank, world)
+            checksums = not problems and self.verify and info.get("checksums") == CHECKSUMS
+            problems += verify_files(metadata, path, rank, world, checksums=checksums)
         except Exception as e:
             problems = [describe(e)]
         self._agree(problems, f"cannot load {path}")
@@ -351,16 +349,10 @@ class Checkpointer:
 
         error = None
         try:
-            # Every rank reads its own part without DCP's two collectives: its default load
-            # planner's global step returns the ranks' plans unchanged, so they exchange nothing
-            # a rank needs. A failure on any rank is agreed on below, like a restore failure.
+            # Every rank reads its own part without DCP's two collectives (its load planner's global step
+            # exchanges nothing a rank needs); a failure on any rank is agreed on below, like a restore's.
             with quiet_dcp(True):
-                dcp.load(
-                    state,
-                    storage_reader=SafeReader(path, metadata=metadata),
-                    planner=SafeLoadPlanner(allow_partial_load=False),
-                    no_dist=True,
-                )
+                dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner(), no_dist=True)
         except FAILURES as e:
             error = f"reading failed: {describe(e)}"
         if error is None:
@@ -375,10 +367,9 @@ class Checkpointer:
         return choice
 
 
-class _ReusingSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner with plan caching, under a cache key of the Checkpointer's own, so
-    that two Checkpointers never share a cached plan."""
-
-    def __init__(self, plan_key: str):
-        super().__init__(enable_plan_caching=True)
-        self._cached_plans_key = plan_key
+def _check_extra(extra: Any) -> None:
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of name -> value, got {type(extra).__name__}")
+    for key in extra or {}:
+        if not isinstance(key, str) or not key or key.startswith("__"):
+            raise ValueError(f"extra keys must be non-empty strings not starting with '__', got {key!r}")

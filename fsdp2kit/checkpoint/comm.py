@@ -43,9 +43,7 @@ def describe(e: BaseException) -> str:
 def quiet_dcp(without_process_group: bool) -> Iterator[None]:
     """DCP's warning that a save or load without a process group assumes one process (meant here) ignored,
     only where DCP would warn: ``catch_warnings`` swaps the process-wide filters, which threads race on."""
-    if not without_process_group:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with warnings.catch_warnings() if without_process_group else contextlib.nullcontext():
+        if without_process_group:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -49,10 +50,8 @@ class RNGState:
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
-        if "cuda" in state and torch.cuda.is_available():
-            saved = state["cuda"]
-            for device in range(min(len(saved), torch.cuda.device_count())):
-                torch.cuda.set_rng_state(saved[device], device)
+        if "cuda" in state and torch.cuda.is_available():  # devices beyond this process's keep their state
+            torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
         if "numpy" in state and np is not None:
             s = state["numpy"]
             np.random.set_state(
@@ -81,47 +80,20 @@ def _to_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
         return {"__ndarray__": len(tensors) - 1}
     if np is not None and isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, list):
-        return [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return {"__tuple__": [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, (list, tuple)):
+        items = [_to_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"__tuple__": items}
     if isinstance(value, dict):
+        items = [(k, _to_tree(v, tensors, f"{where}[{k!r}]")) for k, v in value.items()]
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: _to_tree(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
-        return {
-            "__items__": [
-                [_to_tree(k, tensors, f"{where} key"), _to_tree(v, tensors, f"{where}[{k!r}]")]
-                for k, v in value.items()
-            ]
-        }
+            return dict(items)
+        return {"__items__": [[_to_tree(k, tensors, f"{where} key"), v] for k, v in items]}
     hint = " (a nested object with state_dict(): put it at the top level of extra)" if is_stateful(value) else ""
     raise TypeError(
         f"{where} is a {type(value).__qualname__}, which a checkpoint does not store{hint}. extra takes "
         "JSON-able values (dict, list, tuple, str, int, float, bool, None), tensors, NumPy arrays, and "
         "top-level objects with state_dict()/load_state_dict()"
     )
-
-
-def _from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(tree, list):
-        return [_from_tree(v, tensors) for v in tree]
-    if not isinstance(tree, dict):
-        return tree
-    if len(tree) == 1:
-        ((tag, inner),) = tree.items()
-        if tag == "__tensor__":
-            return tensors[str(inner)]
-        if tag == "__ndarray__":
-            return tensors[str(inner)].numpy()
-        if tag == "__tuple__":
-            return tuple(_from_tree(v, tensors) for v in inner)
-        if tag == "__items__":
-            return {_hashable(_from_tree(k, tensors)): _from_tree(v, tensors) for k, v in inner}
-    return {k: _from_tree(v, tensors) for k, v in tree.items()}
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
 
 
 def encode(value: Any, where: str) -> dict:
@@ -137,38 +109,35 @@ def encode(value: Any, where: str) -> dict:
 
 
 def decode(entry: dict) -> Any:
-    text = bytes(entry["json"].numpy()).decode()
-    return _from_tree(json.loads(text), entry.get("tensors", {}))
+    tensors = entry.get("tensors", {})
+
+    def untag(obj: dict) -> Any:  # json calls it innermost first: tagged values inside are decoded already
+        if len(obj) != 1:
+            return obj
+        ((tag, inner),) = obj.items()
+        if tag == "__tensor__":
+            return tensors[str(inner)]
+        if tag == "__ndarray__":
+            return tensors[str(inner)].numpy()
+        if tag == "__tuple__":
+            return tuple(inner)
+        if tag == "__items__":
+            return dict(inner)
+        return obj
+
+    return json.loads(bytes(entry["json"].numpy()).decode(), object_hook=untag)
 
 
-def extra_entries(metadata: Metadata, prefix: tuple[str, ...]) -> dict[str, dict]:
-    """Templates for the ``extra`` entries stored under ``prefix`` (e.g. ("extra", "shared")),
-    built from the metadata alone: {key: {"json": empty uint8, "tensors": {...}}}."""
-    paths = metadata_paths(metadata)
-    entries: dict[str, dict] = {}
-    for flat, path in paths.items():
-        if tuple(path[: len(prefix)]) != prefix or len(path) < len(prefix) + 2:
-            continue
-        md = metadata.state_dict_metadata[flat]
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        key, rest = path[len(prefix)], path[len(prefix) + 1 :]
-        empty = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        entry = entries.setdefault(key, {})
-        if rest == ("json",):
-            entry["json"] = empty
-        elif len(rest) == 2 and rest[0] == "tensors":
-            entry.setdefault("tensors", {})[rest[1]] = empty
-    return {k: v for k, v in entries.items() if "json" in v}
-
-
-def metadata_paths(metadata: Metadata) -> dict[str, tuple]:
-    """Flat DCP key -> path of keys in the saved nested state dict."""
-    if isinstance(metadata.planner_data, dict):
-        return {
-            k: tuple(str(p) for p in v) for k, v in metadata.planner_data.items() if k in metadata.state_dict_metadata
-        }
-    return {k: tuple(k.split(".")) for k in metadata.state_dict_metadata}
+def templates(metadata: Metadata, prefix: tuple[str, ...]) -> dict:
+    """The state saved under ``prefix`` (e.g. ("extra", "shared")), its tensors empty ones shaped after the
+    metadata: what DCP fills in place on load."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}  # flat key -> nested path
+    tree: dict = {}
+    for flat, md in metadata.state_dict_metadata.items():
+        path = tuple(str(p) for p in paths.get(flat, flat.split(".")))
+        if path[: len(prefix)] == prefix and len(path) > len(prefix) and isinstance(md, TensorStorageMetadata):
+            set_element(tree, path[len(prefix) :], torch.empty(tuple(md.size), dtype=md.properties.dtype))
+    return tree
 
 
 RNG_KEY = "__rng__"

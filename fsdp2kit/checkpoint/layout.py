@@ -1,4 +1,5 @@
-"""Where a checkpoint's steps live on disk: step directories, the one step resolver, errors and fsync."""
+"""Where a checkpoint's steps live on disk: step directories, the one step resolver, and publishing a step
+(the temporary directory, the atomic rename, pruning)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import contextlib
 import json
 import os
 import re
+import uuid
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +109,47 @@ def resolve_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
             f"(found {found})"
         )
     return step_dir(path, chosen)
+
+
+def prepare_dir(root: Path, step: int, model: Any, info: dict, discard: Callable[[Iterable[Path]], None]) -> Path:
+    """Rank 0: hand leftovers of interrupted saves to ``discard``, make the temporary directory and
+    write ``fsdp2kit.json`` (and the model's HF ``config.json``) into it."""
+    root.mkdir(parents=True, exist_ok=True)
+    discard(p for p in incomplete_dirs(root) if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
+    tmp = root / f"{TMP_PREFIX}step_{step:08d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_json_string", None)) and callable(getattr(config, "to_dict", None)):
+        # What transformers' save_pretrained writes, so an exporter can rebuild the model.
+        (tmp / "config.json").write_text(config.to_json_string())
+    return tmp
+
+
+def publish(root: Path, step: int, tmp: Path, keep_last: int | None, discard: Callable[[list[Path]], None]) -> None:
+    """Rank 0, after every rank has written: make the step visible with one rename, then rename all but
+    the newest ``keep_last`` steps (never this one) out of the way. What was renamed goes to ``discard``."""
+    for path in (tmp / INFO_FILE, tmp / "config.json", tmp):
+        if path.exists():
+            fsync(path)
+    final = step_dir(root, step)
+    # Replacing a step takes two renames; a crash between them loses this step number
+    # (older steps stay), never leaves a mix of old and new files under it.
+    trash = [_move_away(final)] if final.exists() else []
+    os.rename(tmp, final)
+    fsync(root)
+    steps = list_steps(root)
+    keep = set(steps if keep_last is None else steps[-keep_last:]) | {step}
+    for old in sorted(set(steps) - keep):
+        try:  # renamed first: a crash mid-delete must not leave a half-deleted step_* behind
+            trash.append(_move_away(step_dir(root, old)))
+        except OSError as e:  # the save is published already: a warning
+            warnings.warn(f"keep_last={keep_last}: could not remove step {old}: {e}", stacklevel=2)
+    discard(trash)
+
+
+def _move_away(step: Path) -> Path:
+    """Rename a step directory to a ``.trash-*`` one beside it, which no listing reads; returns the new path."""
+    trash = step.with_name(f"{TRASH_PREFIX}{step.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(step, trash)
+    return trash

@@ -8,14 +8,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.checkpoint.extras import decode, encode, extra_entries
+from fsdp2kit.checkpoint.extras import decode, encode, templates
 
 FORMAT = 2
 PACKED = "packed"
@@ -87,7 +83,7 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, metad
     if optimizer_format(metadata) == 1:
         return get_optimizer_state_dict(model, optimizer, options=FORMAT1_OPTIONS)
     # The records as a save makes them, and the packed entry shaped after the metadata.
-    return {"state": optimizer_to_save(model, optimizer)["state"], **extra_entries(metadata, ("optimizer",))}
+    return {"state": optimizer_to_save(model, optimizer)["state"], PACKED: templates(metadata, ("optimizer", PACKED))}
 
 
 def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
@@ -103,20 +99,14 @@ def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loaded
         )
     # Rebuilt in format 1's flattened layout, whose loader maps FQNs to this optimizer's groups.
     flat: dict[str, Any] = {}
-    for fqn, entries in loaded["state"].items():
-        for name, value in entries.items():
-            flat[f"state.{fqn}.{name}"] = value
+    for fqn, entries in [*loaded["state"].items(), *packed["values"].items()]:
+        flat.update({f"state.{fqn}.{k}": v for k, v in entries.items()})
     for block in packed["scalars"].values():
-        for (fqn, name), value in zip(block["keys"], block["values"]):
-            flat[f"state.{fqn}.{name}"] = value.clone()
-    for fqn, entries in packed["values"].items():
-        for name, value in entries.items():
-            flat[f"state.{fqn}.{name}"] = value
+        flat.update({f"state.{fqn}.{k}": v.clone() for (fqn, k), v in zip(block["keys"], block["values"])})
     for group in packed["param_groups"]:
-        for fqn in group["params"]:
-            for key, value in group.items():
-                if key != "params":
-                    flat[f"param_groups.{fqn}.{key}"] = value
+        flat.update(
+            {f"param_groups.{fqn}.{k}": v for fqn in group["params"] for k, v in group.items() if k != "params"}
+        )
     try:
         set_optimizer_state_dict(model, optimizer, flat, options=FORMAT1_OPTIONS)
     except KeyError as e:  # torch looks each parameter's hyper-parameters up by FQN

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, extra_entries, is_stateful
+from fsdp2kit.checkpoint.extras import RNG_KEY, PerRank, RNGState, decode, encode, is_stateful, templates
 from fsdp2kit.checkpoint.optim import optimizer_template, optimizer_to_save
 
 
@@ -35,14 +35,13 @@ def state_to_save(
         state["optimizer"] = optimizer_to_save(model, optimizer)  # see optim.py for the layout
     shared, mine = {}, {}
     for key, value in (extra or {}).items():
+        # A shared value is encoded on every rank too, so that a bad one fails on every rank alike, but
+        # stored from rank 0 only: DCP would otherwise keep an arbitrary rank's copy.
+        entry = encode(value.value if isinstance(value, PerRank) else value, f"extra[{key!r}]")
         if isinstance(value, (PerRank, RNGState)):
-            mine[key] = encode(value.value if isinstance(value, PerRank) else value, f"extra[{key!r}]")
-        else:
-            # Encoded on every rank so that a bad value fails on every rank alike, but stored
-            # from rank 0 only: DCP would otherwise keep an arbitrary rank's copy.
-            entry = encode(value, f"extra[{key!r}]")
-            if rank == 0:
-                shared[key] = entry
+            mine[key] = entry
+        elif rank == 0:
+            shared[key] = entry
     if rng:
         mine[RNG_KEY] = encode(RNGState(), "RNG state")
     state["extra"] = {"shared": shared, "rank": {str(rank): mine}}
@@ -56,8 +55,8 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int,
         state["optimizer"] = optimizer_template(model, optimizer, metadata)  # in the checkpoint's format
     key = str(rank)
     state["extra"] = {
-        "shared": extra_entries(metadata, ("extra", "shared")),
-        "rank": {key: extra_entries(metadata, ("extra", "rank", key))},
+        "shared": templates(metadata, ("extra", "shared")),
+        "rank": {key: templates(metadata, ("extra", "rank", key))},
     }
     return state
 
@@ -65,33 +64,30 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int,
 def restore_extra(loaded: dict, extra: dict | None, *, rank: int, rng: bool) -> dict[str, Any]:
     """Put the loaded ``extra`` back: stateful objects in place, plain values into the dict, this
     rank's RNG states into its generators; returns every decoded value (for ``loaded_extra``)."""
-    values = {k: decode(v) for k, v in loaded["shared"].items()}
-    mine = {k: decode(v) for k, v in next(iter(loaded["rank"].values())).items()}
-    rng_state = mine.pop(RNG_KEY, None)
-    values.update(mine)
-    if extra:
-        missing_here = []
-        for key, target in extra.items():
-            inner = target.value if isinstance(target, PerRank) else target
-            if key not in values:
-                missing_here.append(key)  # only PerRank values get here: checked before loading
-            elif is_stateful(inner):
-                inner.load_state_dict(values[key])
-            else:
-                extra[key] = PerRank(values[key]) if isinstance(target, PerRank) else values[key]
-        if missing_here:
-            warnings.warn(
-                f"rank {rank} has no saved value for per-rank extra {missing_here} (the checkpoint "
-                "was saved by fewer ranks); keeping the current values",
-                stacklevel=4,
-            )
-    if rng:
-        if rng_state is not None:
-            RNGState().load_state_dict(rng_state)
+    (mine,) = loaded["rank"].values()  # this rank's
+    values = {k: decode(v) for k, v in {**loaded["shared"], **mine}.items()}
+    rng_state = values.pop(RNG_KEY, None)
+    missing_here = [key for key in extra or {} if key not in values]  # PerRank ones only: checked before loading
+    for key, target in (extra or {}).items():
+        inner = target.value if isinstance(target, PerRank) else target
+        if key in missing_here:
+            continue
+        if is_stateful(inner):
+            inner.load_state_dict(values[key])
         else:
-            warnings.warn(
-                f"rank {rank}: the checkpoint holds no RNG state for this rank (saved by fewer ranks, "
-                "or with rng=False); its random generators are left as they are",
-                stacklevel=4,
-            )
+            extra[key] = PerRank(values[key]) if isinstance(target, PerRank) else values[key]
+    if missing_here:
+        warnings.warn(
+            f"rank {rank} has no saved value for per-rank extra {missing_here} (the checkpoint "
+            "was saved by fewer ranks); keeping the current values",
+            stacklevel=4,
+        )
+    if rng and rng_state is not None:
+        RNGState().load_state_dict(rng_state)
+    elif rng:
+        warnings.warn(
+            f"rank {rank}: the checkpoint holds no RNG state for this rank (saved by fewer ranks, "
+            "or with rng=False); its random generators are left as they are",
+            stacklevel=4,
+        )
     return values

@@ -15,33 +15,17 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from fsdp2kit.checkpoint.layout import METADATA_FILE, CheckpointError
 
-# What DCP's .metadata pickle refers to. Anything else in that file is refused, not run.
-_METADATA_GLOBALS = (
-    {
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-    }
-    | {
-        (mod, cls)
-        for mod in ("pathlib", "pathlib._local")
-        for cls in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
-    }
-)
+# What DCP's .metadata pickle refers to: the classes of DCP's metadata module (dataclasses and an enum,
+# whichever a torch version has), and these. Anything else in that file is refused, not run.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+_METADATA_GLOBALS = {
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in _PATHS),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -50,6 +34,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
+        if module == _METADATA_MODULE:
+            found = super().find_class(module, name)  # an attribute look-up in a module torch has imported
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type DCP metadata is made of")
 
 
@@ -70,15 +58,14 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's `FileSystemReader`, whose metadata goes through the allow-list (or is the ``metadata``
-    `read_metadata` already returned for this directory, not read and unpickled again)."""
+    """DCP's `FileSystemReader` with the ``metadata`` `read_metadata` (the allow-list) returned for ``path``."""
 
-    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, **kwargs: Any):
-        super().__init__(path, **kwargs)
+    def __init__(self, path: str | os.PathLike, metadata: Metadata):
+        super().__init__(path)
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = self._metadata if self._metadata is not None else read_metadata(self.path)
+        metadata = self._metadata
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -146,7 +146,7 @@ def run(root: str) -> dict[str, list[str]]:
     # While the save is written in the background, the caller's process must be as it was too.
     before = snapshot()
     seen: set[str] = set()
-    while ack._pending is not None and not ack._pending.future.done():
+    while ack._pending is not None and not ack._pending[1].done():
         seen.update(differences(before, snapshot()))
         time.sleep(0.001)
     found["Checkpointer.save(async) in flight"] = sorted(seen)

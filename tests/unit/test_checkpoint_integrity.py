@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fsdp2kit.checkpoint import Checkpointer, incomplete_dirs, list_steps, read_metadata, step_dir
-from fsdp2kit.checkpoint.integrity import verify_files
+from fsdp2kit.checkpoint.checks import verify_files
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
