@@ -1,7 +1,5 @@
-"""Optimizer-state offload: parameters and gradients stay on the GPU, AdamW's state and step live in
-pinned host memory, and the update runs on the CPU (`make_optimizer(..., offload=True)`). How it works,
-what it does not do yet, and why not torchao's ``CPUOffloadOptimizer``: docs/optimizers.md, "Offload".
-"""
+"""Optimizer-state offload (`make_optimizer(..., offload=True)`): AdamW's state and step in pinned host memory,
+parameters and gradients on the GPU (how, limits, why not torchao's CPUOffloadOptimizer: docs/optimizers.md)."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 class OffloadedAdamW(torch.optim.AdamW):
-    """torch's AdamW (decoupled weight decay) with its state and update in host memory, pinned for parameters
-    on an accelerator. ``amsgrad``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are not offered.
-    """
+    """torch's AdamW with its state and update in host memory, pinned for parameters on an accelerator;
+    ``amsgrad``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are not offered."""
 
     def __init__(self, params, *, lr: float, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)

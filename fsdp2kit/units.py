@@ -69,9 +69,8 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
 def dtype_subunits(
     model: nn.Module, unit: str, params: dict[str, nn.Parameter], unit_of: dict[int, str]
 ) -> list[tuple[str, list[nn.Module]]]:
-    """Sub-units that give every FSDP unit trainable parameters of one dtype (FSDP2 reduces a unit's gradients
-    in one flat buffer; frozen ones may differ). The majority dtype stays; the modules owning each other
-    dtype's become one extra unit per dtype, sharded first. Raises when one module mixes them itself."""
+    """Sub-units giving an FSDP unit trainable parameters of one dtype (FSDP2 reduces its gradients in one flat buffer):
+    the modules owning each minority dtype's become one unit; raises when one module mixes them itself."""
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     numel: dict[torch.dtype, int] = defaultdict(int)
     for p in trainable.values():
