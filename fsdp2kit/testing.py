@@ -27,14 +27,8 @@ class WorldError(RuntimeError):
 def _child(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, collective_timeout: float, device: str
 ):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{k: str(v) for k, v in env.items()})
     # Several ranks share few cores: one thread each, as torchrun does, or they fight.
     torch.set_num_threads(1)
     try:
@@ -111,7 +105,6 @@ def run_world(
         parts = [f"{fn.__qualname__} on {world_size} ranks failed"]
         if hung:
             parts.append(f"ranks {hung} did not finish within the deadline (killed)")
-        for r, tb in failed.items():
-            parts.append(f"--- rank {r} ---\n{tb}")
+        parts += [f"--- rank {r} ---\n{tb}" for r, tb in failed.items()]
         raise WorldError("\n".join(parts))
     return [reports[r][1] for r in range(world_size)]
