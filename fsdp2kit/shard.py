@@ -72,19 +72,6 @@ def resolve_strategy(
     return resolved
 
 
-def _check_reshard(value: bool | int | None, shard: int) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
-    divisors = [d for d in range(2, shard) if shard % d == 0]
-    if value not in divisors:
-        raise ValueError(
-            f"reshard_after_forward={value}: an int is the group size to reshard to after forward and must "
-            f"divide the shard size {shard} without being 1 or {shard}; valid here: {divisors or 'none'}"
-        )
-
-
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -207,7 +194,16 @@ def _layout(
     if resolved.replicate_only:
         mesh_shape, mesh_dim_names = (math.prod(mesh_shape), 1), ("replicate", "shard")
     shard_size = 1 if resolved.replicate_only else list(dims.values())[-1]
-    _check_reshard(reshard_after_forward, shard_size)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        if not isinstance(reshard_after_forward, int):
+            raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}")
+        divisors = [d for d in range(2, shard_size) if shard_size % d == 0]
+        if reshard_after_forward not in divisors:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward}: an int is the group size to reshard to after forward "
+                f"and must divide the shard size {shard_size} without being 1 or {shard_size}; valid here: "
+                f"{divisors or 'none'}"
+            )
     check_nf4_shards(dict(model.named_parameters()), shard_size)
     split = {}  # one master dtype for every trainable parameter needs no dtype sub-units
     if precision.master_dtype is None:
