@@ -66,15 +66,10 @@ def init_distributed(*, timeout: timedelta | float = timedelta(minutes=10), devi
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if dev_type == "cuda" else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(
-                backend=backend,
-                timeout=timeout,
-                device_id=dev if dev_type == "cuda" else None,
-                **_elastic_store(timeout),
-            )
-        else:
-            # Plain `python script.py`: a world of one needs no rendezvous at all.
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            group = dict(device_id=dev if dev_type == "cuda" else None, **_elastic_store(timeout))
+        else:  # plain `python script.py`: a world of one needs no rendezvous at all
+            group = dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend=backend, timeout=timeout, **group)
         atexit.unregister(_settle_gloo_workers)  # once per process, however many groups come and go
         atexit.register(_settle_gloo_workers)
 
