@@ -57,11 +57,9 @@ class StopSignal(contextlib.AbstractContextManager):
         self.received_at: float | None = None
         self.by_rank: int | None = None
         self.agreed_signal: signal.Signals | None = None
-        self._previous: dict[signal.Signals, object] = {}
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("StopSignal must be created in the main thread (Python delivers signals there)")
-        for sig in parse_signals(signals):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in parse_signals(signals)}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
