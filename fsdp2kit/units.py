@@ -15,18 +15,12 @@ __all__ = ["assign_units", "dtype_subunits"]
 def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
     """Embedding groups outside the blocks, and each parameter's unit (by id); raises if a parameter shared
     between modules would end up in two units (the other would compute with the sharded tensor)."""
-    block_ids = {id(b) for b in blocks}
     names = {id(m): n for n, m in model.named_modules()}
 
     # The name of the block each module lives in (None: outside every block).
-    home: dict[int, str | None] = {}
-
-    def visit(module: nn.Module, block: str | None) -> None:
-        home[id(module)] = block
-        for child in module.children():
-            visit(child, names[id(child)] if id(child) in block_ids else block)
-
-    visit(model, None)
+    home: dict[int, str | None] = {id(m): None for m in model.modules()}
+    for b in blocks:
+        home.update((id(m), names[id(b)]) for m in b.modules())
 
     # Which modules register each parameter (a tied weight is registered by several).
     owners: dict[int, list[nn.Module]] = defaultdict(list)
