@@ -47,24 +47,16 @@ def check_accumulation(policy: str, *, hsdp: bool | None = None) -> str:
 
 @contextlib.contextmanager
 def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Iterator[None]:
-    """Run micro-batch ``micro`` (0-based) of ``n_micro`` under an accumulation ``policy``.
-
-    Wrap each micro-batch's forward and backward::
+    """Run micro-batch ``micro`` (0-based) of ``n_micro`` under an accumulation ``policy`` (`ACCUMULATION`; what each
+    sends, holds and switches: docs/accumulation.md, "Accumulation policies"). Wrap each micro-batch's backward::
 
         for micro, batch in enumerate(micro_batches):
             with fk.accumulate(model, "keep_gathered", micro, len(micro_batches)):
                 (loss_fn(model, batch) / len(micro_batches)).backward()
         optimizer.step()
 
-    Policies: `ACCUMULATION` (name -> what it sends and holds); docs/accumulation.md, "Accumulation policies",
-    tabulates each one's collectives per step, the memory it holds and the FSDP2 switches it sets.
-
-    Scale each micro-batch's loss by ``1 / n_micro``. Gradients equal one big batch's under
-    every policy (tests/dist/test_parity.py). Each setting changed goes back to FSDP2's default
-    when the block exits, so do not nest it in `fsdp2kit.no_sync` or under settings of your own
-    (``keep_gathered``'s reshard-after-forward goes back when the last micro-batch's block exits,
-    or any block that raises). Replicated adapters (``shard_model(..., replicate_adapters=True)``)
-    are all-reduced once, on the last micro-batch, under every policy.
+    Each FSDP2 setting it changes goes back to FSDP2's default when the block exits (keep_gathered's after the last
+    micro-batch, or a block that raises), so do not nest it in `fsdp2kit.no_sync` or under settings of your own.
     """
     check_accumulation(policy)
     if isinstance(n_micro, bool) or not isinstance(n_micro, int) or n_micro < 1:
