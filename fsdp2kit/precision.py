@@ -4,7 +4,6 @@ fsdp2kit/precision.py)."""
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -79,18 +78,13 @@ def cast_masters(model: nn.Module, precision: Precision) -> None:
 
 def warn_as_built(precision: Precision, params: Iterable[torch.Tensor]) -> None:
     """Say so when a policy that trains parameters as built leaves trainable ones in 16 bits."""
-    if precision.master_dtype is not None:
+    low = [p for p in params if p.requires_grad and p.is_floating_point() and p.element_size() < 4]
+    if precision.master_dtype is not None or not low:
         return
-    low: Counter[torch.dtype] = Counter()
-    for p in params:
-        if p.requires_grad and p.is_floating_point() and p.element_size() < 4:
-            low[p.dtype] += p.numel()
-    if not low:
-        return
-    which = ", ".join(dtype_name(d) for d in sorted(low, key=str))
+    which = ", ".join(sorted({dtype_name(p.dtype) for p in low}))
     warnings.warn(
         f"shard_model(mixed_precision={'None' if precision is _AS_BUILT else 'a MixedPrecisionPolicy'}) trains the "
-        f"parameters as built: {sum(low.values())} trainable elements are {which}, so their master weights, "
+        f"parameters as built: {sum(p.numel() for p in low)} trainable elements are {which}, so their master weights, "
         "gradients and AdamW state are too, and updates smaller than half a step of that dtype round away. "
         "Pass mixed_precision='bf16' (or 'fp16') for fp32 master weights with 16-bit compute, or "
         "mixed_precision='pure_bf16' to train in bf16 on purpose.",
