@@ -4,21 +4,13 @@ parameters and gradients on the GPU (how, limits, why not torchao's CPUOffloadOp
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from fsdp2kit._internal.dtensor import local_shard
 
 __all__ = ["OffloadedAdamW"]
-
-
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (on the host) as a DTensor with ``p``'s placements, without moving it to the mesh's device."""
-    if not isinstance(p, DTensor):
-        return local
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad  # FSDP2's own, for the same
-
-    return _from_local_no_grad(local, p._spec)
 
 
 class OffloadedAdamW(torch.optim.AdamW):
@@ -34,8 +26,10 @@ class OffloadedAdamW(torch.optim.AdamW):
                 pinned = local.device.type != "cpu"
                 host = [torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=pinned) for _ in range(4)]
                 self._buffers[p] = (host[0], host[1])  # the parameter's and the gradient's way through the host
-                # Made now, not at the first step: a checkpoint loads into them before any step.
-                self.state[p].update(step=torch.tensor(0.0), exp_avg=_like(p, host[2]), exp_avg_sq=_like(p, host[3]))
+                # The state as DTensors of p's placements without a move to the mesh's device (FSDP2's own helper),
+                # made now, not at the first step: a checkpoint loads into them before any step.
+                avg, avg_sq = (_from_local_no_grad(h, p._spec) if isinstance(p, DTensor) else h for h in host[2:])
+                self.state[p].update(step=torch.tensor(0.0), exp_avg=avg, exp_avg_sq=avg_sq)
 
     def load_state_dict(self, state_dict) -> None:
         # torch's load moves each state tensor to its parameter's device (the GPU); copy the loaded
