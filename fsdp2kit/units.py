@@ -44,11 +44,7 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
     for module in model.modules():
         if not isinstance(module, nn.Embedding) or home[id(module)] is not None or id(module) in grouped:
             continue
-        group = [module]
-        for p in module.parameters(recurse=False):
-            for other in owners[id(p)]:
-                if all(other is not g for g in group):
-                    group.append(other)
+        group = list(dict.fromkeys([module, *(o for p in module.parameters(recurse=False) for o in owners[id(p)])]))
         if any(m is model for m in group):
             continue  # the root owns it: it stays in the root unit
         grouped.update(id(m) for m in group)
