@@ -60,9 +60,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         devices = {local_shard(p).device for _, params in todo for p in params if local_shard(p).device.type == "cuda"}
         for device in devices:  # the host update reads what the device-to-host copies wrote
             torch.cuda.current_stream(device).synchronize()
-        for group, params in todo:
-            if not params:
-                continue
+        for group, params in todo:  # a group with no gradient is an empty call (torch's fused kernel returns)
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
             # torch's fused CPU kernel: one vectorised pass over each tensor where the single-tensor path makes
