@@ -99,7 +99,6 @@ def shard_model(
             default, under which the last block, where backward starts, does not reshard.
         mixed_precision: ``"bf16"`` / ``"fp16"`` (that compute over fp32 master weights), ``"pure_bf16"``, ``"fp32"``,
             or ``None`` / a ``MixedPrecisionPolicy`` (trained as built): docs/internals.md, fsdp2kit/precision.py.
-            The plan's precision line names the master and optimizer-state dtypes (`fsdp2kit.precision`).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer
             step runs on CPU).
         replicate_adapters: LoRA / QLoRA: keep the trainable parameters whole on every rank (left out of
