@@ -4,6 +4,7 @@ docs/accumulation.md, "Accumulation policies"; bytes predicted by `fsdp2kit.plan
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch.nn as nn
@@ -44,44 +45,18 @@ def check_accumulation(policy: str, *, hsdp: bool | None = None) -> str:
     return policy
 
 
-def _hold_gathered(modules: list[FSDPModule]) -> list:
-    saved = []
-    for m in modules:
-        state = m._get_fsdp_state()
-        saved.append(
-            (state, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
-        )
-        m.set_reshard_after_forward(False, recurse=False)
-    return saved
-
-
-def _release_gathered(saved: list) -> None:
-    for state, auto, infos in saved:
-        state._auto_reshard_after_forward = auto
-        for group, info in zip(state._fsdp_param_groups, infos):
-            group.post_forward_mesh_info = info
-
-
 @contextlib.contextmanager
 def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Iterator[None]:
-    """Run micro-batch ``micro`` (0-based) of ``n_micro`` under an accumulation ``policy``.
-
-    Wrap each micro-batch's forward and backward::
+    """Run micro-batch ``micro`` (0-based) of ``n_micro`` under an accumulation ``policy`` (`ACCUMULATION`; what each
+    sends, holds and switches: docs/accumulation.md, "Accumulation policies"). Wrap each micro-batch's backward::
 
         for micro, batch in enumerate(micro_batches):
             with fk.accumulate(model, "keep_gathered", micro, len(micro_batches)):
                 (loss_fn(model, batch) / len(micro_batches)).backward()
         optimizer.step()
 
-    Policies: `ACCUMULATION` (name -> what it sends and holds); docs/accumulation.md, "Accumulation policies",
-    tabulates each one's collectives per step, the memory it holds and the FSDP2 switches it sets.
-
-    Scale each micro-batch's loss by ``1 / n_micro``. Gradients equal one big batch's under
-    every policy (tests/dist/test_parity.py). Each setting changed goes back to FSDP2's default
-    when the block exits, so do not nest it in `fsdp2kit.no_sync` or under settings of your own
-    (``keep_gathered``'s reshard-after-forward goes back when the last micro-batch's block exits,
-    or any block that raises). Replicated adapters (``shard_model(..., replicate_adapters=True)``)
-    are all-reduced once, on the last micro-batch, under every policy.
+    Each FSDP2 setting it changes goes back to FSDP2's default when the block exits (keep_gathered's after the last
+    micro-batch, or a block that raises), so do not nest it in `fsdp2kit.no_sync` or under settings of your own.
     """
     check_accumulation(policy)
     if isinstance(n_micro, bool) or not isinstance(n_micro, int) or n_micro < 1:
@@ -97,37 +72,42 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
         check_accumulation(policy, hsdp=hsdp)
     last = micro == n_micro - 1
     keep = policy.startswith("keep_gathered") and n_micro > 1
-    no_sync = policy in ("no_sync", "keep_gathered_no_sync") and not last
-    defer = policy in _HSDP_ONLY and not last
+    # The FSDP2 switches this micro-batch turns off, each back on (FSDP2's default) when the block exits.
+    switches = [
+        setter
+        for setter, off in (
+            (FSDPModule.set_requires_gradient_sync, policy in ("no_sync", "keep_gathered_no_sync")),
+            (FSDPModule.set_requires_all_reduce, policy in _HSDP_ONLY),
+            (FSDPModule.set_reshard_after_backward, keep),
+        )
+        if off and not last
+    ]
     if keep and micro == 0:
         if getattr(model, _SAVED, None) is not None:
             raise RuntimeError("accumulate: the previous keep_gathered step did not reach its last micro-batch")
-        setattr(model, _SAVED, _hold_gathered(modules))
+        saved = []
+        for m in modules:
+            state = m._get_fsdp_state()
+            infos = [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+            saved.append((state, state._auto_reshard_after_forward, infos))
+            m.set_reshard_after_forward(False, recurse=False)
+        setattr(model, _SAVED, saved)
     ok = False
     try:
-        for m in modules:
-            if no_sync:
-                m.set_requires_gradient_sync(False, recurse=False)
-            if defer:
-                m.set_requires_all_reduce(False, recurse=False)
-            if keep:
-                m.set_reshard_after_backward(last, recurse=False)
+        for m, setter in itertools.product(modules, switches):
+            setter(m, False, recurse=False)
         with paused(model, not last):
             yield
         ok = True
     finally:
-        for m in modules:
-            if no_sync:
-                m.set_requires_gradient_sync(True, recurse=False)
-            if defer:
-                m.set_requires_all_reduce(True, recurse=False)
-            if keep:
-                m.set_reshard_after_backward(True, recurse=False)
+        for m, setter in itertools.product(modules, switches):
+            setter(m, True, recurse=False)
         if keep and (last or not ok):
-            saved = getattr(model, _SAVED, None)
-            if saved is not None:
-                _release_gathered(saved)
-                delattr(model, _SAVED)
+            for state, auto, infos in getattr(model, _SAVED, None) or ():
+                state._auto_reshard_after_forward = auto
+                for group, info in zip(state._fsdp_param_groups, infos):
+                    group.post_forward_mesh_info = info
+            vars(model).pop(_SAVED, None)
             if not ok:  # a step abandoned half-way frees what it kept gathered
                 for m in modules:
                     m.reshard()

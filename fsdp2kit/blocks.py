@@ -30,19 +30,13 @@ def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.
 
 def _largest_repeated_children(model: nn.Module) -> list[nn.Module]:
     """The largest set of same-class siblings by parameter count (decoder layers, not the experts inside)."""
-    best: list[nn.Module] = []
-    best_size = 0
+    groups: list[list[nn.Module]] = []
     for parent in model.modules():
         by_class: dict[type, list[nn.Module]] = defaultdict(list)
         for child in parent.children():
             by_class[type(child)].append(child)
-        for siblings in by_class.values():
-            if len(siblings) < 2:
-                continue
-            size = sum(p.numel() for m in siblings for p in m.parameters())
-            if size > best_size:
-                best, best_size = siblings, size
-    return best
+        groups += [siblings for siblings in by_class.values() if len(siblings) > 1]
+    return max(groups, key=lambda s: sum(p.numel() for m in s for p in m.parameters()), default=[])
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[nn.Module]:

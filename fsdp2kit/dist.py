@@ -66,15 +66,10 @@ def init_distributed(*, timeout: timedelta | float = timedelta(minutes=10), devi
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if dev_type == "cuda" else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(
-                backend=backend,
-                timeout=timeout,
-                device_id=dev if dev_type == "cuda" else None,
-                **_elastic_store(timeout),
-            )
-        else:
-            # Plain `python script.py`: a world of one needs no rendezvous at all.
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            group = dict(device_id=dev if dev_type == "cuda" else None, **_elastic_store(timeout))
+        else:  # plain `python script.py`: a world of one needs no rendezvous at all
+            group = dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend=backend, timeout=timeout, **group)
         atexit.unregister(_settle_gloo_workers)  # once per process, however many groups come and go
         atexit.register(_settle_gloo_workers)
 
@@ -111,26 +106,21 @@ def _fits(world: int, cp: int = 1) -> str:
     if cp < 1 or world % cp:
         return f"none with cp={cp} (cp must divide the world size)"
     n = world // cp
-    combos = [
+    return ", ".join(
         f"(shard={n // t // r}, replicate={r}" + (f", cp={cp}" if cp > 1 else "") + (f", tp={t})" if t > 1 else ")")
         for t in range(1, n + 1)
         if n % t == 0
         for r in range(1, n // t + 1)
         if (n // t) % r == 0
-    ]
-    return ", ".join(combos)
+    )
 
 
 def make_mesh(
     shard: int = -1, replicate: int = 1, tp: int = 1, *, cp: int = 1, device_type: str | None = None
 ) -> DeviceMesh:
-    """A DeviceMesh over every rank of the default group, dimensions ``("replicate", "shard", "cp", "tp")``.
-
-    A dimension is present when its size is above 1; ``"shard"`` always is (of size 1 too, with tp or cp: it
-    is what `shard_model` shards over). ``"tp"`` is innermost, so a tensor-parallel group is neighbouring
-    ranks; `shard_model` shards over ``"shard"`` and ``"cp"`` together. One of ``shard`` and ``replicate``
-    may be -1 (whatever the world size leaves); sizes that do not fit the world are a ``ValueError`` that
-    lists the sizes that would.
+    """A DeviceMesh over every rank of the default group, dimensions ``("replicate", "shard", "cp", "tp")``, each one
+    present when above 1 (``"shard"`` always); README.md, "Meshes" and "The mesh". One of ``shard`` and ``replicate``
+    may be -1 (whatever the world size leaves); sizes that do not fit are a ``ValueError`` listing those that would.
     """
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs a process group: call fsdp2kit.init_distributed() first")

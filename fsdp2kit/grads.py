@@ -43,8 +43,7 @@ def clip_grad_norm_(
 
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
-    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    clip_coef = torch.where(torch.isfinite(total), clip_coef, torch.ones_like(clip_coef))
+    clip_coef = torch.where(torch.isfinite(total), (max_norm / (total + 1e-6)).clamp(max=1.0), 1.0)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))

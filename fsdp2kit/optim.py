@@ -97,9 +97,8 @@ def state_block(name: str, shape: Sequence[int]) -> int | None:
 
 
 def state_bytes(numel: int, dtype: torch.dtype, name: str, shape: Sequence[int]) -> int:
-    """Bytes of optimizer state ``name`` (one of `OPTIMIZERS`) for one local tensor of ``numel`` elements in
-    ``dtype``, a shard of a parameter of global ``shape``: the classes' own allocation, for each of the two
-    states the codes, an fp32 scale a block and the code table; the 0-d ``step`` is not counted."""
+    """Bytes of optimizer state ``name`` for a local shard of ``numel`` elements in ``dtype`` of a parameter of global
+    ``shape``: the classes' own allocation, both states' codes, fp32 scales and code table (not the 0-d step)."""
     block = state_block(name, shape)
     if block is None or numel == 0:
         return 2 * numel * dtype.itemsize
@@ -154,11 +153,7 @@ def make_optimizer(
                 f"{', '.join(off[:2])}: on CPU there is nothing to offload (use offload=False); "
                 "shard_model(..., cpu_offload=True) moves parameters, gradients and state to the host together"
             )
-        if kwargs:
-            raise ValueError(
-                f"make_optimizer(offload=True) takes AdamW's lr, betas, eps, weight_decay only, not {sorted(kwargs)}"
-            )
-        return OffloadedAdamW(params, **hyper)
+        return OffloadedAdamW(params, **hyper, **kwargs)  # a TypeError names any argument it does not take
     if name == "adamw":
         low = [n for n, p in named if p.dtype in (torch.bfloat16, torch.float16)]
         if low:  # pure_bf16 chosen, but with round-to-nearest updates: say so rather than switch silently

@@ -1,11 +1,10 @@
-"""Optimizer-state offload: parameters and gradients stay on the GPU, AdamW's state and step live in
-pinned host memory, and the update runs on the CPU (`make_optimizer(..., offload=True)`). How it works,
-what it does not do yet, and why not torchao's ``CPUOffloadOptimizer``: docs/optimizers.md, "Offload".
-"""
+"""Optimizer-state offload (`make_optimizer(..., offload=True)`): AdamW's state and step in pinned host memory,
+parameters and gradients on the GPU (how, limits, why not torchao's CPUOffloadOptimizer: docs/optimizers.md)."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
@@ -14,19 +13,9 @@ from fsdp2kit._internal.dtensor import local_shard
 __all__ = ["OffloadedAdamW"]
 
 
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (on the host) as a DTensor with ``p``'s placements, without moving it to the mesh's device."""
-    if not isinstance(p, DTensor):
-        return local
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad  # FSDP2's own, for the same
-
-    return _from_local_no_grad(local, p._spec)
-
-
 class OffloadedAdamW(torch.optim.AdamW):
-    """torch's AdamW (decoupled weight decay) with its state and update in host memory, pinned for parameters
-    on an accelerator. ``amsgrad``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are not offered.
-    """
+    """torch's AdamW with its state and update in host memory, pinned for parameters on an accelerator;
+    ``amsgrad``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are not offered."""
 
     def __init__(self, params, *, lr: float, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
@@ -37,8 +26,10 @@ class OffloadedAdamW(torch.optim.AdamW):
                 pinned = local.device.type != "cpu"
                 host = [torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=pinned) for _ in range(4)]
                 self._buffers[p] = (host[0], host[1])  # the parameter's and the gradient's way through the host
-                # Made now, not at the first step: a checkpoint loads into them before any step.
-                self.state[p].update(step=torch.tensor(0.0), exp_avg=_like(p, host[2]), exp_avg_sq=_like(p, host[3]))
+                # The state as DTensors of p's placements without a move to the mesh's device (FSDP2's own helper),
+                # made now, not at the first step: a checkpoint loads into them before any step.
+                avg, avg_sq = (_from_local_no_grad(h, p._spec) if isinstance(p, DTensor) else h for h in host[2:])
+                self.state[p].update(step=torch.tensor(0.0), exp_avg=avg, exp_avg_sq=avg_sq)
 
     def load_state_dict(self, state_dict) -> None:
         # torch's load moves each state tensor to its parameter's device (the GPU); copy the loaded
@@ -69,9 +60,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         devices = {local_shard(p).device for _, params in todo for p in params if local_shard(p).device.type == "cuda"}
         for device in devices:  # the host update reads what the device-to-host copies wrote
             torch.cuda.current_stream(device).synchronize()
-        for group, params in todo:
-            if not params:
-                continue
+        for group, params in todo:  # a group with no gradient is an empty call (torch's fused kernel returns)
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
             # torch's fused CPU kernel: one vectorised pass over each tensor where the single-tensor path makes

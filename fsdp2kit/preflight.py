@@ -29,30 +29,28 @@ def check_not_sharded(model: nn.Module, mesh: DeviceMesh | None = None) -> None:
                 "on an unsharded model"
             )
     tp_info = getattr(model, TENSOR_PARALLEL, None)
-    names = tuple((mesh.mesh_dim_names or ()) if mesh is not None else ())
-    if tp_info is None:
-        if "tp" in names and mesh["tp"].size() > 1:
-            raise ValueError(
-                f"the mesh has a tp dimension of size {mesh['tp'].size()} but the model is not tensor-parallel: call "
-                "fsdp2kit.apply_tensor_parallel(model, mesh) before shard_model, or make the mesh without tp"
-            )
-        for name, param in model.named_parameters():
-            if isinstance(param, DTensor):
-                raise ValueError(
-                    f"parameter {name} is already a DTensor (placements {param.placements}); shard_model expects "
-                    "plain tensors, or the DTensors of fsdp2kit.apply_tensor_parallel"
-                )
-        return
-    if mesh is None:
-        return
-    if "tp" not in names or mesh["tp"].size() != tp_info["tp"]:
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    tp = mesh["tp"].size() if "tp" in names else None
+    if tp_info is None and tp is not None and tp > 1:
+        raise ValueError(
+            f"the mesh has a tp dimension of size {tp} but the model is not tensor-parallel: call "
+            "fsdp2kit.apply_tensor_parallel(model, mesh) before shard_model, or make the mesh without tp"
+        )
+    if tp_info is not None and mesh is not None and tp != tp_info["tp"]:
         raise ValueError(
             f"the model is tensor-parallel over {tp_info['tp']} ranks but the mesh {names} of shape "
             f"{tuple(mesh.shape)} has no tp dimension of that size; pass the mesh given to apply_tensor_parallel"
         )
-    tp_ranks = mesh["tp"].mesh.tolist()
+    tp_ranks = mesh["tp"].mesh.tolist() if tp is not None else None
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor) and (
+        if not isinstance(param, DTensor):
+            continue
+        if tp_info is None:
+            raise ValueError(
+                f"parameter {name} is already a DTensor (placements {param.placements}); shard_model expects "
+                "plain tensors, or the DTensors of fsdp2kit.apply_tensor_parallel"
+            )
+        if mesh is not None and (
             param.device_mesh.mesh_dim_names != ("tp",) or param.device_mesh.mesh.tolist() != tp_ranks
         ):
             raise ValueError(
@@ -69,19 +67,15 @@ def check_devices(model: nn.Module, mesh: DeviceMesh, *, cpu_offload: bool) -> N
         if param.device.type != "meta":
             by_device[param.device].append(name)
     if len(by_device) > 1:
-        listing = "; ".join(
-            f"{dev}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-            for dev, names in by_device.items()
-        )
+        listing = "; ".join(f"{dev}: {fmt_list(names, 1)}" for dev, names in by_device.items())
         raise ValueError(f"parameters are on different devices ({listing}); move the whole model to one device first")
     for dev, names in by_device.items():
-        if dev.type == mesh.device_type or (cpu_offload and dev.type == "cpu"):
-            continue
-        raise ValueError(
-            f"parameters are on {dev} (e.g. {names[0]}) but the mesh is a {mesh.device_type!r} mesh; "
-            f"move the model with model.to({mesh.device_type!r}), build it on the meta device, or make the mesh "
-            f"with make_mesh(device_type={dev.type!r})"
-        )
+        if dev.type != mesh.device_type and not (cpu_offload and dev.type == "cpu"):
+            raise ValueError(
+                f"parameters are on {dev} (e.g. {names[0]}) but the mesh is a {mesh.device_type!r} mesh; "
+                f"move the model with model.to({mesh.device_type!r}), build it on the meta device, or make the mesh "
+                f"with make_mesh(device_type={dev.type!r})"
+            )
 
 
 def check_nf4_shards(params: dict[str, nn.Parameter], shard: int) -> None:
@@ -125,10 +119,8 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args, kwargs) -> N
 
 
 def check_optimizers_at_first_forward(model: nn.Module, replaced: Iterable[nn.Parameter]) -> None:
-    """At ``model``'s first forward, give every optimizer that holds a parameter ``shard_model`` replaced (its
-    loss would not move), or a frozen sharded one, a step pre-hook that raises. Nothing global is installed:
-    only while a replaced parameter is alive (weakly watched) or the model has frozen ones are the process's
-    optimizers looked up, once. Call it after sharding: it tags the frozen sharded parameters here."""
+    """At ``model``'s first forward, give each optimizer holding a parameter ``shard_model`` replaced, or a frozen
+    sharded one, a step pre-hook that raises; nothing global is installed. Call it after sharding."""
     for name, param in model.named_parameters():
         if not param.requires_grad:
             setattr(param, FROZEN_AS, name)

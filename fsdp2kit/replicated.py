@@ -1,6 +1,5 @@
 """Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`), their gradients
-averaged over the data-parallel ranks once a synced backward ends (why and cost: docs/accumulation.md, "LoRA: adapters
-replicated")."""
+averaged over the data-parallel ranks once a synced backward ends (why and cost: docs/accumulation.md)."""
 
 from __future__ import annotations
 
@@ -58,10 +57,6 @@ class _Replicated:
         # a SUM divided by the world: gloo has no AVG
         self._flat_over_groups([p.grad for p in self.params], dist.all_reduce, divide=self.world)
 
-    def broadcast(self) -> None:
-        """Every rank starts from the values of the mesh's first rank (as DDP does), whatever each built."""
-        self._flat_over_groups([p.detach() for p in self.params], functools.partial(dist.broadcast, group_src=0))
-
     def _flat_over_groups(self, tensors: list[torch.Tensor], op, divide: int = 1) -> None:
         """``op`` on one flat copy per dtype over each group in turn, divided by ``divide``, copied back."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -82,7 +77,8 @@ def replicate_trainable(model: nn.Module, params: list[nn.Parameter], mesh: Devi
     data-parallel mesh) at the end of each synced backward."""
     state = _Replicated(params, mesh)
     if not any(p.is_meta for p in params):  # on the meta device: materialize draws them alike on every rank
-        state.broadcast()
+        # every rank starts from the values of the mesh's first rank (as DDP does), whatever each built
+        state._flat_over_groups([p.detach() for p in params], functools.partial(dist.broadcast, group_src=0))
     for p in params:
         p.register_post_accumulate_grad_hook(state.hook)
     setattr(model, _STATE, state)

@@ -16,7 +16,7 @@ from fsdp2kit._internal.markers import BLOCK_ORDER, SHARDED_AS
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.dist import data_parallel_mesh, fsdp_mesh_shape
 from fsdp2kit.plan import ShardPlan
-from fsdp2kit.precision import Precision, cast_masters, resolve_precision, warn_as_built
+from fsdp2kit.precision import cast_masters, resolve_precision, warn_as_built
 from fsdp2kit.preflight import check_devices, check_nf4_shards, check_not_sharded, check_optimizers_at_first_forward
 from fsdp2kit.replicated import check_replicable, replicate_trainable
 from fsdp2kit.units import assign_units, dtype_subunits
@@ -72,19 +72,6 @@ def resolve_strategy(
     return resolved
 
 
-def _check_reshard(value: bool | int | None, shard: int) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
-    divisors = [d for d in range(2, shard) if shard % d == 0]
-    if value not in divisors:
-        raise ValueError(
-            f"reshard_after_forward={value}: an int is the group size to reshard to after forward and must "
-            f"divide the shard size {shard} without being 1 or {shard}; valid here: {divisors or 'none'}"
-        )
-
-
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -112,7 +99,6 @@ def shard_model(
             default, under which the last block, where backward starts, does not reshard.
         mixed_precision: ``"bf16"`` / ``"fp16"`` (that compute over fp32 master weights), ``"pure_bf16"``, ``"fp32"``,
             or ``None`` / a ``MixedPrecisionPolicy`` (trained as built): docs/internals.md, fsdp2kit/precision.py.
-            The plan's precision line names the master and optimizer-state dtypes (`fsdp2kit.precision`).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer
             step runs on CPU).
         replicate_adapters: LoRA / QLoRA: keep the trainable parameters whole on every rank (left out of
@@ -128,56 +114,45 @@ def shard_model(
     dp_mesh = data_parallel_mesh(mesh)  # with a tp dimension, FSDP shards over the others only
     # With a cp dimension, FSDP shards over shard x cp together: the layout sees them as one dim.
     shape, names = fsdp_mesh_shape(tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
-    args = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, None, replicate_adapters)
-    layout = _layout(model, shape, names, *args)
+    options = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, replicate_adapters)
+    plan, found, units, lookups, kept_ids = _layout(model, shape, names, None, *options)
     check_devices(model, mesh, cpu_offload=cpu_offload)
 
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     fsdp_mesh = dp_mesh
-    if layout.strategy.replicate_only:  # NO_SHARD as FSDP2 spells it: HSDP whose shard groups have one rank each
+    if STRATEGIES[plan.strategy].replicate_only:  # NO_SHARD as FSDP2 spells it: HSDP of one-rank shard groups
         fsdp_mesh = DeviceMesh(dp_mesh.device_type, dp_mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
-    kept = {n: p for n, p in model.named_parameters() if id(p) in layout.kept}
+    kept = {n: p for n, p in model.named_parameters() if id(p) in kept_ids}
     replaced = {n: p for n, p in model.named_parameters() if n not in kept}
     for name, p in replaced.items():  # fully_shard replaces them: an optimizer that holds one is refused
         setattr(p, SHARDED_AS, name)
-    for _, modules, reshard in layout.units:
+    for _, modules, reshard in units:
         fully_shard(
             modules if len(modules) > 1 else modules[0],
             mesh=fsdp_mesh,
             reshard_after_forward=reshard,
-            mp_policy=layout.precision.policy,
+            mp_policy=plan.precision.policy,
             offload_policy=offload,
             ignored_params=set(kept.values()) or None,
         )
-    warn_as_built(layout.precision, model.parameters())
-    cast_masters(model, layout.precision)  # before any mark: it swaps parameter contents
+    warn_as_built(plan.precision, model.parameters())
+    cast_masters(model, plan.precision)  # before any mark: it swaps parameter contents
     if kept:
         replicate_trainable(model, [p for n, p in model.named_parameters() if n in kept], dp_mesh)
-    for table in layout.lookups:
+    for table in lookups:
         # backward of a lookup scatters the output gradient by index: the table is not read
         table.set_unshard_in_backward(False)
 
     check_optimizers_at_first_forward(model, replaced.values())
-    setattr(model, BLOCK_ORDER, layout.blocks)  # the forward order, for set_prefetch
-    return layout.plan
+    setattr(model, BLOCK_ORDER, found)  # the forward order, for set_prefetch
+    return plan
 
 
-def estimate_plan(
-    model: nn.Module,
-    *,
-    shard: int,
-    replicate: int = 1,
-    tp: int = 1,
-    blocks: BlockSpec = "auto",
-    strategy: str | None = None,
-    reshard_after_forward: bool | int | None = None,
-    mixed_precision: str | MixedPrecisionPolicy | None = None,
-    cpu_offload: bool = False,
-    replicate_adapters: bool = False,
-) -> ShardPlan:
-    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without a process
-    group and changing nothing (a meta model planned for 1024 GPUs from a laptop); with ``tp > 1`` each
-    rank's slices follow the model's own TP plan, as `fsdp2kit.apply_tensor_parallel` would apply it."""
+def estimate_plan(model: nn.Module, *, shard: int, replicate: int = 1, tp: int = 1, **options) -> ShardPlan:
+    """The `ShardPlan` that `shard_model` (``options``: its keyword arguments) would return on a (replicate, shard[,
+    tp]) mesh, without a process group and changing nothing (a meta model planned for 1024 GPUs from a laptop); with
+    ``tp > 1`` each rank's slices follow the model's own TP plan, as `fsdp2kit.apply_tensor_parallel` would apply it."""
+    check_not_sharded(model)
     shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
     tp_shapes = None
     if tp > 1:
@@ -185,45 +160,31 @@ def estimate_plan(
 
         shape, names = (*shape, tp), (*names, "tp")
         tp_shapes = planned_tp_shapes(model, tp)
-    args = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, tp_shapes, replicate_adapters)
-    return _layout(model, shape, names, *args).plan
-
-
-@dataclass
-class _Layout:
-    """Everything shard_model decides before it touches the model."""
-
-    strategy: Strategy
-    blocks: list[nn.Module]
-    units: list[tuple[str, list[nn.Module], bool | int]]  # (label, modules, reshard_after_forward), children first
-    lookups: list[nn.Embedding]  # the groups that are one plain nn.Embedding (fully_shard changes the class)
-    precision: Precision
-    plan: ShardPlan
-    kept: set[int]  # ids of the trainable parameters replicate_adapters keeps whole, out of fully_shard
+    return _layout(model, shape, names, tp_shapes, **options)[0]
 
 
 def _layout(
     model: nn.Module,
     mesh_shape: tuple[int, ...],
     mesh_dim_names: tuple[str, ...],
-    blocks: BlockSpec,
-    strategy: str | None,
-    reshard_after_forward: bool | int | None,
-    mixed_precision: str | MixedPrecisionPolicy | None,
-    cpu_offload: bool,
-    tp_shapes: dict[int, tuple[int, ...]] | None = None,
+    tp_shapes: dict[int, tuple[int, ...]] | None,
+    blocks: BlockSpec = "auto",
+    strategy: str | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mixed_precision: str | MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
     replicate_adapters: bool = False,
-) -> _Layout:
-    tp = dict(zip(mesh_dim_names, mesh_shape)).get("tp", 1)
-    dp_shape = tuple(s for n, s in zip(mesh_dim_names, mesh_shape) if n != "tp")
-    dp_names = tuple(n for n in mesh_dim_names if n != "tp")
-    resolved = resolve_strategy(strategy, dp_shape, dp_names)
+) -> tuple[ShardPlan, list[nn.Module], list[tuple[str, list[nn.Module], bool | int]], list[nn.Embedding], set[int]]:
+    """Everything shard_model decides before it touches the model: the plan, the blocks, the units (label, modules,
+    reshard_after_forward), the plain nn.Embedding units and the ids of the parameters kept whole."""
+    dims = dict(zip(mesh_dim_names, mesh_shape))
+    tp = dims.pop("tp", 1)
+    resolved = resolve_strategy(strategy, tuple(dims.values()), tuple(dims))
     if tp > 1 and resolved.replicate_only:
         raise ValueError(
             "strategy NO_SHARD with tensor parallelism is not supported: use FULL_SHARD (or HYBRID_SHARD) over the "
             "data-parallel dimensions"
         )
-    check_not_sharded(model)
     found = find_blocks(model, blocks)  # children only: the root is never one of its own blocks
     groups, unit_of = assign_units(model, found)
     kept = {id(p) for p in check_replicable(model, cpu_offload)} if replicate_adapters else set()
@@ -231,35 +192,37 @@ def _layout(
     precision = resolve_precision(mixed_precision)
     if resolved.replicate_only:
         mesh_shape, mesh_dim_names = (math.prod(mesh_shape), 1), ("replicate", "shard")
-    shard_size = dp_shape[-1] if not resolved.replicate_only else 1
-    _check_reshard(reshard_after_forward, shard_size)
-
-    by_unit: dict[str, dict[str, nn.Parameter]] = defaultdict(dict)
-    for name, p in model.named_parameters():
-        by_unit[unit_of[id(p)]][name] = p
+    shard_size = 1 if resolved.replicate_only else list(dims.values())[-1]
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        if not isinstance(reshard_after_forward, int):
+            raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}")
+        divisors = [d for d in range(2, shard_size) if shard_size % d == 0]
+        if reshard_after_forward not in divisors:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward}: an int is the group size to reshard to after forward "
+                f"and must divide the shard size {shard_size} without being 1 or {shard_size}; valid here: "
+                f"{divisors or 'none'}"
+            )
     check_nf4_shards(dict(model.named_parameters()), shard_size)
     split = {}  # one master dtype for every trainable parameter needs no dtype sub-units
     if precision.master_dtype is None:
+        by_unit: dict[str, dict[str, nn.Parameter]] = defaultdict(dict)
+        for name, p in model.named_parameters():
+            by_unit[unit_of[id(p)]][name] = p
         split = {unit: dtype_subunits(model, unit, params, unit_of) for unit, params in by_unit.items()}
 
-    # Units in the order FSDP2 needs them (children before parents).
     names = {id(m): n for n, m in model.named_modules()}
     default = resolved.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
-    root_reshard = False if reshard_after_forward is None else reshard_after_forward
-    units: list[tuple[str, list[nn.Module], bool | int]] = []
-
-    def add(key: str, label: str, modules: list[nn.Module], reshard: bool | int) -> None:
-        # A unit's trainable parameters of a minority dtype are sharded first, as their own unit.
-        units.extend((f"{label} {sub}", mods, reshard) for sub, mods in split.get(key, []))
-        units.append((label, modules, reshard))
-
     last = found[-1] if reshard_after_forward is None else None  # the strategy's default keeps it gathered
-    for b in found:
-        add(names[id(b)], names[id(b)], [b], False if b is last else default)
-    for g in groups:
-        label = " + ".join(names[id(m)] for m in g)
-        add("+".join(names[id(m)] for m in g), label, g, default)
-    add("", f"(root) {type(model).__name__}", [model], root_reshard)
+    units = []  # in the order FSDP2 needs them (children first)
+    for label, modules, reshard in [
+        *((names[id(b)], [b], False if b is last else default) for b in found),
+        *((" + ".join(names[id(m)] for m in g), g, default) for g in groups),
+        (f"(root) {type(model).__name__}", [model], False if reshard_after_forward is None else default),
+    ]:
+        # A unit's trainable parameters of a minority dtype are sharded first, as their own unit.
+        subunits = split.get("+".join(names[id(m)] for m in modules), [])  # the root's name is ""
+        units += [(f"{label} {tag}", mods, reshard) for tag, mods in subunits] + [(label, modules, reshard)]
 
     plan = ShardPlan(resolved.name, tuple(mesh_shape), tuple(mesh_dim_names), precision.name, cpu_offload)
     plan.precision = precision
@@ -268,4 +231,4 @@ def _layout(
         params = [p for m in modules for p in m.parameters() if id(p) not in seen and not seen.add(id(p))]
         plan.add_unit(label, params, shard_size, reshard, tp_shapes, tuple(names[id(m)] for m in modules), kept)
     lookups = [g[0] for g in groups if len(g) == 1 and type(g[0]) is nn.Embedding]
-    return _Layout(resolved, found, units, lookups, precision, plan, kept)
+    return plan, found, units, lookups, kept

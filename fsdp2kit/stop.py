@@ -51,18 +51,15 @@ class StopSignal(contextlib.AbstractContextManager):
         repeat_after: float = 0.5,
         on_signal: Callable[[signal.Signals], None] | None = None,
     ):
-        self.signals = parse_signals(signals)
         self.repeat_after = repeat_after
         self.on_signal = on_signal
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
         self.by_rank: int | None = None
         self.agreed_signal: signal.Signals | None = None
-        self._previous: dict[signal.Signals, object] = {}
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("StopSignal must be created in the main thread (Python delivers signals there)")
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in parse_signals(signals)}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
@@ -84,8 +81,7 @@ class StopSignal(contextlib.AbstractContextManager):
         """Whether any rank has received a signal: the same answer on every rank. Collective: one all-reduce (MAX)
         of the highest rank that received one (plus one) and its signal, kept in `by_rank` and `agreed_signal`."""
         rank = dist.get_rank(group) if dist.is_initialized() else 0
-        mine = [rank + 1, int(self.received)] if self.requested else [0, 0]
-        flag = torch.tensor(mine, dtype=torch.int64, device=device)
+        flag = torch.tensor([rank + 1, int(self.received)] if self.requested else [0, 0], device=device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         by, sig = flag.tolist()

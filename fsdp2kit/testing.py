@@ -27,14 +27,8 @@ class WorldError(RuntimeError):
 def _child(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, collective_timeout: float, device: str
 ):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{k: str(v) for k, v in env.items()})
     # Several ranks share few cores: one thread each, as torchrun does, or they fight.
     torch.set_num_threads(1)
     try:
@@ -83,12 +77,7 @@ def run_world(
     reports: dict[int, tuple[bool, Any]] = {}
     exited_at: dict[int, float] = {}
     deadline = time.monotonic() + timeout
-    while len(reports) < world_size:
-        if any(not ok for ok, _ in reports.values()):
-            deadline = min(deadline, time.monotonic() + grace)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
+    while len(reports) < world_size and (remaining := deadline - time.monotonic()) > 0:
         try:
             rank, ok, value = results.get(timeout=min(remaining, 1.0))
             reports[rank] = (ok, value)
@@ -99,19 +88,17 @@ def run_world(
             for r, p in enumerate(procs):
                 if r not in reports and p.exitcode is not None and now - exited_at.setdefault(r, now) > 2.0:
                     reports[r] = (False, f"process exited with code {p.exitcode} without reporting")
+        if any(not ok for ok, _ in reports.values()):
+            deadline = min(deadline, time.monotonic() + grace)
 
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
 
-    failed = {r: v for r, (ok, v) in sorted(reports.items()) if not ok}
     hung = [r for r in range(world_size) if r not in reports]
-    if failed or hung:
-        parts = [f"{fn.__qualname__} on {world_size} ranks failed"]
-        if hung:
-            parts.append(f"ranks {hung} did not finish within the deadline (killed)")
-        for r, tb in failed.items():
-            parts.append(f"--- rank {r} ---\n{tb}")
-        raise WorldError("\n".join(parts))
+    parts = [f"ranks {hung} did not finish within the deadline (killed)"] if hung else []
+    parts += [f"--- rank {r} ---\n{tb}" for r, (ok, tb) in sorted(reports.items()) if not ok]
+    if parts:
+        raise WorldError("\n".join([f"{fn.__qualname__} on {world_size} ranks failed", *parts]))
     return [reports[r][1] for r in range(world_size)]

@@ -15,18 +15,12 @@ __all__ = ["assign_units", "dtype_subunits"]
 def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], dict[int, str]]:
     """Embedding groups outside the blocks, and each parameter's unit (by id); raises if a parameter shared
     between modules would end up in two units (the other would compute with the sharded tensor)."""
-    block_ids = {id(b) for b in blocks}
     names = {id(m): n for n, m in model.named_modules()}
 
     # The name of the block each module lives in (None: outside every block).
-    home: dict[int, str | None] = {}
-
-    def visit(module: nn.Module, block: str | None) -> None:
-        home[id(module)] = block
-        for child in module.children():
-            visit(child, names[id(child)] if id(child) in block_ids else block)
-
-    visit(model, None)
+    home: dict[int, str | None] = {id(m): None for m in model.modules()}
+    for b in blocks:
+        home.update((id(m), names[id(b)]) for m in b.modules())
 
     # Which modules register each parameter (a tied weight is registered by several).
     owners: dict[int, list[nn.Module]] = defaultdict(list)
@@ -50,11 +44,7 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
     for module in model.modules():
         if not isinstance(module, nn.Embedding) or home[id(module)] is not None or id(module) in grouped:
             continue
-        group = [module]
-        for p in module.parameters(recurse=False):
-            for other in owners[id(p)]:
-                if all(other is not g for g in group):
-                    group.append(other)
+        group = list(dict.fromkeys([module, *(o for p in module.parameters(recurse=False) for o in owners[id(p)])]))
         if any(m is model for m in group):
             continue  # the root owns it: it stays in the root unit
         grouped.update(id(m) for m in group)
@@ -69,9 +59,8 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
 def dtype_subunits(
     model: nn.Module, unit: str, params: dict[str, nn.Parameter], unit_of: dict[int, str]
 ) -> list[tuple[str, list[nn.Module]]]:
-    """Sub-units that give every FSDP unit trainable parameters of one dtype (FSDP2 reduces a unit's gradients
-    in one flat buffer; frozen ones may differ). The majority dtype stays; the modules owning each other
-    dtype's become one extra unit per dtype, sharded first. Raises when one module mixes them itself."""
+    """Sub-units giving an FSDP unit trainable parameters of one dtype (FSDP2 reduces its gradients in one flat buffer):
+    the modules owning each minority dtype's become one unit; raises when one module mixes them itself."""
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     numel: dict[torch.dtype, int] = defaultdict(int)
     for p in trainable.values():
