@@ -45,18 +45,13 @@ def _split(t: torch.Tensor, cp: int, rank: int, seq_dim: int, name: str) -> torc
 
 
 def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
-    """This cp rank's part of a batch: each tensor cut along ``seq_dim`` into ``2 * cp`` chunks, of which
-    cp rank ``r`` keeps chunk ``r`` and chunk ``2 * cp - 1 - r``.
+    """This cp rank's part of a batch: each tensor cut along ``seq_dim`` into ``2 * cp`` chunks, of which cp rank
+    ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r`` (docs/long-sequences.md, section The inputs).
 
-    Call it on every rank of a cp group with the same whole sequences, after `apply_context_parallel`.
-    ``batch`` is a tensor, a tuple/list of tensors or a mapping of names to tensors; the same kind comes
-    back. A mapping without ``"position_ids"`` gets them (0, 1, 2, ...: one document per row) before the
-    split; pass them to the model: where they restart, a new document starts, and attention keeps
-    documents apart. An ``"attention_mask"`` (padding) is refused. Shift labels *before* the split and
-    compute the loss from the logits (docs/long-sequences.md, section The inputs, has the loss).
-
-    A mesh without a ``"cp"`` dimension returns the batch unchanged, so the same loop runs at cp 1.
-    The sequence length must divide by ``2 * cp``, else ``ValueError``.
+    Call it on every rank of a cp group with the same whole sequences. ``batch``: a tensor, a tuple/list of
+    tensors or a mapping (the same kind comes back); a mapping without ``"position_ids"`` gets them (one document
+    per row) before the split: pass them to the model. An ``"attention_mask"`` is refused, as is a length that does
+    not divide by ``2 * cp``. A mesh without a ``"cp"`` dimension returns the batch unchanged.
     """
     sub = cp_mesh(mesh, "split_for_context_parallel")
     if sub is None:

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map_only
 
 from fsdp2kit._internal.markers import COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrappers.forward import BlockForward, check_unsharded, current_forward
+from fsdp2kit.wrappers.forward import BlockForward, check_order, current_forward
 
 __all__ = ["compile_blocks", "wait_async_inputs"]
 
@@ -55,7 +55,7 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
     happens on the first forward. Hugging Face models: train with ``model.config.use_cache = False``, or
     every layer compiles separately (docs/internals.md).
     """
-    check_unsharded(model, "compile_blocks")
+    check_order(model, "compile_blocks")
     bad = sorted(set(compile_kwargs) - {"fullgraph", "dynamic", "backend", "mode", "options", "disable"})
     if bad:
         raise ValueError(f"compile_blocks: unknown torch.compile arguments {bad}")
@@ -67,8 +67,6 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
             "set model.config.use_cache = False for training",
             stacklevel=2,
         )
-    if any(getattr(b, COMPILED, False) for b in found):
-        raise ValueError("compile_blocks was already applied to this model; call it once")
     # One compiled function per distinct forward, so blocks of one class share one dynamo cache
     # entry and torch.compile's wrapper is built once.
     compiled: dict[Callable[..., Any], Callable[..., Any]] = {}

@@ -8,10 +8,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
 from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks, shared_parameters
-from fsdp2kit.wrappers.forward import ORDER, check_unsharded
+from fsdp2kit.wrappers.forward import check_order
 
 __all__ = ["enable_float8"]
 
@@ -75,15 +74,10 @@ def enable_float8(
 
     if not isinstance(fsdp_all_gather, bool):
         raise ValueError(f"fsdp_all_gather={fsdp_all_gather!r}: expected True or False")
-    check_unsharded(model, "enable_float8", before_tp=True)
     if any(isinstance(m, Float8Linear) for m in model.modules()):
         raise ValueError("enable_float8: this model already has float8 Linear layers; call it once")
+    check_order(model, "enable_float8")
     found = find_blocks(model, blocks)
-    if any(getattr(b, CHECKPOINTED, None) is not None or getattr(b, COMPILED, False) for b in found):
-        raise ValueError(
-            "enable_float8 must be called before apply_activation_checkpointing and compile_blocks "
-            f"(the order is {ORDER})"
-        )
 
     tied = set(shared_parameters(model))
     names = {id(m): n for n, m in model.named_modules()}
