@@ -3,11 +3,4 @@
 from fsdp2kit.diagnostics.desync import DesyncError, Position, RankMonitor
 from fsdp2kit.diagnostics.nonfinite import ON_NONFINITE, NonFiniteError, check_finite
 
-__all__ = [
-    "ON_NONFINITE",
-    "DesyncError",
-    "NonFiniteError",
-    "Position",
-    "RankMonitor",
-    "check_finite",
-]
+__all__ = ["ON_NONFINITE", "DesyncError", "NonFiniteError", "Position", "RankMonitor", "check_finite"]

@@ -1,5 +1,4 @@
-"""count_collectives: every collective a block of code issues on this rank, by process group and kind, with bytes
-(a TorchDispatchMode, as torch's CommDebugMode, which counts no bytes; how: docs/accumulation.md)."""
+"""count_collectives: the collectives a block of code issues on this rank, with bytes (docs/accumulation.md)."""
 
 from __future__ import annotations
 

@@ -319,8 +319,7 @@ class RankMonitor:
 
 
 def _blame(positions: list[Position], micro_steps: int | None, keys: list | None = None) -> list[int]:
-    """The ranks whose own counts contradict the loop, else the minority of ``keys`` (the check's rows), or of the
-    positions' steps and counts (a timeout); none on a tie."""
+    """The ranks whose counts contradict the loop, else the minority of the check's rows or positions (a tie: none)."""
 
     def wrong(count: int) -> bool:  # `micro_count` includes the current micro-step: index i is the (i+1)-th
         return bool(micro_steps) and count >= 0 and count != micro_steps
@@ -340,8 +339,7 @@ def _blame(positions: list[Position], micro_steps: int | None, keys: list | None
 
 
 def _process_end(pid: int) -> str | None:
-    """How process ``pid`` (on this host) ended, in words, or None while it runs (a zombie's exit code
-    is field 52 of /proc/PID/stat)."""
+    """How process ``pid`` (on this host) ended, in words, or None while it runs."""
     try:
         os.kill(pid, 0)  # a zombie still takes signals
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -351,7 +349,7 @@ def _process_end(pid: int) -> str | None:
         return None
     if fields[0] != "Z":
         return None
-    code = int(fields[49])  # a wait status: the signal in the low 7 bits, else the exit status above them
+    code = int(fields[49])  # field 52, a wait status: the signal in the low 7 bits, else the exit status above them
     if sig := code & 0x7F:
         return f"was killed by {signal.Signals(sig).name if sig in set(signal.Signals) else f'signal {sig}'}"
     return f"has exited with status {code >> 8}"

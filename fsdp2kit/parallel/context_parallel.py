@@ -220,8 +220,7 @@ def check_ring_seq(seq: int, cp: int) -> None:
 
 
 def check_heads(cp: int, heads: int, kv_heads: int, tp: int = 1) -> None:
-    """``ValueError`` unless the all-to-all can split one TP rank's ``heads`` and ``kv_heads`` over ``cp``
-    ranks (the planner makes the same check, in the same words)."""
+    """``ValueError`` unless cp divides one TP rank's heads and KV heads (the planner's check too, same words)."""
     if heads % cp or kv_heads % cp:
         per = f" per TP rank (tp={tp})" if tp > 1 else ""
         raise ValueError(

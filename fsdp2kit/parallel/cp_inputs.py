@@ -1,5 +1,4 @@
-"""How a sequence is laid out over the cp ranks (a head and a tail chunk each: causal load balance, the same for
-every style), and splitting a batch that way (docs/long-sequences.md, section The inputs)."""
+"""A sequence's layout over the cp ranks, and a batch split that way (docs/long-sequences.md, The inputs)."""
 
 from __future__ import annotations
 
@@ -73,10 +72,8 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
                 "keep documents apart with position_ids that restart at 0 (packing) and ignore padding in the labels"
             )
         if "position_ids" not in items and "input_ids" in items:
-            ids = items["input_ids"]
-            shape = [1] * ids.ndim
-            shape[seq_dim] = ids.shape[seq_dim]
-            items["position_ids"] = torch.arange(ids.shape[seq_dim], device=ids.device).view(shape).expand_as(ids)
+            ids = items["input_ids"].movedim(seq_dim, -1)  # 0, 1, 2, ... along the sequence
+            items["position_ids"] = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids).movedim(-1, seq_dim)
         return {k: one(v, repr(k)) for k, v in items.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
         return type(batch)(one(t, f"item {i}") for i, t in enumerate(batch))

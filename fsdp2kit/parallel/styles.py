@@ -1,5 +1,4 @@
-"""transformers' tensor-parallel style names as torch ParallelStyles, and what each does to a weight (README.md,
-section Tensor parallelism)."""
+"""transformers' tensor-parallel style names as torch ParallelStyles, and what each does to a weight."""
 
 from __future__ import annotations
 

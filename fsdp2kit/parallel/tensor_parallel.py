@@ -45,18 +45,6 @@ def _pattern(key: str) -> re.Pattern:
     return re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*")))
 
 
-def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
-        raise ValueError(
-            f"apply_tensor_parallel needs a mesh with a 'tp' dimension, got {names or mesh.shape}; make it with "
-            "fsdp2kit.make_mesh(shard=..., tp=...)"
-        )
-    return mesh["tp"] if len(names) > 1 else mesh
-
-
 def _config_sizes(model: nn.Module) -> dict[str, int]:
     config = getattr(model, "config", None)
     if config is None:
@@ -143,8 +131,7 @@ def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
 
 
 def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[str, ParallelStyle | None]]:
-    """Every module the plan names, with its style as given and as a torch style; a pattern of a plan the user
-    passed that matches no module is an error."""
+    """Every module the plan names, with its style as given and as a torch style; unmatched patterns of yours raise."""
     if isinstance(plan, str) and plan != "auto":
         raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
     if not isinstance(plan, (str, Mapping)):
@@ -178,8 +165,7 @@ def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[s
 
 
 def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
-    """Each split parameter's shape on one TP rank (by ``id``; unsplit ones left out), without a mesh: for planning,
-    after the same checks as `apply_tensor_parallel`."""
+    """`_split_shapes` without a mesh (for planning), after the same checks as `apply_tensor_parallel`."""
     return _split_shapes(model, _resolve(model, plan)[1], tp)
 
 
@@ -198,7 +184,15 @@ def apply_tensor_parallel(
     Every rank builds the same model (same seed) and keeps its slice of its own copy: nothing is broadcast.
     What is checked before any collective, and how it composes: README.md, section Tensor parallelism.
     """
-    tp_mesh = _tp_mesh(mesh)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        raise ValueError(
+            f"apply_tensor_parallel needs a mesh with a 'tp' dimension, got {names or mesh.shape}; make it with "
+            "fsdp2kit.make_mesh(shard=..., tp=...)"
+        )
+    tp_mesh = mesh["tp"] if len(names) > 1 else mesh
     check_order(model, "apply_tensor_parallel")
     nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
     if nf4:
@@ -230,12 +224,9 @@ def apply_tensor_parallel(
     # src_data_rank=None: each rank keeps its slice of its own copy, as fully_shard does, so no
     # collective runs here and a model on the meta device stays there.
     parallelize_module(model, tp_mesh, active, src_data_rank=None)
-    for group in groups:
-        # parallelize_module gives each module a new Parameter: tie them again to the first one.
-        _, first, first_name = group[0]
-        shared = first._parameters[first_name]
-        for _, module, pname in group[1:]:
-            module._parameters[pname] = shared
+    for (_, first, first_name), *others in groups:
+        for _, module, pname in others:  # parallelize_module gave each module a new Parameter: tie them again
+            module._parameters[pname] = first._parameters[first_name]
     labels = {n: s if isinstance(s, str) else type(s).__name__ for n, s in chosen.items()}
     setattr(model, TENSOR_PARALLEL, {"tp": tp, "plan": labels})
     return model

@@ -1,5 +1,4 @@
-"""Activation checkpointing: full, every N-th block, selective by op, or torchtitan's op policy (how and why:
-docs/internals.md, section fsdp2kit/wrappers/activation.py)."""
+"""Activation checkpointing: full, every N-th block, selective, or torchtitan's op policy (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -16,15 +15,7 @@ from fsdp2kit._internal.markers import CHECKPOINTED
 from fsdp2kit.blocks import BlockSpec, find_blocks
 from fsdp2kit.wrappers.forward import BlockForward, check_order, current_forward
 
-__all__ = [
-    "AC_MODES",
-    "OP_MATMULS",
-    "OP_SAVE",
-    "SELECTIVE_SAVE",
-    "apply_activation_checkpointing",
-    "op_policy",
-    "resolve_ac_mode",
-]
+__all__ = ["SELECTIVE_SAVE", "apply_activation_checkpointing", "op_policy", "resolve_ac_mode"]
 
 AC_MODES = ("full", "selective", "op")
 
@@ -89,15 +80,10 @@ def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
 
 # Made once, not per call: torch.compile guards on them, so every model wrapped the same way reuses the same
 # compiled graphs.
-_FULL = functools.partial(checkpoint, use_reentrant=False)
+_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, list(SELECTIVE_SAVE))
 _RUN = {
-    "full": _FULL,
-    "every": _FULL,
-    "selective": functools.partial(
-        checkpoint,
-        use_reentrant=False,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, list(SELECTIVE_SAVE)),
-    ),
+    "full": functools.partial(checkpoint, use_reentrant=False),
+    "selective": functools.partial(checkpoint, use_reentrant=False, context_fn=_SELECTIVE),
     # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
     "op": functools.partial(
         checkpoint, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(op_policy({}))
@@ -133,7 +119,7 @@ def apply_activation_checkpointing(
     kind, every = resolve_ac_mode(mode)
     check_order(model, "apply_activation_checkpointing")
     found = find_blocks(model, blocks)
-    run = _RUN[kind]
+    run = _RUN["full" if kind == "every" else kind]
     label = mode if isinstance(mode, str) else f"every {every}"
     # One checkpointed forward per distinct inner forward, shared by the blocks of a class (so
     # compile_blocks compiles it once).

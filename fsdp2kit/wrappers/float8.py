@@ -1,5 +1,4 @@
-"""Float8 training through torchao, with float8 all-gather of weights under FSDP2 (how and why: docs/internals.md,
-section fsdp2kit/wrappers/float8.py)."""
+"""Float8 training through torchao, with float8 all-gather of weights under FSDP2 (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -80,19 +79,17 @@ def enable_float8(
     found = find_blocks(model, blocks)
 
     tied = set(shared_parameters(model))
-    names = {id(m): n for n, m in model.named_modules()}
+    in_blocks = {id(m) for block in found for m in block.modules()}
     chosen: set[int] = set()
     skipped: list[str] = []
-    for block in found:
-        for module in block.modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            name = names[id(module)]
-            eligible = module.in_features % _MULTIPLE == 0 and module.out_features % _MULTIPLE == 0
-            if not eligible or any(id(p) in tied for p in module.parameters(recurse=False)):
-                skipped.append(name)
-            elif filter_fn is None or filter_fn(module, name):
-                chosen.add(id(module))
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or id(module) not in in_blocks:
+            continue
+        eligible = module.in_features % _MULTIPLE == 0 and module.out_features % _MULTIPLE == 0
+        if not eligible or any(id(p) in tied for p in module.parameters(recurse=False)):
+            skipped.append(name)
+        elif filter_fn is None or filter_fn(module, name):
+            chosen.add(id(module))
     if not chosen:
         why = (
             f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} "

@@ -1,5 +1,4 @@
-"""How the speed and memory wrappers change a block in place, and the order they must come in (how and why:
-docs/internals.md, section fsdp2kit/wrappers/forward.py)."""
+"""How the wrappers change a block in place, and the order they must come in (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ def current_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def check_order(model: nn.Module, what: str) -> None:
-    """Raise if a step that comes after ``what`` in ORDER (for a step outside it: ``shard_model``), or ``what``
-    itself, was already applied to ``model``."""
+    """Raise if ``what`` or a later step of ORDER (``shard_model``, for a step outside it) already ran on ``model``."""
     modules = list(model.modules())
     tensor_parallel = getattr(model, TENSOR_PARALLEL, None) is not None
     done = {

@@ -1,5 +1,4 @@
-"""Explicit forward and backward prefetch of the blocks' all-gathers (how and why: docs/internals.md, section
-fsdp2kit/wrappers/prefetch.py)."""
+"""Explicit forward and backward prefetch of the blocks' all-gathers (docs/internals.md)."""
 
 from __future__ import annotations
 
