@@ -37,10 +37,6 @@ _DIMS = 4  # batch dimensions compared
 _POLL = 0.25  # seconds between the watcher's looks for a request for positions
 
 
-def _counted(n: int) -> str:
-    return f"{n} micro-step{'s' if n != 1 else ''}"
-
-
 @dataclass
 class Position:
     """Where a rank is in training (step, micro-step, FSDP unit, phase); `RankMonitor` keeps it current."""
@@ -63,9 +59,9 @@ class Position:
         shape = f", batch {list(self.shape)}" if self.shape else ""
         last = ""
         if self.micro >= 0 and self.micro_count != self.micro + 1:
-            last = f" (only {_counted(self.micro_count)} begun in this step)"
+            last = f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
         if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
-            last += f" (its previous step had {_counted(self.last_count)})"
+            last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
         return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
 
 
@@ -123,8 +119,7 @@ class RankMonitor:
             return
         from torch.distributed.distributed_c10d import _get_default_store  # the group's own store (torchrun's)
 
-        # Its own gloo group with its own timeout. Its name (the same on every rank) keeps this
-        # monitor's keys apart from an earlier monitor's in the same store.
+        # Its own gloo group and timeout; its name (the same on every rank) keeps this monitor's keys apart
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self._store = dist.PrefixStore(f"{_KEY}{self._group.group_name}/", _get_default_store())
         self._store.set(f"who/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -133,7 +128,6 @@ class RankMonitor:
         self._thread = threading.Thread(target=self._watch, name="fsdp2kit-monitor", daemon=True)
         self._thread.start()
 
-    # --- called by the training loop ---------------------------------------------------------
     def step(self, step: int) -> None:
         p = self.position
         p.last_count = p.micro_count if p.step >= 0 else -1
@@ -162,7 +156,6 @@ class RankMonitor:
         p = self.position
         p.phase, p.unit, p.since = phase, unit, time.time()
 
-    # --- hooks: attribute writes only (docs/long-runs.md) ---------------------------------------
     def attach(self, model: nn.Module) -> None:
         """Hook every FSDP unit of ``model`` (call after ``shard_model``); `detach` removes the hooks."""
         fsdp_units(model, type(self).__name__)  # a clear error when there are none
@@ -194,7 +187,6 @@ class RankMonitor:
             module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward")),
         ]
 
-    # --- checks and reports ------------------------------------------------------------------
     def _compare(self, kind: int) -> None:
         p = self.position
         if not (self.active and self.check_every > 0 and p.step % self.check_every == 0):
@@ -254,8 +246,7 @@ class RankMonitor:
         published = [json.loads(self._store.get(f"pos/{r}")) for r in range(self.world)]  # this rank's too
         at = [d.pop("at") for d in published]
         positions = {r: Position(**{**d, "shape": tuple(d["shape"])}) for r, d in enumerate(published)}
-        # A gone rank is the one to name; else the counts or the minority (_blame): by the check's rows, all
-        # of one moment, when there are some.
+        # A gone rank is the one to name; else _blame's, by the check's rows (all of one moment) if there are some
         checked = [
             Position(s, m, n, last, "check" if k == _MICRO else "step end") for k, s, m, n, last, *_ in rows or ()
         ]
@@ -281,7 +272,6 @@ class RankMonitor:
             self._store.set("report", message)
         raise DesyncError(message, diverged=diverged, positions=positions, gone=gone) from cause
 
-    # --- the background thread ---------------------------------------------------------------
     def _publish(self) -> None:
         self._store.set(f"pos/{self.rank}", json.dumps({**asdict(self.position), "at": time.time()}))
 

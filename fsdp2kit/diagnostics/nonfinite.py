@@ -63,8 +63,7 @@ def check_finite(
             p.grad = None
         return False
 
-    # Something is not finite: the details, at the price of two more collectives, only now. The modules with a
-    # non-finite gradient in any of their own parameters, on any rank, in module order (the root is always there).
+    # Not finite: the details (two more collectives) only now. Modules with a non-finite gradient of their own.
     names, flags = [], []
     for name, module in model.named_modules():
         names.append(name or "<root>")

@@ -119,8 +119,7 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
             mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril_()[None, None]
         if mask is None:
             return None
-        # Additive, in the kernel's dtype: SDPA turns a boolean mask into this at every call, a copy per layer
-        # that each layer saves for backward; this one the layers share
+        # additive, in the kernel's dtype: one the layers share (SDPA copies a boolean one per layer)
         zero, low = (torch.tensor(v, dtype=dtype, device=mask.device) for v in (0, torch.finfo(dtype).min))
         return torch.where(mask, zero, low)
 
@@ -252,14 +251,12 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
             f"apply_context_parallel: {RING_CUDA_ONLY}, this mesh is on {group.device_type}; use style='all_to_all'"
         )
     check_order(model, "apply_context_parallel")
-    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
-        raise ValueError(
-            f"apply_context_parallel works on transformers models (their attention-function registry); "
-            f"{type(model).__name__} has no transformers config"
-        )
     sizes = _config_sizes(model)
-    if "num_attention_heads" not in sizes:
-        raise ValueError(f"apply_context_parallel: {type(model).__name__}'s config has no num_attention_heads")
+    if not hasattr(getattr(model, "config", None), "_attn_implementation") or "num_attention_heads" not in sizes:
+        raise ValueError(
+            "apply_context_parallel works on transformers models (their attention-function registry, their config's "
+            f"num_attention_heads); {type(model).__name__} is not one"
+        )
     cp = group.size()
     tp = (getattr(model, TENSOR_PARALLEL, None) or {}).get("tp", 1)
     if style == "all_to_all":
@@ -267,8 +264,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     kernel = model.config._attn_implementation or "eager"
     if kernel not in KERNELS:
         raise ValueError(
-            f"apply_context_parallel runs the attention kernel on the whole sequence per head group; it supports "
-            f"attn_implementation {KERNELS}, and {type(model).__name__} has {kernel!r}"
+            f"apply_context_parallel supports attn_implementation {KERNELS}; {type(model).__name__} has {kernel!r}"
         )
     from transformers import AttentionInterface
 

@@ -81,8 +81,7 @@ def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp:
         )
     split = {n for n, s in styles.items() if s is not None}
     leaves = {n.rsplit(".", 1)[-1] for n in split}
-    # Which config sizes the split modules depend on, by the projection names transformers uses
-    # (its own get_kv_heads_per_rank reads plans the same way).
+    # the config sizes the split modules depend on, by transformers' projection names (as its get_kv_heads_per_rank)
     relevant = {
         "num_attention_heads": bool(leaves & _ATTENTION),
         "num_key_value_heads": bool(leaves & _ATTENTION),
@@ -221,8 +220,7 @@ def apply_tensor_parallel(
 
     modules = dict(model.named_modules())
     active = {name: for_module(modules[name], style) for name, style in styles.items() if style is not None}
-    # src_data_rank=None: each rank keeps its slice of its own copy, as fully_shard does, so no
-    # collective runs here and a model on the meta device stays there.
+    # src_data_rank=None: each rank keeps its slice of its own copy (no collective; a meta model stays on meta)
     parallelize_module(model, tp_mesh, active, src_data_rank=None)
     for (_, first, first_name), *others in groups:
         for _, module, pname in others:  # parallelize_module gave each module a new Parameter: tie them again

@@ -78,8 +78,7 @@ def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
     return ("full", 1) if mode == 1 else ("every", mode)
 
 
-# Made once, not per call: torch.compile guards on them, so every model wrapped the same way reuses the same
-# compiled graphs.
+# Made once: torch.compile guards on them, so every model wrapped the same way reuses the same compiled graphs.
 _SELECTIVE = functools.partial(create_selective_checkpoint_contexts, list(SELECTIVE_SAVE))
 _RUN = {
     "full": functools.partial(checkpoint, use_reentrant=False),
@@ -121,8 +120,7 @@ def apply_activation_checkpointing(
     found = find_blocks(model, blocks)
     run = _RUN["full" if kind == "every" else kind]
     label = mode if isinstance(mode, str) else f"every {every}"
-    # One checkpointed forward per distinct inner forward, shared by the blocks of a class (so
-    # compile_blocks compiles it once).
+    # One checkpointed forward per distinct inner forward, shared by a class's blocks (compile_blocks: compiled once)
     wrapped: dict[Callable[..., Any], Callable[..., Any]] = {}
     # transformers' checkpointing layer, if transformers is imported (importing it here would be slow and noisy)
     hf_layer = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", ())

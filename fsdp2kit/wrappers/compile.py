@@ -67,8 +67,7 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
             "set model.config.use_cache = False for training",
             stacklevel=2,
         )
-    # One compiled function per distinct forward, so blocks of one class share one dynamo cache
-    # entry and torch.compile's wrapper is built once.
+    # One compiled function per distinct forward: a class's blocks share one dynamo cache entry and wrapper
     compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
     for block in found:
         fn = current_forward(block)

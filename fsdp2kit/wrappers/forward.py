@@ -69,8 +69,6 @@ def check_order(model: nn.Module, what: str) -> None:
     steps = ORDER.split(" -> ")
     for later in steps[steps.index(what) + 1 : -1] if what in steps else ["shard_model"]:
         if done[later]:
-            raise ValueError(
-                f"{what} must be called before {later} (the order is {ORDER}); this model was already changed by it"
-            )
+            raise ValueError(f"{what} must be called before {later} (the order is {ORDER})")
     if done.get(what):
         raise ValueError(f"{what} was already applied to this model; call it once")
