@@ -222,8 +222,7 @@ class RankMonitor:
             raise
 
     def _ask_positions(self) -> tuple[set[int], dict[int, str]]:
-        """Ask every rank's thread for its position now: the ranks that answered within 2 s, and those whose
-        process exited, with how (looked for every 20 ms: a zombie names its signal only until it is reaped)."""
+        """Ask every rank's thread for its position now: the ranks that answered within 2 s, and the gone ones."""
         asked = self._store.add("ask", 1)
         answered, gone, deadline = {self.rank}, {}, time.monotonic() + 2.0
         while True:
@@ -247,9 +246,7 @@ class RankMonitor:
         at = [d.pop("at") for d in published]
         positions = {r: Position(**{**d, "shape": tuple(d["shape"])}) for r, d in enumerate(published)}
         # A gone rank is the one to name; else _blame's, by the check's rows (all of one moment) if there are some
-        checked = [
-            Position(s, m, n, last, "check" if k == _MICRO else "step end") for k, s, m, n, last, *_ in rows or ()
-        ]
+        checked = [Position(*row[1:5], "check" if row[0] == _MICRO else "step end") for row in rows or ()]
         diverged = sorted(gone) or _blame(checked or list(positions.values()), self.micro_steps, rows)
         lines = [f"rank {self.rank}: {what} at step {self.position.step}."]
         lines += [f"Rank {r} is gone: {how}." for r, how in sorted(gone.items())]

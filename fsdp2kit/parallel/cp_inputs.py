@@ -26,8 +26,7 @@ def cp_mesh(mesh: DeviceMesh, what: str) -> DeviceMesh | None:
 
 
 def check_seq(what: str, length: int, cp: int) -> None:
-    """``ValueError`` (its text starting with ``what``) unless ``length`` tokens cut into the ``2 * cp``
-    equal chunks of the causal load balance (the planner and the recipe check with this too)."""
+    """``ValueError`` (starting with ``what``) unless ``length`` cuts into ``2 * cp`` equal chunks (planner's too)."""
     if cp > 1 and length % (2 * cp):
         raise ValueError(
             f"{what} does not divide into 2 x cp = {2 * cp} equal chunks (each cp rank holds a head and a tail "

@@ -34,9 +34,8 @@ class _WaitKeepGrad(torch.autograd.Function):
 
 
 def wait_async_inputs(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(module, *args, **kwargs)`` with every top-level ``AsyncCollectiveTensor`` argument waited for
-    first, keeping its gradient: AOTAutograd drops it otherwise (pytorch/pytorch#179849; docs/internals.md,
-    section wait_async_inputs)."""
+    """``fn(module, *args, **kwargs)`` with top-level ``AsyncCollectiveTensor`` arguments waited for first, keeping
+    their gradient: AOTAutograd drops it otherwise (pytorch/pytorch#179849; docs/internals.md, wait_async_inputs)."""
 
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map_only(AsyncCollectiveTensor, _WaitKeepGrad.apply, (args, kwargs))
