@@ -95,11 +95,10 @@ class _Counter(TorchDispatchMode):
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if func.namespace != "c10d" and kind == "all_gather":
                 nbytes *= bound["group_size"]
-            name = self.names.get(group.group_name) or group.group_desc.removeprefix("mesh_")
+            desc = group.group_desc.removeprefix("mesh_")
+            name = self.names.get(group.group_name) or ("world" if desc == "default_pg" else desc)
             dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
-            self.counts.events.append(
-                CollectiveEvent(kind, "world" if name == "default_pg" else name, group.size(), nbytes, dtypes)
-            )
+            self.counts.events.append(CollectiveEvent(kind, name, group.size(), nbytes, dtypes))
         return func(*args, **kwargs)
 
 

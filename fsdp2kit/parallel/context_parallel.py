@@ -114,9 +114,8 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
 
     def build(every: torch.Tensor, causal: bool, dtype: torch.dtype):
         mask = document_mask(every, causal=causal)
-        if mask is None and kernel == "eager":
-            n = every.shape[1]
-            mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril_()[None, None]
+        if mask is None and kernel == "eager":  # one document a row: the causal mask (sdpa has a flag for it)
+            mask = torch.ones(every.shape[1], every.shape[1], dtype=torch.bool, device=every.device).tril_()[None, None]
         if mask is None:
             return None
         # additive, in the kernel's dtype: one the layers share (SDPA copies a boolean one per layer)

@@ -82,12 +82,9 @@ def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp:
     split = {n for n, s in styles.items() if s is not None}
     leaves = {n.rsplit(".", 1)[-1] for n in split}
     # the config sizes the split modules depend on, by transformers' projection names (as its get_kv_heads_per_rank)
-    relevant = {
-        "num_attention_heads": bool(leaves & _ATTENTION),
-        "num_key_value_heads": bool(leaves & _ATTENTION),
-        "intermediate_size": bool(leaves & _MLP),
-        "vocab_size": any(isinstance(modules[n], nn.Embedding) or n.endswith("lm_head") for n in split),
-    }
+    relevant = dict.fromkeys(["num_attention_heads", "num_key_value_heads"], bool(leaves & _ATTENTION))
+    relevant["intermediate_size"] = bool(leaves & _MLP)
+    relevant["vocab_size"] = any(isinstance(modules[n], nn.Embedding) or n.endswith("lm_head") for n in split)
     problems = [f"config.{f} = {v}" for f, v in _config_sizes(model).items() if relevant[f] and v % tp]
     shapes: dict[int, tuple[int, ...]] = {}
     for name, style in styles.items():

@@ -80,13 +80,12 @@ def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
 
 # Made once: torch.compile guards on them, so every model wrapped the same way reuses the same compiled graphs.
 _SELECTIVE = functools.partial(create_selective_checkpoint_contexts, list(SELECTIVE_SAVE))
+# A counter per checkpointed call: the recompute must number the matmuls as the forward did.
+_OP = lambda: create_selective_checkpoint_contexts(op_policy({}))
 _RUN = {
     "full": functools.partial(checkpoint, use_reentrant=False),
     "selective": functools.partial(checkpoint, use_reentrant=False, context_fn=_SELECTIVE),
-    # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
-    "op": functools.partial(
-        checkpoint, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(op_policy({}))
-    ),
+    "op": functools.partial(checkpoint, use_reentrant=False, context_fn=_OP),
 }
 
 

@@ -61,9 +61,8 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
     found = find_blocks(model, blocks)
     if getattr(getattr(model, "config", None), "use_cache", False) is True:
         warnings.warn(
-            "compile_blocks: model.config.use_cache is True, so each training forward builds a KV cache "
-            "and torch.compile compiles every layer separately (the cache guards on the layer index); "
-            "set model.config.use_cache = False for training",
+            "compile_blocks: model.config.use_cache is True, so each training forward builds a KV cache and "
+            "torch.compile compiles every layer apart (it guards on the layer index); set it False for training",
             stacklevel=2,
         )
     # One compiled function per distinct forward: a class's blocks share one dynamo cache entry and wrapper

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks, shared_parameters
 from fsdp2kit.wrappers.forward import check_order
@@ -91,15 +92,11 @@ def enable_float8(
         elif filter_fn is None or filter_fn(module, name):
             chosen.add(id(module))
     if not chosen:
-        why = (
-            f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} "
-            f"or a tied weight (e.g. {skipped[0]})"
-            if skipped
-            else "there is no Linear layer in the blocks"
+        raise ValueError(
+            "enable_float8: no Linear layer is eligible for float8 (one in the blocks, both dimensions multiples of "
+            f"{_MULTIPLE}, no tied weight{', accepted by filter_fn' if filter_fn else ''}); the blocks' ineligible "
+            f"ones: {fmt_list(skipped, 3) or 'none'}"
         )
-        if filter_fn is not None:
-            why += "; filter_fn rejected the others"
-        raise ValueError(f"enable_float8: no Linear layer is eligible for float8: {why}")
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: id(m) in chosen, config=config)
