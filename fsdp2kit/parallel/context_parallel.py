@@ -191,8 +191,7 @@ def _ring(group: DeviceMesh, cp: int) -> Callable:
                              "use style='all_to_all'")  # fmt: skip
         if query.device.type != "cpu":  # (on CPU only a stood-in kernel runs: tests)
             check_ring_seq(query.shape[2] * cp, cp)  # same shapes on every rank: all raise
-        batch = query.shape[0]
-        cache.get(position_ids, batch, lambda: _gather(position_ids, batch, group, cp), one_document)
+        cache.get(position_ids, query.shape[0], lambda: _gather(position_ids, query.shape[0], group, cp), one_document)
         groups = query.shape[1] // key.shape[1]  # GQA: the kernel wants as many k/v heads as q heads
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
         return _Ring.apply(query, k, v, scaling, group).transpose(1, 2).contiguous(), None

@@ -19,10 +19,8 @@ def _named() -> dict[str, ParallelStyle | None]:
         # a rowwise layer fed a replicated input (it takes its own slice of it)
         "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
         "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
-        # embeddings: vocabulary-parallel (each rank looks up its own token ids, partial sums
-        # all-reduced) or hidden-parallel (each rank a slice of every vector, gathered)
-        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
-        "embedding_colwise": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel: partial sums reduced
+        "embedding_colwise": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),  # hidden-parallel
         # Qwen3's per-head q_norm / k_norm: whole on every rank, run on this rank's heads only. The input declared
         # split on dim 0 (a norm treats rows alike) makes the weight's gradient a Partial sum, reduced over TP.
         "replicated_with_grad_allreduce": SequenceParallel(sequence_dim=0, use_local_output=True),
