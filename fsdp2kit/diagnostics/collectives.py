@@ -1,5 +1,4 @@
-"""count_collectives: every collective a block of code issues on this rank, by process group and kind, with bytes
-(a TorchDispatchMode, as torch's CommDebugMode, which counts no bytes; how: docs/accumulation.md)."""
+"""count_collectives: the collectives a block of code issues on this rank, with bytes (docs/accumulation.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from fsdp2kit._internal.fmt import fmt_bytes
 
 __all__ = ["CollectiveCounts", "CollectiveEvent", "count_collectives"]
 
@@ -65,8 +66,6 @@ class CollectiveCounts:
         return out
 
     def __str__(self) -> str:
-        from fsdp2kit._internal.fmt import fmt_bytes
-
         parts = [
             f"{group} {kind} {row['count']}x {fmt_bytes(row['bytes'])} {'/'.join(row['dtypes'])}"
             for group, kinds in self.summary().items()
@@ -81,30 +80,25 @@ class _Counter(TorchDispatchMode):
         self.counts = counts
         self.names = names  # process group name -> mesh dimension name
 
-    def _record(self, func, args, kwargs) -> None:
-        kind = _kind(func._schema.name.partition("::")[2]) if func.namespace in _NAMESPACES else None
-        if kind is None:
-            return
-        buffer = func._schema.arguments[int(func.namespace == "c10d" and kind in _C10D_INPUT)].name
-        bound = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
-        group = bound.get("process_group", bound.get("group_name"))  # c10d's boxed group, or a functional's name
-        group = _resolve_process_group(group) if isinstance(group, str) else dist.ProcessGroup.unbox(group)
-        tensors = [t for t in tree_leaves(bound[buffer]) if isinstance(t, torch.Tensor)]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if func.namespace != "c10d" and kind == "all_gather":
-            nbytes *= bound["group_size"]
-        name = self.names.get(group.group_name) or group.group_desc.removeprefix("mesh_")
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
-        event = CollectiveEvent(kind, "world" if name == "default_pg" else name, group.size(), nbytes, "+".join(dtypes))
-        self.counts.events.append(event)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             # let DTensor turn the op into collectives on its local tensors, which come back here
             return NotImplemented
-        if isinstance(func, torch._ops.OpOverload):
-            self._record(func, args, kwargs)
+        op = isinstance(func, torch._ops.OpOverload) and func.namespace in _NAMESPACES
+        if op and (kind := _kind(func._schema.name.partition("::")[2])) is not None:
+            buffer = func._schema.arguments[int(func.namespace == "c10d" and kind in _C10D_INPUT)].name
+            bound = {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
+            group = bound.get("process_group", bound.get("group_name"))  # c10d's boxed group, or a functional's name
+            group = _resolve_process_group(group) if isinstance(group, str) else dist.ProcessGroup.unbox(group)
+            tensors = [t for t in tree_leaves(bound[buffer]) if isinstance(t, torch.Tensor)]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if func.namespace != "c10d" and kind == "all_gather":
+                nbytes *= bound["group_size"]
+            desc = group.group_desc.removeprefix("mesh_")
+            name = self.names.get(group.group_name) or ("world" if desc == "default_pg" else desc)
+            dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
+            self.counts.events.append(CollectiveEvent(kind, name, group.size(), nbytes, dtypes))
         return func(*args, **kwargs)
 
 

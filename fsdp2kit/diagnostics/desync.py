@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,24 +21,54 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
-from torch.utils.hooks import RemovableHandle
 
 from fsdp2kit._internal.dtensor import fsdp_units
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit.diagnostics.position import PHASES, Position
 
-__all__ = ["DesyncError", "RankMonitor"]
+__all__ = ["PHASES", "DesyncError", "Position", "RankMonitor"]
 
+# The unit phases are marked by hooks around FSDP's collectives and a unit's compute (they name the unit); the
+# others are set by the training loop (`RankMonitor.phase`).
+_UNIT_PHASES = ("all-gather", "forward", "backward all-gather", "backward", "reduce-scatter")
+PHASES = ("start", "data", *_UNIT_PHASES, "optimizer", "check", "checkpoint", "eval", "step end")
 _KEY = "fsdp2kit/monitor/"
 _MICRO, _END = 1, 2  # check kinds
 _DIMS = 4  # batch dimensions compared
 _POLL = 0.25  # seconds between the watcher's looks for a request for positions
 
 
+@dataclass
+class Position:
+    """Where a rank is in training (step, micro-step, FSDP unit, phase); `RankMonitor` keeps it current."""
+
+    step: int = -1
+    micro: int = -1  # the micro-step index the training loop gave
+    micro_count: int = 0  # micro-steps this rank has begun in this step (counted, not given)
+    last_count: int = -1  # micro-steps the previous step had (-1: no previous step in this process)
+    phase: str = "start"
+    unit: str = ""
+    shape: tuple[int, ...] = ()
+    since: float = 0.0  # when this phase began (time.time(): hosts compare with clock skew)
+
+    def describe(self, micro_steps: int | None = None) -> str:
+        if self.step < 0:
+            return f"before the first step ({self.phase})"
+        of = f" of {micro_steps}" if micro_steps else ""
+        micro = f", micro-step {self.micro}{of}" if self.micro >= 0 else ""
+        unit = f" {self.unit or '<root>'}" if self.phase in _UNIT_PHASES else ""
+        shape = f", batch {list(self.shape)}" if self.shape else ""
+        last = ""
+        if self.micro >= 0 and self.micro_count != self.micro + 1:
+            last = f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
+        if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
+            last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
+        return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
+
+
 class DesyncError(RuntimeError):
     """Ranks are not at the same point of training (or one stopped answering); names the ones that diverged."""
 
-    def __init__(self, message: str, *, diverged: list[int], positions: dict[int, Position | None], gone=None):
+    def __init__(self, message: str, *, diverged: list[int], positions: dict[int, Position], gone=None):
         super().__init__(message)
         self.diverged = diverged
         self.positions = positions
@@ -71,16 +101,16 @@ class RankMonitor:
         if timeout <= 0 or heartbeat <= 0:
             raise ValueError(f"timeout and heartbeat must be > 0 seconds, got {timeout} and {heartbeat}")
         self.position = Position(since=time.time())
-        self._handles: list[RemovableHandle] = []
+        self._handles = []
         if model is not None:
             self.attach(model)
         self.micro_steps = micro_steps
         self.check_every = check_every
         self.timeout = timeout
         self.heartbeat = heartbeat
-        self.active = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.active = self.world > 1
         self._reported = False  # this rank raised or printed a report: print nothing more
         self._answered = 0  # the last request for positions this rank answered
         self._stop = threading.Event()
@@ -89,8 +119,7 @@ class RankMonitor:
             return
         from torch.distributed.distributed_c10d import _get_default_store  # the group's own store (torchrun's)
 
-        # Its own gloo group with its own timeout. Its name (the same on every rank) keeps this
-        # monitor's keys apart from an earlier monitor's in the same store.
+        # Its own gloo group and timeout; its name (the same on every rank) keeps this monitor's keys apart
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self._store = dist.PrefixStore(f"{_KEY}{self._group.group_name}/", _get_default_store())
         self._store.set(f"who/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -99,7 +128,6 @@ class RankMonitor:
         self._thread = threading.Thread(target=self._watch, name="fsdp2kit-monitor", daemon=True)
         self._thread.start()
 
-    # --- called by the training loop ---------------------------------------------------------
     def step(self, step: int) -> None:
         p = self.position
         p.last_count = p.micro_count if p.step >= 0 else -1
@@ -112,8 +140,12 @@ class RankMonitor:
         p.micro_count += 1
         p.shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else ()
         self._set("data", "")
-        if self._checked():
-            self._compare(_MICRO)
+        self._compare(_MICRO)
+
+    def step_end(self) -> None:
+        """The micro-steps of this step are done (call before clipping and the optimizer)."""
+        self._set("step end", "")
+        self._compare(_END)
 
     def phase(self, phase: str, unit: str = "") -> None:
         if phase not in PHASES:
@@ -124,7 +156,6 @@ class RankMonitor:
         p = self.position
         p.phase, p.unit, p.since = phase, unit, time.time()
 
-    # --- hooks: attribute writes only (docs/long-runs.md) ---------------------------------------
     def attach(self, model: nn.Module) -> None:
         """Hook every FSDP unit of ``model`` (call after ``shard_model``); `detach` removes the hooks."""
         fsdp_units(model, type(self).__name__)  # a clear error when there are none
@@ -156,18 +187,10 @@ class RankMonitor:
             module.register_forward_hook(lambda mod, args, out: mark_grad(out, "backward")),
         ]
 
-    # --- checks ------------------------------------------------------------------------------
-    def _checked(self) -> bool:
-        return self.active and self.check_every > 0 and self.position.step % self.check_every == 0
-
-    def step_end(self) -> None:
-        """The micro-steps of this step are done (call before clipping and the optimizer)."""
-        self._set("step end", "")
-        if self._checked():
-            self._compare(_END)
-
     def _compare(self, kind: int) -> None:
         p = self.position
+        if not (self.active and self.check_every > 0 and p.step % self.check_every == 0):
+            return
         shape = list(p.shape[:_DIMS]) + [-1] * (_DIMS - len(p.shape[:_DIMS]))
         mine = torch.tensor([kind, p.step, p.micro, p.micro_count, p.last_count, *shape], dtype=torch.int64)
         if kind == _MICRO:
@@ -183,7 +206,6 @@ class RankMonitor:
         if kind == _MICRO:
             self._set("data", "")
 
-    # --- reporting ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Inside it, a failed or timed-out collective becomes a `DesyncError` listing every rank's position."""
@@ -199,58 +221,32 @@ class RankMonitor:
                 self._raise(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})", e)
             raise
 
-    def _published(self, r: int) -> tuple[Position | None, float | None]:
-        """Rank ``r``'s last published position and when it was published (this rank's: now)."""
-        if r == self.rank:
-            return self.position, time.time()
-        try:
-            d = json.loads(self._store.get(f"pos/{r}"))
-        except Exception:
-            return None, None
-        at = d.pop("at")
-        return Position(**{**d, "shape": tuple(d["shape"])}), at
-
-    def _ask_positions(self, wait: float) -> tuple[set[int], dict[int, str]]:
-        """Ask every rank's thread for its position now: the ranks that answered within ``wait`` seconds, and
-        those found among the exited processes (looked for at once, then every 20 ms: a zombie names its
-        signal only until the launcher reaps it)."""
+    def _ask_positions(self) -> tuple[set[int], dict[int, str]]:
+        """Ask every rank's thread for its position now: the ranks that answered within 2 s, and the gone ones."""
         asked = self._store.add("ask", 1)
-        answered, gone, deadline = {self.rank}, {}, time.monotonic() + wait
+        answered, gone, deadline = {self.rank}, {}, time.monotonic() + 2.0
         while True:
-            gone.update(self._gone(sorted(set(range(self.world)) - answered - set(gone))))
             for r in set(range(self.world)) - answered - set(gone):
-                if self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
+                who = json.loads(self._store.get(f"who/{r}"))
+                how = _process_end(int(who["pid"])) if who["host"] == socket.gethostname() else None
+                if how is not None:
+                    gone[r] = f"its process (pid {who['pid']}) {how}"
+                elif self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
                     answered.add(r)
             if len(answered) + len(gone) == self.world or time.monotonic() > deadline:
                 return answered, gone
             time.sleep(0.02)
 
-    def _gone(self, ranks: list[int]) -> dict[int, str]:
-        """The ranks among ``ranks`` whose process is known to have exited, with how, in words."""
-        out = {}
-        here = socket.gethostname()
-        for r in ranks:
-            try:
-                who = json.loads(self._store.get(f"who/{r}"))
-            except Exception:
-                continue
-            if who.get("host") == here:
-                how = _process_end(int(who["pid"]))
-                if how is not None:
-                    out[r] = f"its process (pid {who['pid']}) {how}"
-        return out
-
     def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
         self._reported = True
         self._publish()
-        answered, gone = self._ask_positions(wait=2.0)
-        published = {r: self._published(r) for r in range(self.world)}
-        positions = {r: p for r, (p, _) in published.items()}
-        # A gone rank is the one to name; else the counts or the minority (_blame): by the check's rows, all
-        # of one moment, when there are some.
-        checked = [
-            Position(s, m, n, last, "check" if k == _MICRO else "step end") for k, s, m, n, last, *_ in rows or ()
-        ]
+        answered, gone = self._ask_positions()
+        now = time.time()
+        published = [json.loads(self._store.get(f"pos/{r}")) for r in range(self.world)]  # this rank's too
+        at = [d.pop("at") for d in published]
+        positions = {r: Position(**{**d, "shape": tuple(d["shape"])}) for r, d in enumerate(published)}
+        # A gone rank is the one to name; else _blame's, by the check's rows (all of one moment) if there are some
+        checked = [Position(*row[1:5], "check" if row[0] == _MICRO else "step end") for row in rows or ()]
         diverged = sorted(gone) or _blame(checked or list(positions.values()), self.micro_steps, rows)
         lines = [f"rank {self.rank}: {what} at step {self.position.step}."]
         lines += [f"Rank {r} is gone: {how}." for r, how in sorted(gone.items())]
@@ -260,14 +256,12 @@ class RankMonitor:
             else "Which rank diverged cannot be told from the positions alone."
         )
         lines.append("Where each rank is:")
-        now = time.time()
-        for r, (p, at) in published.items():
-            where = "no position published" if p is None else p.describe(self.micro_steps)
+        for r, p in positions.items():
+            where = p.describe(self.micro_steps)
             if r in gone or r not in answered:
-                last = "it published no position" if p is None else f"its last position, published {now - at:.1f} s"
                 state = "gone" if r in gone else "no answer to a request for positions"
-                where = f"{state}; {last}" + ("" if p is None else f" before: {where}")
-            elif p is not None:
+                where = f"{state}; its last position, published {now - at[r]:.1f} s before: {where}"
+            else:
                 where += f"  ({now - p.since:.1f} s in this phase)"
             lines.append(f"  rank {r}: {where}{'  <- diverged' if r in diverged else ''}")
         message = "\n".join(lines)
@@ -275,7 +269,6 @@ class RankMonitor:
             self._store.set("report", message)
         raise DesyncError(message, diverged=diverged, positions=positions, gone=gone) from cause
 
-    # --- the background thread ---------------------------------------------------------------
     def _publish(self) -> None:
         self._store.set(f"pos/{self.rank}", json.dumps({**asdict(self.position), "at": time.time()}))
 
@@ -312,45 +305,38 @@ class RankMonitor:
         self.detach()
 
 
-def _blame(positions: list[Position | None], micro_steps: int | None, keys: list | None = None) -> list[int]:
-    """The ranks to blame: those with no position or whose own counts contradict the loop, else the minority
-    of ``keys`` (the check's rows), or of the positions' steps and counts (a timeout)."""
-    bad = [r for r, p in enumerate(positions) if p is None or _contradicts(p, micro_steps)]
-    return bad or _minority(keys or [(p.step, p.micro_count, p.phase == "check") for p in positions])
+def _blame(positions: list[Position], micro_steps: int | None, keys: list | None = None) -> list[int]:
+    """The ranks whose counts contradict the loop, else the minority of the check's rows or positions (a tie: none)."""
 
-
-def _contradicts(p: Position, micro_steps: int | None) -> bool:
-    # `micro_count` includes the current micro-step, so index i is the (i+1)-th of the step.
-    def wrong(count: int) -> bool:
+    def wrong(count: int) -> bool:  # `micro_count` includes the current micro-step: index i is the (i+1)-th
         return bool(micro_steps) and count >= 0 and count != micro_steps
 
-    ended = p.phase == "step end"
-    return (p.micro >= 0 and p.micro_count != p.micro + 1) or (ended and wrong(p.micro_count)) or wrong(p.last_count)
-
-
-def _minority(rows: list) -> list[int]:
+    bad = [
+        r
+        for r, p in enumerate(positions)
+        if (p.micro >= 0 and p.micro_count != p.micro + 1)
+        or (p.phase == "step end" and wrong(p.micro_count))
+        or wrong(p.last_count)
+    ]
+    if bad:
+        return bad
+    rows = keys or [(p.step, p.micro_count, p.phase == "check") for p in positions]
     (top, n), *rest = Counter(rows).most_common()
-    if rest and rest[0][1] == n:
-        return []  # a tie: no majority to compare with
-    return [r for r, row in enumerate(rows) if row != top]
+    return [] if rest and rest[0][1] == n else [r for r, row in enumerate(rows) if row != top]
 
 
 def _process_end(pid: int) -> str | None:
-    """How process ``pid`` (on this host) ended, in words, or None while it runs (a zombie's exit code
-    is field 52 of /proc/PID/stat)."""
+    """How process ``pid`` (on this host) ended, in words, or None while it runs."""
     try:
+        os.kill(pid, 0)  # a zombie still takes signals
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return "has exited"
-        except PermissionError:
-            pass
+    except ProcessLookupError:
+        return "has exited"
+    except OSError:  # another user's process, or no /proc: not known to have ended
         return None
     if fields[0] != "Z":
         return None
-    code = int(fields[49])  # a wait status: the signal in the low 7 bits, else the exit status above them
+    code = int(fields[49])  # field 52, a wait status: the signal in the low 7 bits, else the exit status above them
     if sig := code & 0x7F:
         return f"was killed by {signal.Signals(sig).name if sig in set(signal.Signals) else f'signal {sig}'}"
     return f"has exited with status {code >> 8}"

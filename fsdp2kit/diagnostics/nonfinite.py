@@ -28,26 +28,6 @@ def _flag(t: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
     return (~torch.isfinite(t.detach().float())).any().float()
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next((local_shard(p).device for p in model.parameters()), torch.device("cpu"))
-
-
-@torch.no_grad()
-def nonfinite_modules(model: nn.Module) -> list[str]:
-    """Names of the modules with a non-finite gradient in any of their own parameters, on any rank, in module
-    order. Collective (one all-reduce of one flag per module): call it on every rank."""
-    names, flags = [], []
-    device = _device_of(model)
-    for name, module in model.named_modules():
-        names.append(name or "<root>")
-        bad = [_flag(local_shard(p.grad), device) for p in module.parameters(recurse=False) if p.grad is not None]
-        flags.append(torch.stack(bad).amax() if bad else torch.zeros((), device=device))
-    flag = torch.stack(flags)  # named_modules always has the root: never empty
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return [n for n, f in zip(names, flag.tolist()) if f]
-
-
 def check_finite(
     model: nn.Module,
     *,
@@ -64,31 +44,37 @@ def check_finite(
     """
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-    device = _device_of(model)
+    device = next((local_shard(p).device for p in model.parameters()), torch.device("cpu"))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def max_over_ranks(t: torch.Tensor) -> list:
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     # Two flags, whatever the world size: this rank's loss, the global norm (MAX over ranks).
     local_loss = _flag(loss, device)
-    flags = torch.stack([local_loss, _flag(grad_norm, device)])
-    if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    if not flags.any().item():
+    loss_bad, norm_bad = max_over_ranks(torch.stack([local_loss, _flag(grad_norm, device)]))
+    if not (loss_bad or norm_bad):
         return True
-
     if on_nonfinite == "skip":
         for p in model.parameters():
             p.grad = None
         return False
-    # Something is not finite: the details, at the price of two more collectives, only now.
-    modules = nonfinite_modules(model)
+
+    # Not finite: the details (two more collectives) only now. Modules with a non-finite gradient of their own.
+    names, flags = [], []
+    for name, module in model.named_modules():
+        names.append(name or "<root>")
+        bad = [_flag(local_shard(p.grad), device) for p in module.parameters(recurse=False) if p.grad is not None]
+        flags.append(torch.stack(bad).amax() if bad else torch.zeros((), device=device))
+    modules = [n for n, f in zip(names, max_over_ranks(torch.stack(flags))) if f]
     per_rank = torch.zeros(world, device=device)
     per_rank[rank] = local_loss
-    if dist.is_initialized():
-        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-
-    bad_loss = [r for r, bad in enumerate(per_rank.tolist()) if bad]
+    bad_loss = [r for r, bad in enumerate(max_over_ranks(per_rank)) if bad]
     what = [f"loss on rank{'s' if len(bad_loss) > 1 else ''} {fmt_list(bad_loss)}"] if bad_loss else []
-    what += ["gradient norm"] if flags[1].item() else []
+    what += ["gradient norm"] if norm_bad else []
     first = modules[-1] if modules else None
     where = (
         f"the first module in backward order with a non-finite gradient is {first!r}"

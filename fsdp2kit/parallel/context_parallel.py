@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp2kit._internal.markers import CONTEXT_PARALLEL, TENSOR_PARALLEL
 from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh, document_mask
 from fsdp2kit.parallel.tensor_parallel import _config_sizes
-from fsdp2kit.wrappers.forward import check_unsharded
+from fsdp2kit.wrappers.forward import check_order
 
 __all__ = ["RING_CUDA_ONLY", "RING_PACKED", "STYLES", "apply_context_parallel", "check_ring_seq"]
 
@@ -92,42 +92,33 @@ def _natural(cp: int) -> torch.Tensor:
     return torch.tensor(sorted(range(2 * cp), key=chunk_order(cp).__getitem__))
 
 
-def _gatherer(group: DeviceMesh, cp: int) -> Callable:
-    """A function of (this rank's position_ids, batch) -> the whole rows' positions in token order."""
-    natural = _natural(cp)
-
-    def gather(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
-        pos = position_ids.expand(batch, -1).contiguous()
-        every = funcol.all_gather_tensor(pos, 0, group)  # (cp * batch, local seq), rank order
-        every = funcol.wait_tensor(every) if isinstance(every, funcol.AsyncCollectiveTensor) else every
-        made_up = torch.arange(every.shape[1], device=every.device)
-        if not torch.compiler.is_compiling() and bool((every == made_up).all()):
-            # 0..n-1 on every cp rank is what a model makes up when given no position_ids (it sees n tokens):
-            # the split's positions never look so (rank r's head chunk starts at r x n / 2)
-            raise ValueError(
-                "context parallelism got the same positions 0..n-1 on every cp rank, the model's default when no "
-                "position_ids are given: pass the position_ids of fsdp2kit.split_for_context_parallel to the model"
-            )
-        every = every.view(cp, batch, -1).transpose(0, 1).reshape(batch, -1)  # layout order
-        return _reorder(every, natural.to(every.device), dim=1)
-
-    return gather
+def _gather(position_ids: torch.Tensor, batch: int, group: DeviceMesh, cp: int) -> torch.Tensor:
+    """The whole rows' positions in token order, from this rank's position_ids."""
+    every = funcol.all_gather_tensor(position_ids.expand(batch, -1).contiguous(), 0, group)  # (cp * batch, n)
+    every = funcol.wait_tensor(every) if isinstance(every, funcol.AsyncCollectiveTensor) else every
+    made_up = torch.arange(every.shape[1], device=every.device)
+    if not torch.compiler.is_compiling() and bool((every == made_up).all()):
+        # 0..n-1 on every cp rank is what a model makes up when given no position_ids (it sees n tokens):
+        # the split's positions never look so (rank r's head chunk starts at r x n / 2)
+        raise ValueError(
+            "context parallelism got the same positions 0..n-1 on every cp rank, the model's default when no "
+            "position_ids are given: pass the position_ids of fsdp2kit.split_for_context_parallel to the model"
+        )
+    every = every.view(cp, batch, -1).transpose(0, 1).reshape(batch, -1)  # layout order
+    return _reorder(every, _natural(cp).to(every.device), dim=1)
 
 
 def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
     natural, layout = _natural(cp), torch.tensor(chunk_order(cp))
     cache = _Positions()
-    gather = _gatherer(group, cp)
 
     def build(every: torch.Tensor, causal: bool, dtype: torch.dtype):
         mask = document_mask(every, causal=causal)
-        if mask is None and kernel == "eager":
-            n = every.shape[1]
-            mask = torch.ones(n, n, dtype=torch.bool, device=every.device).tril_()[None, None]
+        if mask is None and kernel == "eager":  # one document a row: the causal mask (sdpa has a flag for it)
+            mask = torch.ones(every.shape[1], every.shape[1], dtype=torch.bool, device=every.device).tril_()[None, None]
         if mask is None:
             return None
-        # Additive, in the kernel's dtype: SDPA turns a boolean mask into this at every call, a copy per layer
-        # that each layer saves for backward; this one the layers share
+        # additive, in the kernel's dtype: one the layers share (SDPA copies a boolean one per layer)
         zero, low = (torch.tensor(v, dtype=dtype, device=mask.device) for v in (0, torch.finfo(dtype).min))
         return torch.where(mask, zero, low)
 
@@ -135,7 +126,8 @@ def _ulysses(group: DeviceMesh, cp: int, kernel: str) -> Callable:
         _check_call(attention_mask, position_ids, kwargs)
         causal = getattr(module, "is_causal", True)
         batch, dtype = query.shape[0], query.dtype
-        mask = cache.get(position_ids, batch, lambda: gather(position_ids, batch), lambda e: build(e, causal, dtype))
+        gather = lambda: _gather(position_ids, batch, group, cp)
+        mask = cache.get(position_ids, batch, gather, lambda e: build(e, causal, dtype))
         nat, lay = natural.to(query.device), layout.to(query.device)
         q = _reorder(_exchange(query, cp, group), nat, dim=2)
         # k and v travel in one exchange (two all-to-alls in, one out), each KV head's k and v side by side
@@ -182,7 +174,6 @@ class _Ring(torch.autograd.Function):
 
 def _ring(group: DeviceMesh, cp: int) -> Callable:
     cache = _Positions()
-    gather = _gatherer(group, cp)
 
     def one_document(every: torch.Tensor) -> None:
         if bool((every[:, 1:] != every[:, :-1] + 1).any()):
@@ -200,8 +191,7 @@ def _ring(group: DeviceMesh, cp: int) -> Callable:
                              "use style='all_to_all'")  # fmt: skip
         if query.device.type != "cpu":  # (on CPU only a stood-in kernel runs: tests)
             check_ring_seq(query.shape[2] * cp, cp)  # same shapes on every rank: all raise
-        batch = query.shape[0]
-        cache.get(position_ids, batch, lambda: gather(position_ids, batch), one_document)
+        cache.get(position_ids, query.shape[0], lambda: _gather(position_ids, query.shape[0], group, cp), one_document)
         groups = query.shape[1] // key.shape[1]  # GQA: the kernel wants as many k/v heads as q heads
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
         return _Ring.apply(query, k, v, scaling, group).transpose(1, 2).contiguous(), None
@@ -227,8 +217,7 @@ def check_ring_seq(seq: int, cp: int) -> None:
 
 
 def check_heads(cp: int, heads: int, kv_heads: int, tp: int = 1) -> None:
-    """``ValueError`` unless the all-to-all can split one TP rank's ``heads`` and ``kv_heads`` over ``cp``
-    ranks (the planner makes the same check, in the same words)."""
+    """``ValueError`` unless cp divides one TP rank's heads and KV heads (the planner's check too, same words)."""
     if heads % cp or kv_heads % cp:
         per = f" per TP rank (tp={tp})" if tp > 1 else ""
         raise ValueError(
@@ -237,37 +226,15 @@ def check_heads(cp: int, heads: int, kv_heads: int, tp: int = 1) -> None:
         )
 
 
-def _heads(model: nn.Module) -> tuple[int, int]:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        raise ValueError(
-            f"apply_context_parallel works on transformers models (their attention-function registry); "
-            f"{type(model).__name__} has no transformers config"
-        )
-    sizes = _config_sizes(model)
-    if "num_attention_heads" not in sizes:
-        raise ValueError(f"apply_context_parallel: {type(model).__name__}'s config has no num_attention_heads")
-    return sizes["num_attention_heads"], sizes["num_key_value_heads"]
-
-
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "all_to_all") -> nn.Module:
-    """Make ``model``'s attention run on a sequence split over ``mesh["cp"]``; before `shard_model`.
+    """Make ``model``'s attention run on a sequence split over ``mesh["cp"]``; before `shard_model`. Returns ``model``.
 
-    Every rank of a cp group holds a part of each sequence (`split_for_context_parallel` cuts the
-    batch); attention gets every token by ``style``:
-
-    - ``"all_to_all"`` (DeepSpeed-Ulysses): q, k, v exchanged for head-split ones over the whole
-      sequence, the model's own kernel (``sdpa`` or ``eager``) run on ``heads / cp`` heads, the output
-      exchanged back; CPU/gloo included. Heads and KV heads (per TP rank) must divide by cp. Packed
-      documents (positions restarting) are kept apart by a per-document causal mask.
-    - ``"ring"``: CUDA only; torch's own ring attention, any number of heads, one document a row.
-
-    Refused with ``ValueError``: an unknown style, a mesh without ``"cp"``, ``"ring"`` off CUDA, a second
-    call or one after `shard_model`, a model without a transformers config or with another attention
-    kernel, heads that do not divide.
-    The function is registered in transformers' ``AttentionInterface`` under a name of its own, set on
-    this model's config only and removed with the model. Costs and limits: docs/long-sequences.md.
-    Returns ``model``.
+    ``style``: ``"all_to_all"`` (DeepSpeed-Ulysses; CPU/gloo included; heads and KV heads per TP rank must divide
+    by cp; packed documents kept apart) or ``"ring"`` (CUDA only: torch's ring attention, one document a row).
+    For transformers models with the ``sdpa`` or ``eager`` kernel: the function is registered in their
+    ``AttentionInterface`` under a name of its own, set on this model's config only and removed with the model.
+    Anything else (a second call, one after `shard_model`, a mesh without ``"cp"``) is a ``ValueError``.
+    How, costs and limits: docs/long-sequences.md.
     """
     if style not in STYLES:
         raise ValueError(f"apply_context_parallel: style must be one of {STYLES}, got {style!r}")
@@ -281,19 +248,21 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
         raise ValueError(
             f"apply_context_parallel: {RING_CUDA_ONLY}, this mesh is on {group.device_type}; use style='all_to_all'"
         )
-    check_unsharded(model, "apply_context_parallel")
-    if getattr(model, CONTEXT_PARALLEL, None) is not None:
-        raise ValueError("apply_context_parallel was already applied to this model; apply it once")
+    check_order(model, "apply_context_parallel")
+    sizes = _config_sizes(model)
+    if not hasattr(getattr(model, "config", None), "_attn_implementation") or "num_attention_heads" not in sizes:
+        raise ValueError(
+            "apply_context_parallel works on transformers models (their attention-function registry, their config's "
+            f"num_attention_heads); {type(model).__name__} is not one"
+        )
     cp = group.size()
-    heads, kv = _heads(model)
     tp = (getattr(model, TENSOR_PARALLEL, None) or {}).get("tp", 1)
     if style == "all_to_all":
-        check_heads(cp, heads // tp, kv // tp, tp)
+        check_heads(cp, sizes["num_attention_heads"] // tp, sizes["num_key_value_heads"] // tp, tp)
     kernel = model.config._attn_implementation or "eager"
     if kernel not in KERNELS:
         raise ValueError(
-            f"apply_context_parallel runs the attention kernel on the whole sequence per head group; it supports "
-            f"attn_implementation {KERNELS}, and {type(model).__name__} has {kernel!r}"
+            f"apply_context_parallel supports attn_implementation {KERNELS}; {type(model).__name__} has {kernel!r}"
         )
     from transformers import AttentionInterface
 

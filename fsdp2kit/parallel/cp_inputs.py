@@ -1,5 +1,4 @@
-"""How a sequence is laid out over the cp ranks (a head and a tail chunk each: causal load balance, the same for
-every style), and splitting a batch that way (docs/long-sequences.md, section The inputs)."""
+"""A sequence's layout over the cp ranks, and a batch split that way (docs/long-sequences.md, The inputs)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def cp_mesh(mesh: DeviceMesh, what: str) -> DeviceMesh | None:
 
 
 def check_seq(what: str, length: int, cp: int) -> None:
-    """``ValueError`` (its text starting with ``what``) unless ``length`` tokens cut into the ``2 * cp``
-    equal chunks of the causal load balance (the planner and the recipe check with this too)."""
+    """``ValueError`` (starting with ``what``) unless ``length`` cuts into ``2 * cp`` equal chunks (planner's too)."""
     if cp > 1 and length % (2 * cp):
         raise ValueError(
             f"{what} does not divide into 2 x cp = {2 * cp} equal chunks (each cp rank holds a head and a tail "
@@ -45,18 +43,13 @@ def _split(t: torch.Tensor, cp: int, rank: int, seq_dim: int, name: str) -> torc
 
 
 def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
-    """This cp rank's part of a batch: each tensor cut along ``seq_dim`` into ``2 * cp`` chunks, of which
-    cp rank ``r`` keeps chunk ``r`` and chunk ``2 * cp - 1 - r``.
+    """This cp rank's part of a batch: each tensor cut along ``seq_dim`` into ``2 * cp`` chunks, of which cp rank
+    ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r`` (docs/long-sequences.md, section The inputs).
 
-    Call it on every rank of a cp group with the same whole sequences, after `apply_context_parallel`.
-    ``batch`` is a tensor, a tuple/list of tensors or a mapping of names to tensors; the same kind comes
-    back. A mapping without ``"position_ids"`` gets them (0, 1, 2, ...: one document per row) before the
-    split; pass them to the model: where they restart, a new document starts, and attention keeps
-    documents apart. An ``"attention_mask"`` (padding) is refused. Shift labels *before* the split and
-    compute the loss from the logits (docs/long-sequences.md, section The inputs, has the loss).
-
-    A mesh without a ``"cp"`` dimension returns the batch unchanged, so the same loop runs at cp 1.
-    The sequence length must divide by ``2 * cp``, else ``ValueError``.
+    Call it on every rank of a cp group with the same whole sequences. ``batch``: a tensor, a tuple/list of
+    tensors or a mapping (the same kind comes back); a mapping without ``"position_ids"`` gets them (one document
+    per row) before the split: pass them to the model. An ``"attention_mask"`` is refused, as is a length that does
+    not divide by ``2 * cp``. A mesh without a ``"cp"`` dimension returns the batch unchanged.
     """
     sub = cp_mesh(mesh, "split_for_context_parallel")
     if sub is None:
@@ -78,10 +71,8 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
                 "keep documents apart with position_ids that restart at 0 (packing) and ignore padding in the labels"
             )
         if "position_ids" not in items and "input_ids" in items:
-            ids = items["input_ids"]
-            shape = [1] * ids.ndim
-            shape[seq_dim] = ids.shape[seq_dim]
-            items["position_ids"] = torch.arange(ids.shape[seq_dim], device=ids.device).view(shape).expand_as(ids)
+            ids = items["input_ids"].movedim(seq_dim, -1)  # 0, 1, 2, ... along the sequence
+            items["position_ids"] = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids).movedim(-1, seq_dim)
         return {k: one(v, repr(k)) for k, v in items.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
         return type(batch)(one(t, f"item {i}") for i, t in enumerate(batch))

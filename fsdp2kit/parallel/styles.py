@@ -1,5 +1,4 @@
-"""transformers' tensor-parallel style names as torch ParallelStyles, and what each does to a weight (README.md,
-section Tensor parallelism)."""
+"""transformers' tensor-parallel style names as torch ParallelStyles, and what each does to a weight."""
 
 from __future__ import annotations
 
@@ -12,26 +11,20 @@ __all__ = ["STYLE_NAMES", "for_module", "resolve_style", "weight_placement"]
 
 def _named() -> dict[str, ParallelStyle | None]:
     return {
-        # output features split over the ranks; the output stays split (the next rowwise consumes it)
-        "colwise": ColwiseParallel(),
-        # input features split; the partial outputs are summed (one all-reduce)
-        "rowwise": RowwiseParallel(),
+        "colwise": ColwiseParallel(),  # output features split; the output stays split (the next rowwise takes it)
+        "rowwise": RowwiseParallel(),  # input features split; the partial outputs are summed (one all-reduce)
         # a colwise head whose output is gathered: every rank gets the full logits
         "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
         "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
         # a rowwise layer fed a replicated input (it takes its own slice of it)
         "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
         "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
-        # embeddings: vocabulary-parallel (each rank looks up its own token ids, partial sums
-        # all-reduced) or hidden-parallel (each rank a slice of every vector, gathered)
-        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
-        "embedding_colwise": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        # Qwen3's per-head q_norm / k_norm: whole on every rank, run on this rank's heads only. The input is
-        # declared split on dim 0 (a norm treats every row alike), so the weight's gradient is a Partial sum
-        # that is reduced over the TP group.
+        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel: partial sums reduced
+        "embedding_colwise": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),  # hidden-parallel
+        # Qwen3's per-head q_norm / k_norm: whole on every rank, run on this rank's heads only. The input declared
+        # split on dim 0 (a norm treats rows alike) makes the weight's gradient a Partial sum, reduced over TP.
         "replicated_with_grad_allreduce": SequenceParallel(sequence_dim=0, use_local_output=True),
-        # every rank keeps the parameter whole, nothing to do
-        "replicate": None,
+        "replicate": None,  # every rank keeps the parameter whole, nothing to do
     }
 
 

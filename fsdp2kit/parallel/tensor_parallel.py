@@ -12,11 +12,11 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from fsdp2kit._internal.fmt import fmt_list
-from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, TENSOR_PARALLEL
+from fsdp2kit._internal.markers import TENSOR_PARALLEL
 from fsdp2kit.blocks import tied_slots
 from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
 from fsdp2kit.weights.nf4 import is_nf4
-from fsdp2kit.wrappers.forward import ORDER, check_unsharded
+from fsdp2kit.wrappers.forward import check_order
 
 __all__ = ["apply_tensor_parallel", "model_tp_plan", "planned_tp_shapes"]
 
@@ -45,39 +45,6 @@ def _pattern(key: str) -> re.Pattern:
     return re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*")))
 
 
-def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
-        raise ValueError(
-            f"apply_tensor_parallel needs a mesh with a 'tp' dimension, got {names or mesh.shape}; make it with "
-            "fsdp2kit.make_mesh(shard=..., tp=...)"
-        )
-    return mesh["tp"] if len(names) > 1 else mesh
-
-
-def _check_order(model: nn.Module) -> None:
-    check_unsharded(model, "apply_tensor_parallel")
-    if getattr(model, TENSOR_PARALLEL, None) is not None:
-        raise ValueError("apply_tensor_parallel was already applied to this model; apply it once")
-    for name, module in model.named_modules():
-        for marker, what in ((CHECKPOINTED, "apply_activation_checkpointing"), (COMPILED, "compile_blocks")):
-            if getattr(module, marker, None):
-                raise ValueError(
-                    f"apply_tensor_parallel must come before {what} (the order is {ORDER}); "
-                    f"{name or type(model).__name__} was already changed by it"
-                )
-    nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
-    if nf4:
-        # torchao's NF4Tensor splits only along rows into whole quantization groups and re-quantizes
-        # on any other slice, so a column split would change the weights: refused up front.
-        raise ValueError(
-            f"apply_tensor_parallel cannot split NF4 weights ({fmt_list(nf4, 2)}): QLoRA runs with FSDP / HSDP "
-            "only (tensor parallelism and NF4 are not supported together); drop tp, or quantize_nf4 not at all"
-        )
-
-
 def _config_sizes(model: nn.Module) -> dict[str, int]:
     config = getattr(model, "config", None)
     if config is None:
@@ -100,47 +67,37 @@ _MLP = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "w1",
 
 def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp: int) -> dict[int, tuple[int, ...]]:
     """Each split parameter's shape on one TP rank (by ``id``), once checked: colwise / rowwise only on Linear and
-    Embedding; heads, KV heads, MLP width, vocabulary and each split weight dimension divide by ``tp`` (else
-    ranks get unequal slices, or attention runs on half-heads)."""
+    Embedding; the sizes the split modules depend on divide by ``tp`` (else unequal slices, or half-heads)."""
     modules = dict(model.named_modules())
     wrong = [
-        f"{name} ({type(modules[name]).__name__})"
-        for name, style in styles.items()
-        if hasattr(style, "input_layouts") and not isinstance(modules[name], (nn.Linear, nn.Embedding))
+        f"{n} ({type(modules[n]).__name__})"
+        for n, s in styles.items()
+        if hasattr(s, "input_layouts") and not isinstance(modules[n], (nn.Linear, nn.Embedding))
     ]  # styles without input_layouts (the replicated one, a user's own ParallelStyle) are theirs to check
     if wrong:
         raise ValueError(
             "colwise / rowwise tensor parallelism splits nn.Linear and nn.Embedding weights; these plan entries are "
             f"other modules: {fmt_list(wrong)}"
         )
-    problems = []
     split = {n for n, s in styles.items() if s is not None}
     leaves = {n.rsplit(".", 1)[-1] for n in split}
-    # Which config sizes the split modules depend on, by the projection names transformers uses
-    # (its own get_kv_heads_per_rank reads plans the same way).
-    relevant = {
-        "num_attention_heads": bool(leaves & _ATTENTION),
-        "num_key_value_heads": bool(leaves & _ATTENTION),
-        "intermediate_size": bool(leaves & _MLP),
-        "vocab_size": any(isinstance(modules[n], nn.Embedding) or n.endswith("lm_head") for n in split),
-    }
-    for field, value in _config_sizes(model).items():
-        if relevant[field] and value % tp:
-            problems.append(f"config.{field} = {value}")
+    # the config sizes the split modules depend on, by transformers' projection names (as its get_kv_heads_per_rank)
+    relevant = dict.fromkeys(["num_attention_heads", "num_key_value_heads"], bool(leaves & _ATTENTION))
+    relevant["intermediate_size"] = bool(leaves & _MLP)
+    relevant["vocab_size"] = any(isinstance(modules[n], nn.Embedding) or n.endswith("lm_head") for n in split)
+    problems = [f"config.{f} = {v}" for f, v in _config_sizes(model).items() if relevant[f] and v % tp]
     shapes: dict[int, tuple[int, ...]] = {}
     for name, style in styles.items():
         placement = weight_placement(modules[name], style)
+        if not isinstance(placement, Shard):
+            continue
+        dim = placement.dim
         for pname, p in modules[name].named_parameters(recurse=False):
-            if pname == "weight":
-                split = placement
-            else:  # a colwise Linear's bias is split with its outputs; other biases stay whole
-                split = placement if (hasattr(placement, "dim") and placement.dim == 0 and p.ndim == 1) else None
-            if hasattr(split, "dim") and p.ndim > split.dim:
-                if pname == "weight" and p.shape[split.dim] % tp:
-                    problems.append(f"{name}.weight dim {split.dim} = {p.shape[split.dim]}")
-                shape = list(p.shape)
-                shape[split.dim] //= tp
-                shapes[id(p)] = tuple(shape)
+            # a colwise Linear's bias is split with its outputs; other biases stay whole
+            if (pname == "weight" or (dim == 0 and p.ndim == 1)) and p.ndim > dim:
+                if pname == "weight" and p.shape[dim] % tp:
+                    problems.append(f"{name}.weight dim {dim} = {p.shape[dim]}")
+                shapes[id(p)] = (*p.shape[:dim], p.shape[dim] // tp, *p.shape[dim + 1 :])
     if problems:
         raise ValueError(
             f"tensor parallelism over {tp} ranks needs these sizes to divide by {tp}, and they do not: "
@@ -153,12 +110,12 @@ def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp:
 def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
     """A weight shared by several modules (a tied head) must be split the same way by each of them."""
     for group in groups:
-        layouts = {}
-        for mname, module, pname in group:
-            style = styles.get(mname)
-            layouts[f"{mname}.{pname}"] = (
-                weight_placement(module, style) if pname == "weight" else (None if style is None else "unknown")
-            )
+        layouts = {
+            f"{mname}.{pname}": weight_placement(module, styles.get(mname))
+            if pname == "weight" or styles.get(mname) is None
+            else "unknown"
+            for mname, module, pname in group
+        }
         values = list(layouts.values())
         if "unknown" in values or any(v != values[0] for v in values):
             shown = ", ".join(f"{k}: {v if v is not None else 'not split'}" for k, v in layouts.items())
@@ -170,46 +127,41 @@ def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
 
 
 def _resolve(model: nn.Module, plan: str | Plan) -> tuple[dict[str, Any], dict[str, ParallelStyle | None]]:
-    """Every module the plan names, with its style as given and as a torch style; a pattern of a plan the user
-    passed that matches no module is an error."""
-    strict = not isinstance(plan, str)
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
-        plan = model_tp_plan(model)
-        if not plan:
-            raise ValueError(
-                f"{type(model).__name__} has no tensor-parallel plan of its own (no base_model_tp_plan in its config); "
-                "pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
-            )
-    elif not isinstance(plan, Mapping):
+    """Every module the plan names, with its style as given and as a torch style; unmatched patterns of yours raise."""
+    if isinstance(plan, str) and plan != "auto":
+        raise ValueError(f"plan must be 'auto' or a mapping of module patterns to styles, got {plan!r}")
+    if not isinstance(plan, (str, Mapping)):
         raise TypeError(f"plan must be 'auto' or a mapping, got {type(plan).__name__}")
-    modules = dict(model.named_modules())
-    params = {n for n, _ in model.named_parameters()}
+    given = plan if isinstance(plan, Mapping) else model_tp_plan(model)
+    if not given and isinstance(plan, str):
+        raise ValueError(
+            f"{type(model).__name__} has no tensor-parallel plan of its own (no base_model_tp_plan in its config); "
+            "pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
+        )
+    modules = [n for n, _ in model.named_modules() if n]
+    params = [n for n, _ in model.named_parameters()]
     chosen: dict[str, Any] = {}
     unmatched = []
-    for key, style in plan.items():
+    for key, style in given.items():
         if not isinstance(key, str):
             raise TypeError(f"tensor-parallel plan keys are module-name patterns (str), got {key!r}")
         rx = _pattern(key)
-        hits = [n for n in modules if n and rx.fullmatch(n)]
+        hits = [n for n in modules if rx.fullmatch(n)]
+        if not hits and any(rx.fullmatch(p) for p in params):
+            raise ValueError(
+                f"tensor-parallel plan entry {key!r} names a parameter, not a module: apply_tensor_parallel "
+                "shards whole modules (name the module that owns it)"
+            )
         if not hits:
-            if any(rx.fullmatch(p) for p in params):
-                raise ValueError(
-                    f"tensor-parallel plan entry {key!r} names a parameter, not a module: apply_tensor_parallel "
-                    "shards whole modules (name the module that owns it)"
-                )
             unmatched.append(key)
-        for n in hits:
-            chosen[n] = style  # a later, more specific entry wins, as in a dict update
-    if strict and unmatched:
+        chosen.update(dict.fromkeys(hits, style))  # a later, more specific entry wins, as in a dict update
+    if unmatched and isinstance(plan, Mapping):
         raise ValueError(f"tensor-parallel plan entries match no module of {type(model).__name__}: {unmatched}")
     return chosen, {name: resolve_style(style, name) for name, style in chosen.items()}
 
 
 def planned_tp_shapes(model: nn.Module, tp: int, plan: str | Plan = "auto") -> dict[int, tuple[int, ...]]:
-    """Each split parameter's shape on one TP rank (by ``id``; unsplit ones left out), without a mesh: for planning,
-    after the same checks as `apply_tensor_parallel`."""
+    """`_split_shapes` without a mesh (for planning), after the same checks as `apply_tensor_parallel`."""
     return _split_shapes(model, _resolve(model, plan)[1], tp)
 
 
@@ -218,34 +170,34 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Split ``model``'s layers over ``mesh["tp"]`` in place (Megatron-style tensor parallelism); returns it.
 
-    Args:
-        model: an unsharded model, on its device or on the meta device. Call this after
-            `enable_float8` / PEFT and before `apply_activation_checkpointing`, `compile_blocks`
-            and `shard_model` (the order is ORDER in fsdp2kit.wrappers.forward); out of order is
-            an error.
-        mesh: from ``fsdp2kit.make_mesh(shard=..., tp=...)``: the ``"tp"`` dimension is used here,
-            the data-parallel ones by `shard_model`.
-        plan: ``"auto"``: the model's own transformers plan (the config's ``base_model_tp_plan``, the
-            input embeddings split over the vocabulary, the head's ``_tp_plan``). Or a mapping from
-            module-name patterns (``*`` is one name segment, e.g. ``"model.layers.*.mlp.up_proj"``) to
-            a style name (`fsdp2kit.parallel.styles.STYLE_NAMES`: ``"colwise"``, ``"rowwise"``, ...)
-            or a torch ``ParallelStyle``.
-        loss_parallel: keep the head's logits split over the vocabulary (a DTensor sharded on its
-            last dim), so the full ``batch x seq x vocab`` logits never exist on one rank; compute
-            the loss inside ``torch.distributed.tensor.parallel.loss_parallel()``. The head is
-            ``model.get_output_embeddings()``.
-
-    Checked before any collective: the mesh has a ``tp`` dimension; every entry of a plan you
-    pass matches a module; heads, key/value heads, MLP width and vocabulary divide by the TP
-    size (each is named when it does not); a tied weight is split the same way by every module
-    using it, and stays one parameter afterwards.
-
-    Attention runs on each rank's ``heads / tp`` heads (README.md, Tensor parallelism). Every rank
-    builds the same model (same seed) and keeps its slice of its own copy: nothing is broadcast.
-    The ranks of one TP group compute on the same batch.
+    ``model``: unsharded, on its device or on the meta device, after `enable_float8` / PEFT and before
+    `apply_activation_checkpointing`, `compile_blocks` and `shard_model` (ORDER in fsdp2kit.wrappers.forward).
+    ``mesh``: from ``fsdp2kit.make_mesh(shard=..., tp=...)``. ``plan``: ``"auto"`` (the model's own transformers
+    plan) or a mapping from module-name patterns (``*`` is one name segment) to a style name
+    (`fsdp2kit.parallel.styles.STYLE_NAMES`) or a torch ``ParallelStyle``. ``loss_parallel``: keep the logits of
+    the head (``model.get_output_embeddings()``) split over the vocabulary; compute the loss inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``.
+    Every rank builds the same model (same seed) and keeps its slice of its own copy: nothing is broadcast.
+    What is checked before any collective, and how it composes: README.md, section Tensor parallelism.
     """
-    tp_mesh = _tp_mesh(mesh)
-    _check_order(model)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        raise ValueError(
+            f"apply_tensor_parallel needs a mesh with a 'tp' dimension, got {names or mesh.shape}; make it with "
+            "fsdp2kit.make_mesh(shard=..., tp=...)"
+        )
+    tp_mesh = mesh["tp"] if len(names) > 1 else mesh
+    check_order(model, "apply_tensor_parallel")
+    nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
+    if nf4:
+        # torchao's NF4Tensor splits only along rows into whole quantization groups and re-quantizes
+        # on any other slice, so a column split would change the weights: refused up front.
+        raise ValueError(
+            f"apply_tensor_parallel cannot split NF4 weights ({fmt_list(nf4, 2)}): QLoRA runs with FSDP / HSDP "
+            "only (tensor parallelism and NF4 are not supported together); drop tp, or quantize_nf4 not at all"
+        )
     chosen, styles = _resolve(model, plan)
     if loss_parallel:
         get = getattr(model, "get_output_embeddings", None)
@@ -265,15 +217,11 @@ def apply_tensor_parallel(
 
     modules = dict(model.named_modules())
     active = {name: for_module(modules[name], style) for name, style in styles.items() if style is not None}
-    # src_data_rank=None: each rank keeps its slice of its own copy, as fully_shard does, so no
-    # collective runs here and a model on the meta device stays there.
+    # src_data_rank=None: each rank keeps its slice of its own copy (no collective; a meta model stays on meta)
     parallelize_module(model, tp_mesh, active, src_data_rank=None)
-    for group in groups:
-        # parallelize_module gives each module a new Parameter: tie them again to the first one.
-        _, first, first_name = group[0]
-        shared = first._parameters[first_name]
-        for _, module, pname in group[1:]:
-            module._parameters[pname] = shared
+    for (_, first, first_name), *others in groups:
+        for _, module, pname in others:  # parallelize_module gave each module a new Parameter: tie them again
+            module._parameters[pname] = first._parameters[first_name]
     labels = {n: s if isinstance(s, str) else type(s).__name__ for n, s in chosen.items()}
     setattr(model, TENSOR_PARALLEL, {"tp": tp, "plan": labels})
     return model

@@ -1,5 +1,4 @@
-"""Activation checkpointing: full, every N-th block, selective by op, or torchtitan's op policy (how and why:
-docs/internals.md, section fsdp2kit/wrappers/activation.py)."""
+"""Activation checkpointing: full, every N-th block, selective, or torchtitan's op policy (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -12,32 +11,19 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
+from fsdp2kit._internal.markers import CHECKPOINTED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrappers.forward import ORDER, BlockForward, check_unsharded, current_forward
+from fsdp2kit.wrappers.forward import BlockForward, check_order, current_forward
 
-__all__ = [
-    "AC_MODES",
-    "OP_MATMULS",
-    "OP_SAVE",
-    "SELECTIVE_SAVE",
-    "apply_activation_checkpointing",
-    "op_policy",
-    "resolve_ac_mode",
-]
+__all__ = ["SELECTIVE_SAVE", "apply_activation_checkpointing", "op_policy", "resolve_ac_mode"]
 
 AC_MODES = ("full", "selective", "op")
 
 
-def _ops(*names: str, namespace: str = "aten") -> frozenset:
-    """Op overloads by name, skipping those this build does not have (e.g. cuDNN attention)."""
-    found = set()
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops, namespace), packet, None)
-        if op is not None and hasattr(op, overload):
-            found.add(getattr(op, overload))
-    return frozenset(found)
+def _ops(names: str, namespace: str = "aten") -> frozenset:
+    """The ``.default`` overloads of the ops ``names`` lists, less those this build lacks (e.g. cuDNN attention)."""
+    packets = (getattr(getattr(torch.ops, namespace), name, None) for name in names.split())
+    return frozenset(p.default for p in packets if p is not None and hasattr(p, "default"))
 
 
 # The selective policy saves these ops' outputs and recomputes every other op (torch's policy for a list:
@@ -45,17 +31,9 @@ def _ops(*names: str, namespace: str = "aten") -> frozenset:
 # produces anyway): matmuls (float8's _scaled_mm too), each backend's fused attention, and max (float8
 # scaling's amax: one number to save, a whole tensor to re-read).
 SELECTIVE_SAVE: frozenset = _ops(
-    "mm.default",
-    "addmm.default",
-    "bmm.default",
-    "baddbmm.default",
-    "_scaled_mm.default",
-    "_scaled_dot_product_flash_attention.default",
-    "_scaled_dot_product_flash_attention_for_cpu.default",
-    "_scaled_dot_product_efficient_attention.default",
-    "_scaled_dot_product_cudnn_attention.default",
-    "_scaled_dot_product_fused_attention_overrideable.default",
-    "max.default",
+    "mm addmm bmm baddbmm _scaled_mm max _scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention"
+    " _scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_cudnn_attention"
+    " _scaled_dot_product_fused_attention_overrideable"
 )
 
 
@@ -64,15 +42,15 @@ SELECTIVE_SAVE: frozenset = _ops(
 # selective's without the batched matmuls, with linear and the math attention, and where this build has them,
 # a reduce-scatter's output (tensor parallelism's, not recomputed as a second collective) and FlexAttention.
 OP_SAVE: frozenset = (
-    (SELECTIVE_SAVE - _ops("bmm.default", "baddbmm.default"))
-    | _ops("linear.default", "_scaled_dot_product_attention_math.default")
-    | _ops("reduce_scatter_tensor.default", namespace="_c10d_functional")
+    (SELECTIVE_SAVE - _ops("bmm baddbmm"))
+    | _ops("linear _scaled_dot_product_attention_math")
+    | _ops("reduce_scatter_tensor", namespace="_c10d_functional")
     | frozenset(op for op in [getattr(torch._higher_order_ops, "flex_attention", None)] if op is not None)
 )
 
 # The matmuls it numbers (forward and recompute apart) to save the odd ones: torchtitan's mm and linear, and
 # addmm (a Linear with a bias) and _scaled_mm (a float8 Linear), each one Linear's matmul too.
-OP_MATMULS: frozenset = _ops("mm.default", "linear.default", "addmm.default", "_scaled_mm.default")
+OP_MATMULS: frozenset = _ops("mm linear addmm _scaled_mm")
 
 
 def op_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
@@ -100,21 +78,14 @@ def resolve_ac_mode(mode: str | int) -> tuple[str, int]:
     return ("full", 1) if mode == 1 else ("every", mode)
 
 
-# Made once, not per call: torch.compile guards on them, so every model wrapped the same way reuses the same
-# compiled graphs.
-_FULL = functools.partial(checkpoint, use_reentrant=False)
+# Made once: torch.compile guards on them, so every model wrapped the same way reuses the same compiled graphs.
+_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, list(SELECTIVE_SAVE))
+# A counter per checkpointed call: the recompute must number the matmuls as the forward did.
+_OP = lambda: create_selective_checkpoint_contexts(op_policy({}))
 _RUN = {
-    "full": _FULL,
-    "every": _FULL,
-    "selective": functools.partial(
-        checkpoint,
-        use_reentrant=False,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, list(SELECTIVE_SAVE)),
-    ),
-    # A counter per checkpointed call: the recompute must number the matmuls as the forward did.
-    "op": functools.partial(
-        checkpoint, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(op_policy({}))
-    ),
+    "full": functools.partial(checkpoint, use_reentrant=False),
+    "selective": functools.partial(checkpoint, use_reentrant=False, context_fn=_SELECTIVE),
+    "op": functools.partial(checkpoint, use_reentrant=False, context_fn=_OP),
 }
 
 
@@ -144,21 +115,11 @@ def apply_activation_checkpointing(
     parameter names are unchanged.
     """
     kind, every = resolve_ac_mode(mode)
-    check_unsharded(model, "apply_activation_checkpointing")
+    check_order(model, "apply_activation_checkpointing")
     found = find_blocks(model, blocks)
-    for block in found:
-        if getattr(block, COMPILED, False):
-            raise ValueError(
-                f"apply_activation_checkpointing must be called before compile_blocks (the order is {ORDER})"
-            )
-        if getattr(block, CHECKPOINTED, None) is not None:
-            raise ValueError(
-                f"activation checkpointing was already applied ({getattr(block, CHECKPOINTED)!r}); apply it once"
-            )
-    run = _RUN[kind]
+    run = _RUN["full" if kind == "every" else kind]
     label = mode if isinstance(mode, str) else f"every {every}"
-    # One checkpointed forward per distinct inner forward, shared by the blocks of a class (so
-    # compile_blocks compiles it once).
+    # One checkpointed forward per distinct inner forward, shared by a class's blocks (compile_blocks: compiled once)
     wrapped: dict[Callable[..., Any], Callable[..., Any]] = {}
     # transformers' checkpointing layer, if transformers is imported (importing it here would be slow and noisy)
     hf_layer = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", ())

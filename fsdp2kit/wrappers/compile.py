@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map_only
 
 from fsdp2kit._internal.markers import COMPILED
 from fsdp2kit.blocks import BlockSpec, find_blocks
-from fsdp2kit.wrappers.forward import BlockForward, check_unsharded, current_forward
+from fsdp2kit.wrappers.forward import BlockForward, check_order, current_forward
 
 __all__ = ["compile_blocks", "wait_async_inputs"]
 
@@ -34,9 +34,8 @@ class _WaitKeepGrad(torch.autograd.Function):
 
 
 def wait_async_inputs(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(module, *args, **kwargs)`` with every top-level ``AsyncCollectiveTensor`` argument waited for
-    first, keeping its gradient: AOTAutograd drops it otherwise (pytorch/pytorch#179849; docs/internals.md,
-    section wait_async_inputs)."""
+    """``fn(module, *args, **kwargs)`` with top-level ``AsyncCollectiveTensor`` arguments waited for first, keeping
+    their gradient: AOTAutograd drops it otherwise (pytorch/pytorch#179849; docs/internals.md, wait_async_inputs)."""
 
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map_only(AsyncCollectiveTensor, _WaitKeepGrad.apply, (args, kwargs))
@@ -55,22 +54,18 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
     happens on the first forward. Hugging Face models: train with ``model.config.use_cache = False``, or
     every layer compiles separately (docs/internals.md).
     """
-    check_unsharded(model, "compile_blocks")
+    check_order(model, "compile_blocks")
     bad = sorted(set(compile_kwargs) - {"fullgraph", "dynamic", "backend", "mode", "options", "disable"})
     if bad:
         raise ValueError(f"compile_blocks: unknown torch.compile arguments {bad}")
     found = find_blocks(model, blocks)
     if getattr(getattr(model, "config", None), "use_cache", False) is True:
         warnings.warn(
-            "compile_blocks: model.config.use_cache is True, so each training forward builds a KV cache "
-            "and torch.compile compiles every layer separately (the cache guards on the layer index); "
-            "set model.config.use_cache = False for training",
+            "compile_blocks: model.config.use_cache is True, so each training forward builds a KV cache and "
+            "torch.compile compiles every layer apart (it guards on the layer index); set it False for training",
             stacklevel=2,
         )
-    if any(getattr(b, COMPILED, False) for b in found):
-        raise ValueError("compile_blocks was already applied to this model; call it once")
-    # One compiled function per distinct forward, so blocks of one class share one dynamo cache
-    # entry and torch.compile's wrapper is built once.
+    # One compiled function per distinct forward: a class's blocks share one dynamo cache entry and wrapper
     compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
     for block in found:
         fn = current_forward(block)

@@ -1,5 +1,4 @@
-"""Float8 training through torchao, with float8 all-gather of weights under FSDP2 (how and why: docs/internals.md,
-section fsdp2kit/wrappers/float8.py)."""
+"""Float8 training through torchao, with float8 all-gather of weights under FSDP2 (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -8,10 +7,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED
+from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.quiet import quiet_imports
 from fsdp2kit.blocks import BlockSpec, find_blocks, shared_parameters
-from fsdp2kit.wrappers.forward import ORDER, check_unsharded
+from fsdp2kit.wrappers.forward import check_order
 
 __all__ = ["enable_float8"]
 
@@ -75,40 +74,29 @@ def enable_float8(
 
     if not isinstance(fsdp_all_gather, bool):
         raise ValueError(f"fsdp_all_gather={fsdp_all_gather!r}: expected True or False")
-    check_unsharded(model, "enable_float8", before_tp=True)
     if any(isinstance(m, Float8Linear) for m in model.modules()):
         raise ValueError("enable_float8: this model already has float8 Linear layers; call it once")
+    check_order(model, "enable_float8")
     found = find_blocks(model, blocks)
-    if any(getattr(b, CHECKPOINTED, None) is not None or getattr(b, COMPILED, False) for b in found):
-        raise ValueError(
-            "enable_float8 must be called before apply_activation_checkpointing and compile_blocks "
-            f"(the order is {ORDER})"
-        )
 
     tied = set(shared_parameters(model))
-    names = {id(m): n for n, m in model.named_modules()}
+    in_blocks = {id(m) for block in found for m in block.modules()}
     chosen: set[int] = set()
     skipped: list[str] = []
-    for block in found:
-        for module in block.modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            name = names[id(module)]
-            eligible = module.in_features % _MULTIPLE == 0 and module.out_features % _MULTIPLE == 0
-            if not eligible or any(id(p) in tied for p in module.parameters(recurse=False)):
-                skipped.append(name)
-            elif filter_fn is None or filter_fn(module, name):
-                chosen.add(id(module))
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or id(module) not in in_blocks:
+            continue
+        eligible = module.in_features % _MULTIPLE == 0 and module.out_features % _MULTIPLE == 0
+        if not eligible or any(id(p) in tied for p in module.parameters(recurse=False)):
+            skipped.append(name)
+        elif filter_fn is None or filter_fn(module, name):
+            chosen.add(id(module))
     if not chosen:
-        why = (
-            f"{len(skipped)} Linear layers in the blocks have a dimension that is not a multiple of {_MULTIPLE} "
-            f"or a tied weight (e.g. {skipped[0]})"
-            if skipped
-            else "there is no Linear layer in the blocks"
+        raise ValueError(
+            "enable_float8: no Linear layer is eligible for float8 (one in the blocks, both dimensions multiples of "
+            f"{_MULTIPLE}, no tied weight{', accepted by filter_fn' if filter_fn else ''}); the blocks' ineligible "
+            f"ones: {fmt_list(skipped, 3) or 'none'}"
         )
-        if filter_fn is not None:
-            why += "; filter_fn rejected the others"
-        raise ValueError(f"enable_float8: no Linear layer is eligible for float8: {why}")
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: id(m) in chosen, config=config)

@@ -1,5 +1,4 @@
-"""How the speed and memory wrappers change a block in place, and the order they must come in (how and why:
-docs/internals.md, section fsdp2kit/wrappers/forward.py)."""
+"""How the wrappers change a block in place, and the order they must come in (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -10,9 +9,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit._internal.markers import TENSOR_PARALLEL
+from fsdp2kit._internal.markers import CHECKPOINTED, COMPILED, CONTEXT_PARALLEL, TENSOR_PARALLEL
 
-__all__ = ["ORDER", "BlockForward", "check_unsharded", "class_forward", "current_forward"]
+__all__ = ["ORDER", "BlockForward", "check_order", "class_forward", "current_forward"]
 
 ORDER = (
     "enable_float8 -> apply_tensor_parallel -> apply_activation_checkpointing -> compile_blocks -> shard_model "
@@ -54,17 +53,22 @@ def current_forward(module: nn.Module) -> Callable[..., Any]:
     )
 
 
-def check_unsharded(model: nn.Module, what: str, *, before_tp: bool = False) -> None:
-    """Raise if ``shard_model`` (or fully_shard) already ran (`apply_tensor_parallel`'s DTensors are fine);
-    with ``before_tp``, also if `apply_tensor_parallel` did."""
-    sharded = any(isinstance(m, FSDPModule) for m in model.modules())  # modules() includes the model
+def check_order(model: nn.Module, what: str) -> None:
+    """Raise if ``what`` or a later step of ORDER (``shard_model``, for a step outside it) already ran on ``model``."""
+    modules = list(model.modules())
     tensor_parallel = getattr(model, TENSOR_PARALLEL, None) is not None
-    if sharded or (not tensor_parallel and any(isinstance(p, DTensor) for p in model.parameters())):
-        raise ValueError(
-            f"{what} must be called before shard_model (the order is {ORDER}); this model is already sharded"
-        )
-    if before_tp and tensor_parallel:
-        raise ValueError(
-            f"{what} must be called before apply_tensor_parallel (the order is {ORDER}); this model is already "
-            "tensor-parallel"
-        )
+    done = {
+        "apply_tensor_parallel": tensor_parallel,
+        "apply_context_parallel": getattr(model, CONTEXT_PARALLEL, None) is not None,
+        "apply_activation_checkpointing": any(getattr(m, CHECKPOINTED, None) is not None for m in modules),
+        "compile_blocks": any(getattr(m, COMPILED, False) for m in modules),
+        # apply_tensor_parallel's DTensors are not a sharded model
+        "shard_model": any(isinstance(m, FSDPModule) for m in modules)
+        or (not tensor_parallel and any(isinstance(p, DTensor) for p in model.parameters())),
+    }
+    steps = ORDER.split(" -> ")
+    for later in steps[steps.index(what) + 1 : -1] if what in steps else ["shard_model"]:
+        if done[later]:
+            raise ValueError(f"{what} must be called before {later} (the order is {ORDER})")
+    if done.get(what):
+        raise ValueError(f"{what} was already applied to this model; call it once")

@@ -1,5 +1,4 @@
-"""Explicit forward and backward prefetch of the blocks' all-gathers (how and why: docs/internals.md, section
-fsdp2kit/wrappers/prefetch.py)."""
+"""Explicit forward and backward prefetch of the blocks' all-gathers (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -23,15 +22,8 @@ def set_prefetch(model: nn.Module, forward: int = 1, backward: int = 1) -> nn.Mo
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}={value!r}: expected an int >= 0 (how many blocks ahead to prefetch; 0: off)")
     blocks = getattr(model, BLOCK_ORDER, None)
-    if blocks is None:
-        raise ValueError(
-            "set_prefetch needs the block order that shard_model records: call it after shard_model "
-            f"(the order is {ORDER})"
-        )
-    if not all(isinstance(b, FSDPModule) for b in blocks):
-        raise ValueError(
-            "set_prefetch: the recorded blocks are not FSDP units any more; call shard_model on this model first"
-        )
+    if blocks is None or not all(isinstance(b, FSDPModule) for b in blocks):  # the blocks shard_model recorded
+        raise ValueError(f"set_prefetch must be called on the model after shard_model (the order is {ORDER})")
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + forward])
         # Nearest first: that is the order backward reaches them.

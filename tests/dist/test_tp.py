@@ -151,7 +151,7 @@ ERRORS = {
     "style": r"style 'packed_colwise' is not supported",
     "tied": r"a tied weight is laid out differently.*model\.embed_tokens\.weight: not split",
     "not_linear": r"splits nn\.Linear and nn\.Embedding weights.*model\.norm \(LlamaRMSNorm\)",
-    "after_ac": r"apply_tensor_parallel must come before apply_activation_checkpointing",
+    "after_ac": r"apply_tensor_parallel must be called before apply_activation_checkpointing",
     "twice": r"already applied",
     "float8_after": r"enable_float8 must be called before apply_tensor_parallel",
     "no_tp_model": r"the mesh has a tp dimension of size 2 but the model is not tensor-parallel",
