@@ -115,8 +115,8 @@ def apply_activation_checkpointing(
     parameter names are unchanged.
     """
     kind, every = resolve_ac_mode(mode)
-    check_order(model, "apply_activation_checkpointing")
     found = find_blocks(model, blocks)
+    check_order(model, "apply_activation_checkpointing", found)
     run = _RUN["full" if kind == "every" else kind]
     label = mode if isinstance(mode, str) else f"every {every}"
     # One checkpointed forward per distinct inner forward, shared by a class's blocks (compile_blocks: compiled once)

@@ -54,11 +54,11 @@ def compile_blocks(model: nn.Module, *, blocks: BlockSpec = "auto", **compile_kw
     happens on the first forward. Hugging Face models: train with ``model.config.use_cache = False``, or
     every layer compiles separately (docs/internals.md).
     """
-    check_order(model, "compile_blocks")
     bad = sorted(set(compile_kwargs) - {"fullgraph", "dynamic", "backend", "mode", "options", "disable"})
     if bad:
         raise ValueError(f"compile_blocks: unknown torch.compile arguments {bad}")
     found = find_blocks(model, blocks)
+    check_order(model, "compile_blocks", found)
     if getattr(getattr(model, "config", None), "use_cache", False) is True:
         warnings.warn(
             "compile_blocks: model.config.use_cache is True, so each training forward builds a KV cache and "

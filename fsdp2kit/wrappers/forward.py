@@ -53,17 +53,20 @@ def current_forward(module: nn.Module) -> Callable[..., Any]:
     )
 
 
-def check_order(model: nn.Module, what: str) -> None:
-    """Raise if ``what`` or a later step of ORDER (``shard_model``, for a step outside it) already ran on ``model``."""
-    modules = list(model.modules())
+def check_order(model: nn.Module, what: str, blocks: list[nn.Module] | None = None) -> None:
+    """Raise if ``what`` or a later step of ORDER (``shard_model``, for a step outside it) already ran on ``model``;
+    the steps that mark blocks (checkpointing, compile) are looked for on ``blocks``, the ones this call changes."""
+    marked = list(model.modules()) if blocks is None else blocks
     tensor_parallel = getattr(model, TENSOR_PARALLEL, None) is not None
     done = {
         "apply_tensor_parallel": tensor_parallel,
         "apply_context_parallel": getattr(model, CONTEXT_PARALLEL, None) is not None,
-        "apply_activation_checkpointing": any(getattr(m, CHECKPOINTED, None) is not None for m in modules),
-        "compile_blocks": any(getattr(m, COMPILED, False) for m in modules),
+        "apply_activation_checkpointing": next(
+            (getattr(m, CHECKPOINTED) for m in marked if hasattr(m, CHECKPOINTED)), None
+        ),
+        "compile_blocks": any(getattr(m, COMPILED, False) for m in marked),
         # apply_tensor_parallel's DTensors are not a sharded model
-        "shard_model": any(isinstance(m, FSDPModule) for m in modules)
+        "shard_model": any(isinstance(m, FSDPModule) for m in model.modules())
         or (not tensor_parallel and any(isinstance(p, DTensor) for p in model.parameters())),
     }
     steps = ORDER.split(" -> ")
@@ -71,4 +74,6 @@ def check_order(model: nn.Module, what: str) -> None:
         if done[later]:
             raise ValueError(f"{what} must be called before {later} (the order is {ORDER})")
     if done.get(what):
-        raise ValueError(f"{what} was already applied to this model; call it once")
+        how = f" ({done[what]!r})" if isinstance(done[what], str) else ""  # checkpointing's mode
+        where = "this model" if blocks is None else "these blocks"
+        raise ValueError(f"{what} was already applied to {where}{how}; call it once")
