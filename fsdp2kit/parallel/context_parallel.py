@@ -233,7 +233,8 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     by cp; packed documents kept apart) or ``"ring"`` (CUDA only: torch's ring attention, one document a row).
     For transformers models with the ``sdpa`` or ``eager`` kernel: the function is registered in their
     ``AttentionInterface`` under a name of its own, set on this model's config only and removed with the model.
-    Anything else (a second call, one after `shard_model`, a mesh without ``"cp"``) is a ``ValueError``.
+    Refused with a ``ValueError``: another model or kernel, a second call, one after `shard_model`, a mesh without
+    ``"cp"``.
     How, costs and limits: docs/long-sequences.md.
     """
     if style not in STYLES:
@@ -250,11 +251,13 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
         )
     check_order(model, "apply_context_parallel")
     sizes = _config_sizes(model)
-    if not hasattr(getattr(model, "config", None), "_attn_implementation") or "num_attention_heads" not in sizes:
+    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
         raise ValueError(
-            "apply_context_parallel works on transformers models (their attention-function registry, their config's "
-            f"num_attention_heads); {type(model).__name__} is not one"
+            "apply_context_parallel works on transformers models (their attention-function registry); "
+            f"{type(model).__name__} is not one"
         )
+    if "num_attention_heads" not in sizes:
+        raise ValueError(f"apply_context_parallel: {type(model).__name__}'s config has no num_attention_heads")
     cp = group.size()
     tp = (getattr(model, TENSOR_PARALLEL, None) or {}).get("tp", 1)
     if style == "all_to_all":

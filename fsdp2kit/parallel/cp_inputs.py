@@ -49,7 +49,8 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
     Call it on every rank of a cp group with the same whole sequences. ``batch``: a tensor, a tuple/list of
     tensors or a mapping (the same kind comes back); a mapping without ``"position_ids"`` gets them (one document
     per row) before the split: pass them to the model. An ``"attention_mask"`` is refused, as is a length that does
-    not divide by ``2 * cp``. A mesh without a ``"cp"`` dimension returns the batch unchanged.
+    not divide by ``2 * cp``. Shift labels *before* the split and compute the loss from the logits. A mesh without
+    a ``"cp"`` dimension returns the batch unchanged.
     """
     sub = cp_mesh(mesh, "split_for_context_parallel")
     if sub is None:

@@ -110,12 +110,12 @@ def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp:
 def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
     """A weight shared by several modules (a tied head) must be split the same way by each of them."""
     for group in groups:
-        layouts = {
-            f"{mname}.{pname}": weight_placement(module, styles.get(mname))
-            if pname == "weight" or styles.get(mname) is None
-            else "unknown"
-            for mname, module, pname in group
-        }
+        layouts = {}
+        for mname, module, pname in group:
+            style = styles.get(mname)
+            layouts[f"{mname}.{pname}"] = (
+                weight_placement(module, style) if pname == "weight" else (None if style is None else "unknown")
+            )
         values = list(layouts.values())
         if "unknown" in values or any(v != values[0] for v in values):
             shown = ", ".join(f"{k}: {v if v is not None else 'not split'}" for k, v in layouts.items())
