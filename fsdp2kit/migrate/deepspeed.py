@@ -59,6 +59,15 @@ TRAIN: dict[str, Rule] = {
     "gradient_clipping": _unless_auto(mapped("train", "clip", float, "fk.clip_grad_norm_ over all shards (0: off)")),
     "seed": _unless_auto(mapped("train", "seed", int)),
 }
+
+
+def _zero3_init(conv: Conversion, src: str, value: Any) -> None:
+    if truthy(value):
+        conv.set("model", "meta_init", True, src, value, "meta-device init: no rank holds the whole model")
+    else:
+        conv.not_needed(src, value, "the recipe builds on the meta device unless [model] meta_init = false")
+
+
 HOSTS = "torchrun has no hostfile: run it on each node (or under Slurm)"
 ACCELERATE_DS: dict[str, Rule] = {
     "zero_stage": _stage,
@@ -70,11 +79,7 @@ ACCELERATE_DS: dict[str, Rule] = {
     ),
     **{key: TRAIN[key] for key in ("gradient_accumulation_steps", "gradient_clipping")},
     "zero3_save_16bit_model": EXPORT,
-    "zero3_init_flag": lambda conv, src, value: (
-        conv.set("model", "meta_init", True, src, value, "meta-device init: no rank holds the whole model")
-        if truthy(value)
-        else conv.not_needed(src, value, "the recipe builds on the meta device unless [model] meta_init = false")
-    ),
+    "zero3_init_flag": _zero3_init,
     "deepspeed_moe_layer_cls_names": "MoE blocks are found and sharded like any other block",
     "deepspeed_multinode_launcher": "torchrun launches each node (or recipes/slurm.sh under Slurm)",
     **dict.fromkeys(
@@ -108,6 +113,7 @@ def convert_accelerate_deepspeed(conv: Conversion, cfg: dict, yaml_path: str) ->
             data = {}
         _convert(conv, data, f"{name}:")
 
+    # deepspeed_config_file first: the JSON file's keys are converted before the block's other keys
     first = {k: cfg[k] for k in ("deepspeed_config_file",) if k in cfg}
     apply_rules(conv, first | cfg, {"deepspeed_config_file": config_file, **ACCELERATE_DS}, "deepspeed_config.")
 

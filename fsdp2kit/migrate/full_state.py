@@ -70,11 +70,11 @@ def full_state_files(path: Path) -> list[Path]:
     )
 
 
-class _TorchFiles(dict):
+class _TorchFiles:
     """The tensors of ``torch.save``'d state dicts, memory-mapped, behind SafetensorsReader's methods."""
 
     def __init__(self, files: list[Path]):
-        super().__init__()
+        self.tensors: dict[str, torch.Tensor] = {}
         self.files: dict[str, Path] = {}  # key -> file, as SafetensorsReader's
         for f in files:
             data = torch_load_safely(f)
@@ -89,15 +89,16 @@ class _TorchFiles(dict):
                         f"{f}: {k!r} is a {type(v).__name__}, not a tensor; is this an optimizer or training-state "
                         "file rather than model weights?"
                     )
-                self[k], self.files[k] = v, f
+                self.tensors[k], self.files[k] = v, f
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self[key].shape)
+        return tuple(self.tensors[key].shape)
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self[key][index]
+        return self.tensors[key][index]
 
-    close = dict.clear
+    def close(self) -> None:
+        self.tensors.clear()
 
 
 def load_full_state_dict(model: nn.Module, path: str | os.PathLike) -> ImportResult:
