@@ -119,8 +119,9 @@ def make_mesh(
     shard: int = -1, replicate: int = 1, tp: int = 1, *, cp: int = 1, device_type: str | None = None
 ) -> DeviceMesh:
     """A DeviceMesh over every rank of the default group, dimensions ``("replicate", "shard", "cp", "tp")``, each one
-    present when above 1 (``"shard"`` always); README.md, "Meshes" and "The mesh". One of ``shard`` and ``replicate``
-    may be -1 (whatever the world size leaves); sizes that do not fit are a ``ValueError`` listing those that would.
+    present when above 1 (``"shard"`` always; README.md's Meshes, docs/long-sequences.md's The mesh). One of
+    ``shard`` and ``replicate`` may be -1 (whatever the world size leaves); sizes that do not fit are a
+    ``ValueError`` listing those that would.
     """
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs a process group: call fsdp2kit.init_distributed() first")

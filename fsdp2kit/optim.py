@@ -153,7 +153,11 @@ def make_optimizer(
                 f"{', '.join(off[:2])}: on CPU there is nothing to offload (use offload=False); "
                 "shard_model(..., cpu_offload=True) moves parameters, gradients and state to the host together"
             )
-        return OffloadedAdamW(params, **hyper, **kwargs)  # a TypeError names any argument it does not take
+        if kwargs:
+            raise ValueError(
+                f"make_optimizer(offload=True) takes AdamW's lr, betas, eps, weight_decay only, not {sorted(kwargs)}"
+            )
+        return OffloadedAdamW(params, **hyper)
     if name == "adamw":
         low = [n for n, p in named if p.dtype in (torch.bfloat16, torch.float16)]
         if low:  # pure_bf16 chosen, but with round-to-nearest updates: say so rather than switch silently

@@ -148,10 +148,22 @@ def shard_model(
     return plan
 
 
-def estimate_plan(model: nn.Module, *, shard: int, replicate: int = 1, tp: int = 1, **options) -> ShardPlan:
-    """The `ShardPlan` that `shard_model` (``options``: its keyword arguments) would return on a (replicate, shard[,
-    tp]) mesh, without a process group and changing nothing (a meta model planned for 1024 GPUs from a laptop); with
-    ``tp > 1`` each rank's slices follow the model's own TP plan, as `fsdp2kit.apply_tensor_parallel` would apply it."""
+def estimate_plan(
+    model: nn.Module,
+    *,
+    shard: int,
+    replicate: int = 1,
+    tp: int = 1,
+    blocks: BlockSpec = "auto",
+    strategy: str | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mixed_precision: str | MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+    replicate_adapters: bool = False,
+) -> ShardPlan:
+    """The `ShardPlan` that `shard_model` would return on a (replicate, shard[, tp]) mesh, without a process
+    group and changing nothing (a meta model planned for 1024 GPUs from a laptop); with ``tp > 1`` each
+    rank's slices follow the model's own TP plan, as `fsdp2kit.apply_tensor_parallel` would apply it."""
     check_not_sharded(model)
     shape, names = ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
     tp_shapes = None
@@ -160,7 +172,8 @@ def estimate_plan(model: nn.Module, *, shard: int, replicate: int = 1, tp: int =
 
         shape, names = (*shape, tp), (*names, "tp")
         tp_shapes = planned_tp_shapes(model, tp)
-    return _layout(model, shape, names, tp_shapes, **options)[0]
+    options = (blocks, strategy, reshard_after_forward, mixed_precision, cpu_offload, replicate_adapters)
+    return _layout(model, shape, names, tp_shapes, *options)[0]
 
 
 def _layout(
