@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -152,7 +153,35 @@ def plan_shards(
     return estimate_plan(model, shard=shard * cp, **plan_args)
 
 
-def plan_memory(model: nn.Module, *, gpu_memory: int | None = None, name: str = "", **settings: Any) -> MemoryPlan:
+def plan_memory(
+    model: nn.Module,
+    *,
+    shard: int,
+    batch: int,
+    seq: int,
+    replicate: int = 1,
+    tp: int = 1,
+    cp: int = 1,
+    cp_style: str = "all_to_all",
+    packed: bool = False,
+    activation_checkpointing: str | int | None = None,
+    mixed_precision: str | None = None,
+    optimizer: str = "adamw",
+    cpu_offload: bool = False,
+    optimizer_offload: bool = False,
+    prefetch: int = 1,
+    strategy: str | None = None,
+    device: str = "cuda",
+    optimizer_impl: str | None = None,
+    lora: int | None = None,
+    qlora: bool = False,
+    lora_targets: str | Sequence[str] = "all-linear",
+    gpu_memory: int | None = None,
+    name: str = "",
+    grad_accum: int = 1,
+    accumulation: str = "regather",
+    replicate_adapters: bool = False,
+) -> MemoryPlan:
     """Predict the per-rank peak memory of one steady-state training step, its parts, and when it happens.
 
     ``model`` is built on the meta device (or is a real model: nothing is allocated either way,
@@ -163,7 +192,7 @@ def plan_memory(model: nn.Module, *, gpu_memory: int | None = None, name: str = 
     ``device="cuda"`` adds an allocator margin and uses the ``foreach`` AdamW step (CUDA's default);
     ``device="cpu"`` gives live tensor bytes with CPU's per-tensor step (what the CPU check measures).
 
-    Args (the fields of `Settings`, passed as ``**settings``; ``shard``, ``batch`` and ``seq`` are required):
+    Args:
         shard, replicate: the (replicate, shard) mesh, as for `fsdp2kit.make_mesh`.
         tp: tensor-parallel degree: the model's own plan, traced on one TP rank's slices.
         cp: context-parallel degree (`fsdp2kit.apply_context_parallel`): parameters, gradients and optimizer
@@ -193,10 +222,11 @@ def plan_memory(model: nn.Module, *, gpu_memory: int | None = None, name: str = 
 
     A ``seq`` longer than the model's ``max_position_embeddings`` is planned, with a note saying so.
     """
-    targets = settings.get("lora_targets", "all-linear")
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    settings["lora_targets"] = "all-linear" if targets == ("all-linear",) else targets
-    plan = plan_settings(model, Settings(**settings), cache={})
+    targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
+    lora_targets = "all-linear" if targets == ("all-linear",) else targets
+    args = locals()  # every Settings field is an argument of the same name
+    settings = Settings(**{f.name: args[f.name] for f in dataclasses.fields(Settings)})
+    plan = plan_settings(model, settings, cache={})
     plan.gpu_memory = gpu_memory
     plan.config["model"] = name or type(model).__name__
     return plan
