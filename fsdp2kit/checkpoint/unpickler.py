@@ -34,8 +34,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
-        if module == _METADATA_MODULE:
-            found = super().find_class(module, name)  # an attribute look-up in a module torch has imported
+        if module == _METADATA_MODULE and "." not in name:  # a dotted name would walk attributes
+            found = super().find_class(module, name)  # a module torch has imported
             if isinstance(found, type) and found.__module__ == module:
                 return found
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a type DCP metadata is made of")
