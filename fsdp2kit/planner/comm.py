@@ -118,7 +118,9 @@ def comm_of_plan(
     group_sizes = dict(groups)
 
     # held between micro-batches: the gathered parameters, the unreduced gradients, the reduce-scatter's output
-    keep, unsynced, deferred = bwd == 0 and shard > 1, n_rs < micro_batches, n_ar < n_rs
+    keep = bwd == 0 and shard > 1
+    unsynced = n_rs < micro_batches
+    deferred = n_ar < n_rs
     held = 0
     units = []
     kept = {id(p): p for p in check_replicable(model)} if replicate_adapters else {}

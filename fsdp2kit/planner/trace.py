@@ -375,8 +375,10 @@ def record_step(
 
         return pre, post
 
-    # a parameter's unit: the first that holds it
-    param_unit = {id(p): i for i, _, module in reversed(unit_modules(unit_names, modules)) for p in module.parameters()}
+    param_unit: dict[int, int] = {}  # a parameter's unit: the first that holds it
+    for i, _, module in unit_modules(unit_names, modules):
+        for p in module.parameters():
+            param_unit.setdefault(id(p), i)
 
     def on_grad(p: torch.Tensor) -> None:
         # FSDP2 holds the unsharded gradient until the unit's post-backward: the timeline counts
