@@ -59,8 +59,10 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
     """The tokenizer to write: ``tokenizer`` itself (anything with ``save_pretrained``), the one in a
     directory given as a path, else the one in the directory the model came from; None for none."""
-    if tokenizer is False or hasattr(tokenizer, "save_pretrained"):
-        return None if tokenizer is False else tokenizer
+    if tokenizer is False:
+        return None
+    if hasattr(tokenizer, "save_pretrained"):
+        return tokenizer
     if tokenizer is None:  # the local directory the model's config was read from, if it holds one
         tokenizer = getattr(getattr(model, "config", None), "_name_or_path", None)
         if not (isinstance(tokenizer, str) and tokenizer and has_tokenizer(tokenizer)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2kit._internal.dtensor import local_shard
@@ -34,7 +35,10 @@ def nf4_shard_problem(t: torch.Tensor, shard: int) -> str | None:
     if t.shape[0] % shard:
         return f"{t.shape[0]} rows do not split evenly over {shard} ranks"
     if per_rank % group:
-        return f"{per_rank} elements per rank are not a multiple of block_size x scaler_block_size = {group}"
+        return (
+            f"{per_rank} elements per rank are not a multiple of block_size x scaler_block_size = "
+            f"{t.block_size} x {t.scaler_block_size}"
+        )
     return None
 
 
@@ -71,7 +75,10 @@ def quantize_nf4(
     """
     with quiet_imports():  # torchao's import-time log lines on a CPU build
         from torchao.quantization import to_nf4
-    sharded = any(isinstance(p, DTensor) for p in model.parameters())  # fully_shard's (and TP's) parameters
+    # fully_shard's (and TP's) parameters are DTensors, except while FSDP2 holds them unsharded
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
     if sharded or any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules()):
         raise ValueError(
             f"quantize_nf4 must run before shard_model and before PEFT wrapping: the model is already "
@@ -98,7 +105,8 @@ def quantize_nf4(
     if not done:
         raise ValueError(
             f"quantize_nf4: nothing to quantize in {type(model).__name__}: of the nn.Linear weights in its blocks "
-            f"(GPT-2's Conv1D are not), none has a multiple of block_size x scaler_block_size = {group} elements: "
+            f"(GPT-2's Conv1D are not), none has a multiple of block_size x scaler_block_size = {block_size} x "
+            f"{scaler_block_size} = {group} elements: "
             f"{skipped[:6]}"
         )
     return done
