@@ -223,29 +223,25 @@ def run_plan(args) -> int:
     else:
         print(plan)
         if policies is not None:
-            print(_policies_text(settings, policies, picked=args.accumulation is None, budget=gpu_memory))
+            if args.accumulation is not None:
+                how = "given"
+            elif gpu_memory is None:
+                how = "no memory budget (--gpu-memory or --gpu): the lowest peak"
+            elif any(r["fits"] for r in policies):
+                how = "the fewest bytes a step whose peak fits"
+            else:
+                how = "none fits: the lowest peak"
+            print(f"accumulation over {settings.grad_accum} micro-batches: {settings.accumulation} ({how})")
+            for r in policies:
+                mark = "*" if r["policy"] == settings.accumulation else " "
+                print(
+                    f" {mark} {r['policy']:<31} peak {fmt_bytes(r['peak_bytes']):>10}  collectives "
+                    f"{fmt_bytes(r['comm_bytes_per_step']):>10} a step per rank"
+                    + ("" if r["fits"] else "  (does not fit)")
+                )
         if step is not None:
             print(step)
     return 0
-
-
-def _policies_text(settings, rows: list[dict], *, picked: bool, budget: int | None) -> str:
-    if not picked:
-        how = "given"
-    elif budget is None:
-        how = "no memory budget (--gpu-memory or --gpu): the lowest peak"
-    elif any(r["fits"] for r in rows):
-        how = "the fewest bytes a step whose peak fits"
-    else:
-        how = "none fits: the lowest peak"
-    lines = [f"accumulation over {settings.grad_accum} micro-batches: {settings.accumulation} ({how})"]
-    for r in rows:
-        mark = "*" if r["policy"] == settings.accumulation else " "
-        lines.append(
-            f" {mark} {r['policy']:<31} peak {fmt_bytes(r['peak_bytes']):>10}  collectives "
-            f"{fmt_bytes(r['comm_bytes_per_step']):>10} a step per rank{'' if r['fits'] else '  (does not fit)'}"
-        )
-    return "\n".join(lines)
 
 
 def parse_gpu(name: str | None, sets: list[str] | None):

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from fsdp2kit.planner.trace import meta_copy
 
-__all__ = ["lora_model", "tp_local_model", "trained_model"]
+__all__ = ["lora_model", "trained_model"]
 
 
 def lora_model(
@@ -32,11 +32,17 @@ def lora_model(
         return apply_lora(work, r=r, targets=list(targets) if isinstance(targets, tuple) else targets)
 
 
-def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
-    """A meta copy of ``model`` as one rank of ``apply_tensor_parallel(model, mesh, "auto")`` holds it: split
-    parameters in their local shapes, the vocabulary-split head gathering its logits."""
+def trained_model(
+    model: nn.Module, *, lora: int | None, qlora: bool, targets, tp: int, compute_dtype: torch.dtype | None
+) -> nn.Module:
+    """``model`` as the run trains it: with rank-``lora`` adapters (`lora_model`), then as one rank of
+    ``apply_tensor_parallel(model, mesh, "auto")`` holds it (local shapes, the vocabulary-split head gathering)."""
     from fsdp2kit.parallel.tensor_parallel import planned_tp_shapes
 
+    if lora is not None:
+        model = lora_model(model, r=lora, qlora=qlora, targets=targets, compute_dtype=compute_dtype)
+    if tp == 1:
+        return model
     shapes = planned_tp_shapes(model, tp)
     work = meta_copy(model, None, shapes=shapes)
     if callable(getattr(model, "get_output_embeddings", None)):  # then its deep copy ``work`` has it too
@@ -45,12 +51,3 @@ def tp_local_model(model: nn.Module, tp: int) -> nn.Module:
             # "colwise_gather_output": every TP rank ends with the whole vocabulary's logits (tp slices' bytes).
             head.register_forward_hook(lambda module, args, output: torch.cat([output] * tp, dim=-1))
     return work
-
-
-def trained_model(
-    model: nn.Module, *, lora: int | None, qlora: bool, targets, tp: int, compute_dtype: torch.dtype | None
-) -> nn.Module:
-    """``model`` as the run trains it: with rank-``lora`` adapters (`lora_model`), then one TP rank's slices."""
-    if lora is not None:
-        model = lora_model(model, r=lora, qlora=qlora, targets=targets, compute_dtype=compute_dtype)
-    return tp_local_model(model, tp) if tp > 1 else model

@@ -291,7 +291,6 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             own_dtype=kept,
         )
     units = units_for(model, plan, replicated=kept)
-    gloo = s.device == "cpu" and shard_size > 1  # its reduce-scatter clones the input (planner/timeline.py)
     position = {n: i for i, (n, _) in enumerate(model.named_modules())}  # the final callback's order: root first
     final_order = sorted((n[0] for n in unit_names), key=lambda n: position.get(n, len(position)))
 
@@ -309,7 +308,7 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
             blocks,
             world=shard_size,
             prefetch=s.prefetch,
-            clone_reduce_input=gloo,
+            clone_reduce_input=s.device == "cpu" and shard_size > 1,  # gloo's reduce-scatter clones it (timeline.py)
             final_order=final_order,
             final_transient=flat,
         )
@@ -363,11 +362,16 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
     margin = margin_bytes(live, s.device)
     parts = {**parts, "margin": margin}
     state = step_parts["params"] + step_parts["optimizer"]
+    # The optimizer state's dtype, as `optimizer_bytes` counts it.
+    state_dtype = plan.master_dtype if s.optimizer in ("adamw", "adamw_bf16sr") else "none"
+    low_bit = {"adamw8bit": "int8", "adamw4bit": "4-bit", "adamw_fp8": "float8_e4m3fn"}.get(s.optimizer)
+    if low_bit is not None:
+        state_dtype = f"{low_bit} (fp32 scales; tensors under 4096 elements: {plan.master_dtype})"
     config: dict[str, Any] = dataclasses.asdict(s) | {
         "strategy": plan.strategy,
         "peft": is_peft_model(model),  # a model with its own adapters (the recipe's [lora] table)
         "master_dtype": plan.master_dtype,
-        "state_dtype": _state_dtype(s.optimizer, plan.master_dtype),
+        "state_dtype": state_dtype,
     }
     notes = []
     limit = max_positions(model)
@@ -408,11 +412,3 @@ def plan_settings(model: nn.Module, s: Settings, cache: dict) -> MemoryPlan:
         trainable_param_bytes=trainable,
         measured_like={"max_gathered": step.max_gathered, "max_comm_buffers": step.max_buffers, "grads": grads},
     )
-
-
-def _state_dtype(optimizer: str, master: str) -> str:
-    """The optimizer state's dtype, as `optimizer_bytes` counts it."""
-    low_bit = {"adamw8bit": "int8", "adamw4bit": "4-bit", "adamw_fp8": "float8_e4m3fn"}.get(optimizer)
-    if low_bit is not None:
-        return f"{low_bit} (fp32 scales; tensors under 4096 elements: {master})"
-    return master if optimizer in ("adamw", "adamw_bf16sr") else "none"
