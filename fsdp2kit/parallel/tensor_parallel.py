@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, pa
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import TENSOR_PARALLEL
 from fsdp2kit.blocks import tied_slots
+from fsdp2kit.parallel.cp_inputs import sub_mesh
 from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.wrappers.forward import check_order
@@ -180,15 +181,7 @@ def apply_tensor_parallel(
     Every rank builds the same model (same seed) and keeps its slice of its own copy: nothing is broadcast.
     What is checked before any collective, and how it composes: README.md, section Tensor parallelism.
     """
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
-        raise ValueError(
-            f"apply_tensor_parallel needs a mesh with a 'tp' dimension, got {names or mesh.shape}; make it with "
-            "fsdp2kit.make_mesh(shard=..., tp=...)"
-        )
-    tp_mesh = mesh["tp"] if len(names) > 1 else mesh
+    tp_mesh = sub_mesh(mesh, "apply_tensor_parallel", "tp", required=True)
     check_order(model, "apply_tensor_parallel")
     nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
     if nf4:
