@@ -221,11 +221,13 @@ class RankMonitor:
                 self._raise(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})", e)
             raise
 
-    def _ask_positions(self) -> tuple[set[int], dict[int, str]]:
-        """Ask every rank's thread for its position now: the ranks that answered within 2 s, and the gone ones."""
+    def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
+        self._reported = True
+        self._publish()
+        # Ask every rank's thread for its position now; wait 2 s for the answers (a gone rank's process never will)
         asked = self._store.add("ask", 1)
         answered, gone, deadline = {self.rank}, {}, time.monotonic() + 2.0
-        while True:
+        while len(answered) + len(gone) < self.world and time.monotonic() <= deadline:
             for r in set(range(self.world)) - answered - set(gone):
                 who = json.loads(self._store.get(f"who/{r}"))
                 how = _process_end(int(who["pid"])) if who["host"] == socket.gethostname() else None
@@ -233,14 +235,7 @@ class RankMonitor:
                     gone[r] = f"its process (pid {who['pid']}) {how}"
                 elif self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
                     answered.add(r)
-            if len(answered) + len(gone) == self.world or time.monotonic() > deadline:
-                return answered, gone
             time.sleep(0.02)
-
-    def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
-        self._reported = True
-        self._publish()
-        answered, gone = self._ask_positions()
         now = time.time()
         published = [json.loads(self._store.get(f"pos/{r}")) for r in range(self.world)]  # this rank's too
         at = [d.pop("at") for d in published]

@@ -48,17 +48,13 @@ def _pattern(key: str) -> re.Pattern:
 
 def _config_sizes(model: nn.Module) -> dict[str, int]:
     config = getattr(model, "config", None)
-    if config is None:
-        return {}
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    sizes = {}
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        value = getattr(config, field, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            sizes[field] = value
-    if "num_attention_heads" in sizes and "num_key_value_heads" not in sizes:
-        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    values = {f: getattr(config, f, None) for f in fields}
+    sizes = {f: v for f, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if "num_attention_heads" in sizes:
+        sizes.setdefault("num_key_value_heads", sizes["num_attention_heads"])
     return sizes
 
 
