@@ -107,12 +107,10 @@ def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp:
 def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
     """A weight shared by several modules (a tied head) must be split the same way by each of them."""
     for group in groups:
-        layouts = {}
-        for mname, module, pname in group:
-            style = styles.get(mname)
-            layouts[f"{mname}.{pname}"] = (
-                weight_placement(module, style) if pname == "weight" else (None if style is None else "unknown")
-            )
+        layouts = {  # no style: not split (weight_placement's None); a split module's other parameters: unknown
+            f"{m}.{p}": weight_placement(module, styles.get(m)) if p == "weight" or styles.get(m) is None else "unknown"
+            for m, module, p in group
+        }
         values = list(layouts.values())
         if "unknown" in values or any(v != values[0] for v in values):
             shown = ", ".join(f"{k}: {v if v is not None else 'not split'}" for k, v in layouts.items())
