@@ -112,7 +112,6 @@ class RankMonitor:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.active = self.world > 1
         self._reported = False  # this rank raised or printed a report: print nothing more
-        self._answered = 0  # the last request for positions this rank answered
         self._stop = threading.Event()
         self._thread = None
         if not self.active:
@@ -270,15 +269,15 @@ class RankMonitor:
     def _watch(self) -> None:
         # Every `_POLL` s one integer read (is there a request for positions?); every heartbeat the
         # position, changed or not: its time stamp is this rank's sign of life.
-        last_beat = time.monotonic()
+        last_beat, answered = time.monotonic(), 0  # answered: the last request for positions this rank answered
         while not self._stop.wait(min(self.heartbeat, _POLL)):
             try:
                 asked = self._store.add("ask", 0)
-                if asked > self._answered or time.monotonic() - last_beat >= self.heartbeat:
+                if asked > answered or time.monotonic() - last_beat >= self.heartbeat:
                     self._publish()
                     last_beat = time.monotonic()
-                if asked > self._answered:
-                    self._answered = asked
+                if asked > answered:
+                    answered = asked
                     self._store.set(f"ans/{self.rank}", str(asked))
                 if not self._reported and asked and self._store.check(["report"]):
                     self._reported = True

@@ -30,8 +30,7 @@ def model_tp_plan(model: nn.Module) -> dict[str, Any]:
     plan = getattr(model, "tp_plan", None)  # transformers 5: merged over the base model and the head
     if isinstance(plan, Mapping) and plan:
         return dict(plan)
-    config = getattr(model, "config", None)
-    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    base = dict(getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {})
     if not base:
         return {}
     prefix = getattr(model, "base_model_prefix", "")
