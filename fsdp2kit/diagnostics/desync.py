@@ -56,13 +56,12 @@ class Position:
         of = f" of {micro_steps}" if micro_steps else ""
         micro = f", micro-step {self.micro}{of}" if self.micro >= 0 else ""
         unit = f" {self.unit or '<root>'}" if self.phase in _UNIT_PHASES else ""
-        shape = f", batch {list(self.shape)}" if self.shape else ""
-        last = ""
+        tail = f", batch {list(self.shape)}" if self.shape else ""
         if self.micro >= 0 and self.micro_count != self.micro + 1:
-            last = f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
+            tail += f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
         if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
-            last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
-        return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
+            tail += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
+        return f"step {self.step}{micro}, {self.phase}{unit}{tail}"
 
 
 class DesyncError(RuntimeError):

@@ -40,6 +40,8 @@ def check_seq(what: str, length: int, cp: int) -> None:
 
 
 def _split(t: torch.Tensor, cp: int, rank: int, seq_dim: int, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"split_for_context_parallel: {name} must be a tensor, got {type(t).__name__}")
     length = t.shape[seq_dim]
     check_seq(f"split_for_context_parallel: {name}'s {length} positions along dim {seq_dim}", length, cp)
     chunks = t.unflatten(seq_dim, (2 * cp, length // (2 * cp)))
@@ -61,14 +63,8 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
     if sub is None:
         return batch
     cp, rank = sub.size(), sub.get_local_rank()
-
-    def one(t, name: str):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"split_for_context_parallel: {name} must be a tensor, got {type(t).__name__}")
-        return _split(t, cp, rank, seq_dim, name)
-
     if isinstance(batch, torch.Tensor):
-        return one(batch, "the tensor")
+        return _split(batch, cp, rank, seq_dim, "the tensor")
     if isinstance(batch, Mapping):
         items = dict(batch)
         if "attention_mask" in items:
@@ -79,9 +75,9 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
         if "position_ids" not in items and "input_ids" in items:
             ids = items["input_ids"].movedim(seq_dim, -1)  # 0, 1, 2, ... along the sequence
             items["position_ids"] = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids).movedim(-1, seq_dim)
-        return {k: one(v, repr(k)) for k, v in items.items()}
+        return {k: _split(v, cp, rank, seq_dim, repr(k)) for k, v in items.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(one(t, f"item {i}") for i, t in enumerate(batch))
+        return type(batch)(_split(t, cp, rank, seq_dim, f"item {i}") for i, t in enumerate(batch))
     raise TypeError(f"split_for_context_parallel: batch must be a tensor, a sequence or a mapping of tensors, "
                     f"got {type(batch).__name__}")  # fmt: skip
 
