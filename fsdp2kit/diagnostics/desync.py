@@ -56,13 +56,12 @@ class Position:
         of = f" of {micro_steps}" if micro_steps else ""
         micro = f", micro-step {self.micro}{of}" if self.micro >= 0 else ""
         unit = f" {self.unit or '<root>'}" if self.phase in _UNIT_PHASES else ""
-        shape = f", batch {list(self.shape)}" if self.shape else ""
-        last = ""
+        tail = f", batch {list(self.shape)}" if self.shape else ""
         if self.micro >= 0 and self.micro_count != self.micro + 1:
-            last = f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
+            tail += f" (only {self.micro_count} micro-step{'s' if self.micro_count != 1 else ''} begun in this step)"
         if micro_steps and self.last_count >= 0 and self.last_count != micro_steps:
-            last += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
-        return f"step {self.step}{micro}, {self.phase}{unit}{shape}{last}"
+            tail += f" (its previous step had {self.last_count} micro-step{'s' if self.last_count != 1 else ''})"
+        return f"step {self.step}{micro}, {self.phase}{unit}{tail}"
 
 
 class DesyncError(RuntimeError):
@@ -112,7 +111,6 @@ class RankMonitor:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.active = self.world > 1
         self._reported = False  # this rank raised or printed a report: print nothing more
-        self._answered = 0  # the last request for positions this rank answered
         self._stop = threading.Event()
         self._thread = None
         if not self.active:
@@ -221,11 +219,13 @@ class RankMonitor:
                 self._raise(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})", e)
             raise
 
-    def _ask_positions(self) -> tuple[set[int], dict[int, str]]:
-        """Ask every rank's thread for its position now: the ranks that answered within 2 s, and the gone ones."""
+    def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
+        self._reported = True
+        self._publish()
+        # Ask every rank's thread for its position now; wait 2 s for the answers (a gone rank's process never will)
         asked = self._store.add("ask", 1)
         answered, gone, deadline = {self.rank}, {}, time.monotonic() + 2.0
-        while True:
+        while len(answered) + len(gone) < self.world and time.monotonic() <= deadline:
             for r in set(range(self.world)) - answered - set(gone):
                 who = json.loads(self._store.get(f"who/{r}"))
                 how = _process_end(int(who["pid"])) if who["host"] == socket.gethostname() else None
@@ -233,14 +233,7 @@ class RankMonitor:
                     gone[r] = f"its process (pid {who['pid']}) {how}"
                 elif self._store.check([f"ans/{r}"]) and int(self._store.get(f"ans/{r}")) >= asked:
                     answered.add(r)
-            if len(answered) + len(gone) == self.world or time.monotonic() > deadline:
-                return answered, gone
             time.sleep(0.02)
-
-    def _raise(self, what: str, cause: BaseException | None, rows: list[tuple] | None = None) -> None:
-        self._reported = True
-        self._publish()
-        answered, gone = self._ask_positions()
         now = time.time()
         published = [json.loads(self._store.get(f"pos/{r}")) for r in range(self.world)]  # this rank's too
         at = [d.pop("at") for d in published]
@@ -275,15 +268,15 @@ class RankMonitor:
     def _watch(self) -> None:
         # Every `_POLL` s one integer read (is there a request for positions?); every heartbeat the
         # position, changed or not: its time stamp is this rank's sign of life.
-        last_beat = time.monotonic()
+        last_beat, answered = time.monotonic(), 0  # answered: the last request for positions this rank answered
         while not self._stop.wait(min(self.heartbeat, _POLL)):
             try:
                 asked = self._store.add("ask", 0)
-                if asked > self._answered or time.monotonic() - last_beat >= self.heartbeat:
+                if asked > answered or time.monotonic() - last_beat >= self.heartbeat:
                     self._publish()
                     last_beat = time.monotonic()
-                if asked > self._answered:
-                    self._answered = asked
+                if asked > answered:
+                    answered = asked
                     self._store.set(f"ans/{self.rank}", str(asked))
                 if not self._reported and asked and self._store.check(["report"]):
                     self._reported = True

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2kit._internal.markers import CONTEXT_PARALLEL, TENSOR_PARALLEL
-from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh, document_mask
+from fsdp2kit.parallel.cp_inputs import chunk_order, document_mask, sub_mesh
 from fsdp2kit.parallel.tensor_parallel import _config_sizes
 from fsdp2kit.wrappers.forward import check_order
 
@@ -239,12 +239,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, style: str = "
     """
     if style not in STYLES:
         raise ValueError(f"apply_context_parallel: style must be one of {STYLES}, got {style!r}")
-    group = cp_mesh(mesh, "apply_context_parallel")
-    if group is None:
-        raise ValueError(
-            f"apply_context_parallel needs a mesh with a 'cp' dimension, got {mesh.mesh_dim_names}; make it with "
-            "fsdp2kit.make_mesh(shard=..., cp=...)"
-        )
+    group = sub_mesh(mesh, "apply_context_parallel", required=True)
     if style == "ring" and group.device_type != "cuda":
         raise ValueError(
             f"apply_context_parallel: {RING_CUDA_ONLY}, this mesh is on {group.device_type}; use style='all_to_all'"

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["check_seq", "chunk_order", "cp_mesh", "document_mask", "split_for_context_parallel"]
+__all__ = ["check_seq", "chunk_order", "document_mask", "split_for_context_parallel", "sub_mesh"]
 
 
 def chunk_order(cp: int) -> list[int]:
@@ -15,14 +15,19 @@ def chunk_order(cp: int) -> list[int]:
     return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
 
 
-def cp_mesh(mesh: DeviceMesh, what: str) -> DeviceMesh | None:
-    """The 1-D ``"cp"`` sub-mesh of ``mesh`` (None when it has no cp dimension)."""
+def sub_mesh(mesh: DeviceMesh, what: str, dim: str = "cp", required: bool = False) -> DeviceMesh | None:
+    """The 1-D ``dim`` sub-mesh of ``mesh``; without one, None or (``required``) a ``ValueError`` naming ``what``."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{what}: mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
     names = mesh.mesh_dim_names or ()
-    if "cp" not in names:
-        return None
-    return mesh if len(names) == 1 else mesh["cp"]
+    if dim in names:
+        return mesh if len(names) == 1 else mesh[dim]
+    if required:
+        raise ValueError(
+            f"{what} needs a mesh with a {dim!r} dimension, got {names or mesh.shape}; make it with "
+            f"fsdp2kit.make_mesh(shard=..., {dim}=...)"
+        )
+    return None
 
 
 def check_seq(what: str, length: int, cp: int) -> None:
@@ -35,6 +40,8 @@ def check_seq(what: str, length: int, cp: int) -> None:
 
 
 def _split(t: torch.Tensor, cp: int, rank: int, seq_dim: int, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"split_for_context_parallel: {name} must be a tensor, got {type(t).__name__}")
     length = t.shape[seq_dim]
     check_seq(f"split_for_context_parallel: {name}'s {length} positions along dim {seq_dim}", length, cp)
     chunks = t.unflatten(seq_dim, (2 * cp, length // (2 * cp)))
@@ -52,18 +59,12 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
     not divide by ``2 * cp``. Shift labels *before* the split and compute the loss from the logits. A mesh without
     a ``"cp"`` dimension returns the batch unchanged.
     """
-    sub = cp_mesh(mesh, "split_for_context_parallel")
+    sub = sub_mesh(mesh, "split_for_context_parallel")
     if sub is None:
         return batch
     cp, rank = sub.size(), sub.get_local_rank()
-
-    def one(t, name: str):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"split_for_context_parallel: {name} must be a tensor, got {type(t).__name__}")
-        return _split(t, cp, rank, seq_dim, name)
-
     if isinstance(batch, torch.Tensor):
-        return one(batch, "the tensor")
+        return _split(batch, cp, rank, seq_dim, "the tensor")
     if isinstance(batch, Mapping):
         items = dict(batch)
         if "attention_mask" in items:
@@ -74,9 +75,9 @@ def split_for_context_parallel(batch, mesh: DeviceMesh, *, seq_dim: int = 1):
         if "position_ids" not in items and "input_ids" in items:
             ids = items["input_ids"].movedim(seq_dim, -1)  # 0, 1, 2, ... along the sequence
             items["position_ids"] = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids).movedim(-1, seq_dim)
-        return {k: one(v, repr(k)) for k, v in items.items()}
+        return {k: _split(v, cp, rank, seq_dim, repr(k)) for k, v in items.items()}
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(one(t, f"item {i}") for i, t in enumerate(batch))
+        return type(batch)(_split(t, cp, rank, seq_dim, f"item {i}") for i, t in enumerate(batch))
     raise TypeError(f"split_for_context_parallel: batch must be a tensor, a sequence or a mapping of tensors, "
                     f"got {type(batch).__name__}")  # fmt: skip
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, pa
 from fsdp2kit._internal.fmt import fmt_list
 from fsdp2kit._internal.markers import TENSOR_PARALLEL
 from fsdp2kit.blocks import tied_slots
+from fsdp2kit.parallel.cp_inputs import sub_mesh
 from fsdp2kit.parallel.styles import for_module, resolve_style, weight_placement
 from fsdp2kit.weights.nf4 import is_nf4
 from fsdp2kit.wrappers.forward import check_order
@@ -29,8 +30,7 @@ def model_tp_plan(model: nn.Module) -> dict[str, Any]:
     plan = getattr(model, "tp_plan", None)  # transformers 5: merged over the base model and the head
     if isinstance(plan, Mapping) and plan:
         return dict(plan)
-    config = getattr(model, "config", None)
-    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    base = dict(getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {})
     if not base:
         return {}
     prefix = getattr(model, "base_model_prefix", "")
@@ -47,17 +47,13 @@ def _pattern(key: str) -> re.Pattern:
 
 def _config_sizes(model: nn.Module) -> dict[str, int]:
     config = getattr(model, "config", None)
-    if config is None:
-        return {}
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    sizes = {}
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        value = getattr(config, field, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            sizes[field] = value
-    if "num_attention_heads" in sizes and "num_key_value_heads" not in sizes:
-        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    values = {f: getattr(config, f, None) for f in fields}
+    sizes = {f: v for f, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if "num_attention_heads" in sizes:
+        sizes.setdefault("num_key_value_heads", sizes["num_attention_heads"])
     return sizes
 
 
@@ -110,12 +106,10 @@ def _split_shapes(model: nn.Module, styles: dict[str, ParallelStyle | None], tp:
 def _check_ties(groups, styles: dict[str, ParallelStyle | None]) -> None:
     """A weight shared by several modules (a tied head) must be split the same way by each of them."""
     for group in groups:
-        layouts = {}
-        for mname, module, pname in group:
-            style = styles.get(mname)
-            layouts[f"{mname}.{pname}"] = (
-                weight_placement(module, style) if pname == "weight" else (None if style is None else "unknown")
-            )
+        layouts = {  # no style: not split (weight_placement's None); a split module's other parameters: unknown
+            f"{m}.{p}": weight_placement(module, styles.get(m)) if p == "weight" or styles.get(m) is None else "unknown"
+            for m, module, p in group
+        }
         values = list(layouts.values())
         if "unknown" in values or any(v != values[0] for v in values):
             shown = ", ".join(f"{k}: {v if v is not None else 'not split'}" for k, v in layouts.items())
@@ -180,15 +174,7 @@ def apply_tensor_parallel(
     Every rank builds the same model (same seed) and keeps its slice of its own copy: nothing is broadcast.
     What is checked before any collective, and how it composes: README.md, section Tensor parallelism.
     """
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh (see fsdp2kit.make_mesh), got {type(mesh).__name__}")
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
-        raise ValueError(
-            f"apply_tensor_parallel needs a mesh with a 'tp' dimension, got {names or mesh.shape}; make it with "
-            "fsdp2kit.make_mesh(shard=..., tp=...)"
-        )
-    tp_mesh = mesh["tp"] if len(names) > 1 else mesh
+    tp_mesh = sub_mesh(mesh, "apply_tensor_parallel", "tp", required=True)
     check_order(model, "apply_tensor_parallel")
     nf4 = [n for n, p in model.named_parameters() if is_nf4(p)]
     if nf4:

@@ -133,8 +133,6 @@ def apply_activation_checkpointing(
             block._gradient_checkpointing_func = run
         else:
             inner = current_forward(block)
-            if inner not in wrapped:
-                wrapped[inner] = _checkpointed_forward(inner, run)
-            block.forward = BlockForward(block, wrapped[inner])
+            block.forward = BlockForward(block, wrapped.setdefault(inner, _checkpointed_forward(inner, run)))
         setattr(block, CHECKPOINTED, label)
     return model

@@ -22,7 +22,7 @@ from tp_cases import tiny_qwen3
 
 import fsdp2kit as fk
 from fsdp2kit.dist import mesh_device
-from fsdp2kit.parallel.cp_inputs import chunk_order, cp_mesh
+from fsdp2kit.parallel.cp_inputs import chunk_order, sub_mesh
 
 VOCAB, SEQ, BATCH, IGNORE = 96, 16, 2, -100
 
@@ -350,10 +350,10 @@ def ring_on_cpu():
         _scaled_dot_product_efficient_attention_backward=types.SimpleNamespace(default=backward),
     )
 
-    def on_cuda(mesh, what):  # a copy of the cp mesh that says cuda, for apply_context_parallel's check
-        sub = copy.copy(cp_mesh(mesh, what))
+    def on_cuda(mesh, what, **kw):  # a copy of the cp mesh that says cuda, for apply_context_parallel's check
+        sub = copy.copy(sub_mesh(mesh, what, **kw))
         sub.__class__ = type("OnCuda", (type(sub),), {"device_type": "cuda"})
         return sub
 
-    with mock.patch.object(ring, "aten", kernels), mock.patch.object(cpmod, "cp_mesh", on_cuda):
+    with mock.patch.object(ring, "aten", kernels), mock.patch.object(cpmod, "sub_mesh", on_cuda):
         yield
