@@ -1,5 +1,8 @@
 """fsdp2kit: PyTorch FSDP2 made easy to use well. Every helper changes a module in place (README.md: the order)."""
 
+# ruff: noqa: F401  (every import here is a re-export; __all__ below lists them)
+import types
+
 from fsdp2kit.accumulation import ACCUMULATION, accumulate
 from fsdp2kit.blocks import find_blocks
 from fsdp2kit.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState
@@ -27,54 +30,7 @@ from fsdp2kit.wrappers.prefetch import set_prefetch
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ACCUMULATION",
-    "EXIT_PREEMPTED",
-    "OPTIMIZERS",
-    "STRATEGIES",
-    "CheckpointError",
-    "Checkpointer",
-    "CollectiveCounts",
-    "CommPlan",
-    "DesyncError",
-    "DistInfo",
-    "ImportResult",
-    "LoadResult",
-    "MemoryPlan",
-    "NonFiniteError",
-    "PerRank",
-    "RNGState",
-    "RankMonitor",
-    "ShardPlan",
-    "StopSignal",
-    "UnitPlan",
-    "accumulate",
-    "apply_activation_checkpointing",
-    "apply_context_parallel",
-    "apply_lora",
-    "apply_tensor_parallel",
-    "check_finite",
-    "clip_grad_norm_",
-    "compile_blocks",
-    "convert_config",
-    "count_collectives",
-    "dcp_to_hf",
-    "enable_float8",
-    "estimate_plan",
-    "export_hf",
-    "find_blocks",
-    "init_distributed",
-    "load_fsdp1_checkpoint",
-    "load_full_state_dict",
-    "load_pretrained",
-    "make_mesh",
-    "make_optimizer",
-    "materialize",
-    "no_sync",
-    "plan_comm",
-    "plan_memory",
-    "quantize_nf4",
-    "set_prefetch",
-    "shard_model",
-    "split_for_context_parallel",
-]
+# The public names are the ones imported above, written once there (the submodules those imports bind are not).
+__all__ = sorted(
+    name for name, value in globals().items() if not name.startswith("_") and not isinstance(value, types.ModuleType)
+)
