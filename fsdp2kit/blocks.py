@@ -16,15 +16,8 @@ BlockSpec = str | type | Sequence[type] | Callable[[nn.Module], bool]
 def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Modules that match, in registration order, skipping any nested inside a match."""
     found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if match(child):
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(model)
+    for child in model.children():
+        found += [child] if match(child) else _outermost(child, match)
     return found
 
 

@@ -29,9 +29,8 @@ class Precision:
 
     def master(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` is sharded, stepped and checkpointed in."""
-        if self.master_dtype is None or not p.requires_grad or not p.is_floating_point():
-            return p.dtype
-        return self.master_dtype
+        as_built = self.master_dtype is None or not p.requires_grad or not p.is_floating_point()
+        return p.dtype if as_built else self.master_dtype
 
 
 # Gradients are reduced in fp32 in every named policy, pure_bf16 too: averaging in bf16 loses the low bits where

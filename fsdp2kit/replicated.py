@@ -87,12 +87,11 @@ def replicate_trainable(model: nn.Module, params: list[nn.Parameter], mesh: Devi
 @contextlib.contextmanager
 def paused(model: nn.Module, pause: bool = True) -> Iterator[None]:
     """No all-reduce of the replicated gradients inside (they accumulate in ``.grad``); nothing without them."""
-    state = getattr(model, _STATE, None)
-    if state is None or not pause:
-        yield
-        return
-    state.sync = False
+    state = getattr(model, _STATE, None) if pause else None
+    if state is not None:
+        state.sync = False
     try:
         yield
     finally:
-        state.sync = True
+        if state is not None:
+            state.sync = True
