@@ -73,15 +73,12 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
     last = micro == n_micro - 1
     keep = policy.startswith("keep_gathered") and n_micro > 1
     # The FSDP2 switches this micro-batch turns off, each back on (FSDP2's default) when the block exits.
-    switches = [
-        setter
-        for setter, off in (
-            (FSDPModule.set_requires_gradient_sync, policy in ("no_sync", "keep_gathered_no_sync")),
-            (FSDPModule.set_requires_all_reduce, policy in _HSDP_ONLY),
-            (FSDPModule.set_reshard_after_backward, keep),
-        )
-        if off and not last
-    ]
+    turned_off = {
+        FSDPModule.set_requires_gradient_sync: policy in ("no_sync", "keep_gathered_no_sync"),
+        FSDPModule.set_requires_all_reduce: policy in _HSDP_ONLY,
+        FSDPModule.set_reshard_after_backward: keep,
+    }
+    switches = [setter for setter, off in turned_off.items() if off and not last]
     if keep and micro == 0:
         if getattr(model, _SAVED, None) is not None:
             raise RuntimeError("accumulate: the previous keep_gathered step did not reach its last micro-batch")
