@@ -1,5 +1,4 @@
-"""Finding the repeated blocks of a model (by what it declares, else its structure; never by attribute names),
-and the parameters shared between modules."""
+"""A model's repeated blocks (by what it declares, else its structure; never by names) and its shared parameters."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Mixed-precision policies by name, and the dtype of the master weights (how and why: docs/internals.md, section
-fsdp2kit/precision.py)."""
+"""Mixed-precision policies by name, and the master weights' dtype (docs/internals.md, fsdp2kit/precision.py)."""
 
 from __future__ import annotations
 
