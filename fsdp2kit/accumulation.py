@@ -1,5 +1,4 @@
-"""Gradient accumulation policies: what FSDP2 sends per micro-batch against what it keeps between them (compared in
-docs/accumulation.md, "Accumulation policies"; bytes predicted by `fsdp2kit.planner.comm`)."""
+"""Accumulation policies: what FSDP2 sends and keeps (docs/accumulation.md; bytes: `fsdp2kit.planner.comm`)."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ ACCUMULATION: dict[str, str] = {
 }
 _HSDP_ONLY = ("defer_all_reduce", "keep_gathered_defer_all_reduce")
 
-# Saved reshard-after-forward settings of a model between the first and last micro-batch of a
-# keep_gathered step: FSDP2's public setter takes a bool only, so an int (reshard to a smaller
-# group) is restored from its private per-group field.
+# A keep_gathered step's saved reshard-after-forward settings: FSDP2's public setter takes a bool only, so an int
+# (reshard to a smaller group) is restored from its private per-group field.
 _SAVED = "_fsdp2kit_saved_reshard_after_forward"
 
 

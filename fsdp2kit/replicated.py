@@ -1,5 +1,4 @@
-"""Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`), their gradients
-averaged over the data-parallel ranks once a synced backward ends (why and cost: docs/accumulation.md)."""
+"""Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`): docs/accumulation.md."""
 
 from __future__ import annotations
 
