@@ -347,22 +347,19 @@ class Checkpointer:
                 stacklevel=2,
             )
 
-        error = None
+        error, stage = None, "reading failed: "
         try:
             # Every rank reads its own part without DCP's two collectives (its load planner's global step
             # exchanges nothing a rank needs); a failure on any rank is agreed on below, like a restore's.
             with quiet_dcp(True):
                 dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner(), no_dist=True)
+            stage = ""  # read: what fails now is the restore
+            set_model_state_dict(model, state["model"], options=model_options(trainable_only))
+            if optimizer is not None:
+                restore_optimizer(model, optimizer, state["optimizer"])
+            self.loaded_extra = restore_extra(state["extra"], extra, rank=rank, rng=self.rng)
         except FAILURES as e:
-            error = f"reading failed: {describe(e)}"
-        if error is None:
-            try:
-                set_model_state_dict(model, state["model"], options=model_options(trainable_only))
-                if optimizer is not None:
-                    restore_optimizer(model, optimizer, state["optimizer"])
-                self.loaded_extra = restore_extra(state["extra"], extra, rank=rank, rng=self.rng)
-            except Exception as e:
-                error = describe(e)
+            error = stage + describe(e)
         self._agree(error, f"restoring {path} failed")
         return choice
 
