@@ -171,10 +171,9 @@ class Checkpointer:
     def _finish_pending(self) -> int | None:
         """`wait` without waiting for deletions: what save and load need before they start."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        self._settle(pending[0], pending[1].result)
-        return pending[0]
+        if pending is not None:
+            self._settle(pending[0], pending[1].result)
+        return pending[0] if pending else None
 
     def _settle(self, step: int, write: Callable[[], Any]) -> None:
         """Run ``write`` (or wait for it); a failure on any rank is a `CheckpointError` on every rank."""
