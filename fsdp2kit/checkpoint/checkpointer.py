@@ -240,8 +240,7 @@ class Checkpointer:
         """The state copied into CPU buffers that DCP's stager keeps between saves."""
         if self._stager is not None and not _STAGER_REUSABLE:
             self._stager.close()  # the last save's write is over (_finish_pending)
-            self._stager = None
-        if self._stager is None:
+        if self._stager is None or not _STAGER_REUSABLE:
             # Pinned buffers and non-blocking copies on CUDA (torchtitan's choice); staged
             # before save returns, so the training step after it cannot change what is saved.
             cuda = torch.cuda.is_available()
