@@ -1,5 +1,4 @@
-"""Gradient accumulation policies: what FSDP2 sends per micro-batch against what it keeps between them (compared in
-docs/accumulation.md, "Accumulation policies"; bytes predicted by `fsdp2kit.planner.comm`)."""
+"""Accumulation policies: what FSDP2 sends and keeps (docs/accumulation.md; bytes: `fsdp2kit.planner.comm`)."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ ACCUMULATION: dict[str, str] = {
 }
 _HSDP_ONLY = ("defer_all_reduce", "keep_gathered_defer_all_reduce")
 
-# Saved reshard-after-forward settings of a model between the first and last micro-batch of a
-# keep_gathered step: FSDP2's public setter takes a bool only, so an int (reshard to a smaller
-# group) is restored from its private per-group field.
+# A keep_gathered step's saved reshard-after-forward settings: FSDP2's public setter takes a bool only, so an int
+# (reshard to a smaller group) is restored from its private per-group field.
 _SAVED = "_fsdp2kit_saved_reshard_after_forward"
 
 
@@ -73,15 +71,12 @@ def accumulate(model: nn.Module, policy: str, micro: int, n_micro: int) -> Itera
     last = micro == n_micro - 1
     keep = policy.startswith("keep_gathered") and n_micro > 1
     # The FSDP2 switches this micro-batch turns off, each back on (FSDP2's default) when the block exits.
-    switches = [
-        setter
-        for setter, off in (
-            (FSDPModule.set_requires_gradient_sync, policy in ("no_sync", "keep_gathered_no_sync")),
-            (FSDPModule.set_requires_all_reduce, policy in _HSDP_ONLY),
-            (FSDPModule.set_reshard_after_backward, keep),
-        )
-        if off and not last
-    ]
+    turned_off = {
+        FSDPModule.set_requires_gradient_sync: policy in ("no_sync", "keep_gathered_no_sync"),
+        FSDPModule.set_requires_all_reduce: policy in _HSDP_ONLY,
+        FSDPModule.set_reshard_after_backward: keep,
+    }
+    switches = [setter for setter, off in turned_off.items() if off and not last]
     if keep and micro == 0:
         if getattr(model, _SAVED, None) is not None:
             raise RuntimeError("accumulate: the previous keep_gathered step did not reach its last micro-batch")

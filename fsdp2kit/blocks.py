@@ -1,5 +1,4 @@
-"""Finding the repeated blocks of a model (by what it declares, else its structure; never by attribute names),
-and the parameters shared between modules."""
+"""A model's repeated blocks (by what it declares, else its structure; never by names) and its shared parameters."""
 
 from __future__ import annotations
 
@@ -16,15 +15,8 @@ BlockSpec = str | type | Sequence[type] | Callable[[nn.Module], bool]
 def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
     """Modules that match, in registration order, skipping any nested inside a match."""
     found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if match(child):
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(model)
+    for child in model.children():
+        found += [child] if match(child) else _outermost(child, match)
     return found
 
 
@@ -56,14 +48,9 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[nn.Module]
             raise ValueError(f"blocks={blocks!r}: the only string accepted is 'auto'; pass classes or a predicate")
         # transformers' _no_split_modules: composite models declare them on their sub-models
         declared = {c for m in model.modules() for c in getattr(m, "_no_split_modules", None) or ()}
-        found = _outermost(model, lambda m: type(m).__name__ in declared) if declared else []
-        if not found:
-            found = _largest_repeated_children(model)
-        how = (
-            f"no module of the classes the model declares in _no_split_modules ({sorted(declared)})"
-            if declared
-            else "no _no_split_modules declaration"
-        ) + " and no group of two or more same-class sibling modules with parameters"
+        found = _outermost(model, lambda m: type(m).__name__ in declared) or _largest_repeated_children(model)
+        how = f"no module of its _no_split_modules classes {sorted(declared)}" if declared else "no _no_split_modules"
+        how += " and no group of two or more same-class sibling modules with parameters"
     elif isinstance(blocks, type) or (
         isinstance(blocks, Sequence) and blocks and all(isinstance(b, type) for b in blocks)
     ):

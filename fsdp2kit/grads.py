@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit._internal.dtensor import fsdp_units
+from fsdp2kit._internal.dtensor import fsdp_units, local_shard
 from fsdp2kit.accumulation import accumulate
 
 __all__ = ["clip_grad_norm_", "no_sync"]
@@ -44,8 +44,7 @@ def clip_grad_norm_(
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
     clip_coef = torch.where(torch.isfinite(total), (max_norm / (total + 1e-6)).clamp(max=1.0), 1.0)
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
+    for local in map(local_shard, grads):
         local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))
     return total
 

@@ -1,5 +1,4 @@
-"""Named Llama-style configs (from the models' published config.json files) and building a causal LM without
-weights, from one of them or a local directory with a Hugging Face config.json."""
+"""Named Llama-style configs (from published config.json files); weightless causal LMs from one or a local HF dir."""
 
 from __future__ import annotations
 

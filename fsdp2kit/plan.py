@@ -24,8 +24,7 @@ def _tp_shape(p: torch.Tensor, planned: Mapping[int, torch.Size] | None = None) 
 def _sharded_bytes(
     p: torch.Tensor, shard: int, tp_shapes: Mapping[int, torch.Size] | None = None, dtype: torch.dtype | None = None
 ) -> int:
-    """Bytes of the largest shard of ``p`` (stored in ``dtype``, default its own); an NF4 weight counts the
-    inner tensors it stores."""
+    """Bytes of the largest shard of ``p`` in ``dtype`` (default its own); NF4: the inner tensors it stores."""
     if is_nf4(p):  # the packed data and both scaler levels are split by rows; the mean and the 16-entry table copied
         inner = {a: getattr(p, a) for a in p.__tensor_flatten__()[0]}
         return sum(

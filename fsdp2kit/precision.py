@@ -1,5 +1,4 @@
-"""Mixed-precision policies by name, and the dtype of the master weights (how and why: docs/internals.md, section
-fsdp2kit/precision.py)."""
+"""Mixed-precision policies by name, and the master weights' dtype (docs/internals.md, fsdp2kit/precision.py)."""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ class Precision:
 
     def master(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` is sharded, stepped and checkpointed in."""
-        if self.master_dtype is None or not p.requires_grad or not p.is_floating_point():
-            return p.dtype
-        return self.master_dtype
+        as_built = self.master_dtype is None or not p.requires_grad or not p.is_floating_point()
+        return p.dtype if as_built else self.master_dtype
 
 
 # Gradients are reduced in fp32 in every named policy, pure_bf16 too: averaging in bf16 loses the low bits where

@@ -1,5 +1,4 @@
-"""Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`), their gradients
-averaged over the data-parallel ranks once a synced backward ends (why and cost: docs/accumulation.md)."""
+"""Trainable parameters kept whole on every rank (`shard_model(..., replicate_adapters=True)`): docs/accumulation.md."""
 
 from __future__ import annotations
 
@@ -59,15 +58,12 @@ class _Replicated:
 
     def _flat_over_groups(self, tensors: list[torch.Tensor], op, divide: int = 1) -> None:
         """``op`` on one flat copy per dtype over each group in turn, divided by ``divide``, copied back."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for ts in by_dtype.values():
+        for dtype in dict.fromkeys(t.dtype for t in tensors):  # in first-seen order: the same on every rank
+            ts = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1) for t in ts])
             for group in self.groups:
                 op(flat, group=group)
-            if divide != 1:
-                flat.div_(divide)
+            flat.div_(divide)  # by 1 (exact) for the broadcast
             for t, part in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(part.view_as(t))
 
@@ -87,12 +83,11 @@ def replicate_trainable(model: nn.Module, params: list[nn.Parameter], mesh: Devi
 @contextlib.contextmanager
 def paused(model: nn.Module, pause: bool = True) -> Iterator[None]:
     """No all-reduce of the replicated gradients inside (they accumulate in ``.grad``); nothing without them."""
-    state = getattr(model, _STATE, None)
-    if state is None or not pause:
-        yield
-        return
-    state.sync = False
+    state = getattr(model, _STATE, None) if pause else None
+    if state is not None:
+        state.sync = False
     try:
         yield
     finally:
-        state.sync = True
+        if state is not None:
+            state.sync = True

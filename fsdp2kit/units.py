@@ -50,9 +50,7 @@ def assign_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[n
         grouped.update(id(m) for m in group)
         groups.append(group)
         label = "+".join(names[id(m)] for m in group)
-        for m in group:
-            for p in m.parameters():
-                unit_of[id(p)] = label
+        unit_of.update((id(p), label) for m in group for p in m.parameters())
     return groups, unit_of
 
 

@@ -52,17 +52,12 @@ def gather_full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (a collective for a DTensor: call it on every rank, in the same order)."""
     if not isinstance(t, DTensor):
         return t.detach()
-    local = t._local_tensor
-    if local.device.type != t.device_mesh.device_type:  # CPU-offloaded shards of a CUDA mesh
+    mesh = t.device_mesh
+    if t._local_tensor.device.type != mesh.device_type:  # CPU-offloaded shards of a CUDA mesh
         from fsdp2kit.dist import mesh_device
 
-        t = DTensor.from_local(
-            local.to(mesh_device(t.device_mesh.device_type)),
-            t.device_mesh,
-            t.placements,
-            shape=t.shape,
-            stride=t.stride(),
-        )
+        local = t._local_tensor.to(mesh_device(mesh.device_type))
+        t = DTensor.from_local(local, mesh, t.placements, shape=t.shape, stride=t.stride())
     if type(t._local_tensor).__name__ == "NF4Tensor":
         return _gather_nf4(t)
     return t.full_tensor()

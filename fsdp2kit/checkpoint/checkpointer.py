@@ -171,10 +171,9 @@ class Checkpointer:
     def _finish_pending(self) -> int | None:
         """`wait` without waiting for deletions: what save and load need before they start."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        self._settle(pending[0], pending[1].result)
-        return pending[0]
+        if pending is not None:
+            self._settle(pending[0], pending[1].result)
+        return pending[0] if pending else None
 
     def _settle(self, step: int, write: Callable[[], Any]) -> None:
         """Run ``write`` (or wait for it); a failure on any rank is a `CheckpointError` on every rank."""
@@ -241,8 +240,7 @@ class Checkpointer:
         """The state copied into CPU buffers that DCP's stager keeps between saves."""
         if self._stager is not None and not _STAGER_REUSABLE:
             self._stager.close()  # the last save's write is over (_finish_pending)
-            self._stager = None
-        if self._stager is None:
+        if self._stager is None or not _STAGER_REUSABLE:
             # Pinned buffers and non-blocking copies on CUDA (torchtitan's choice); staged
             # before save returns, so the training step after it cannot change what is saved.
             cuda = torch.cuda.is_available()
@@ -347,22 +345,19 @@ class Checkpointer:
                 stacklevel=2,
             )
 
-        error = None
+        error, stage = None, "reading failed: "
         try:
             # Every rank reads its own part without DCP's two collectives (its load planner's global step
             # exchanges nothing a rank needs); a failure on any rank is agreed on below, like a restore's.
             with quiet_dcp(True):
                 dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner(), no_dist=True)
+            stage = ""  # read: what fails now is the restore
+            set_model_state_dict(model, state["model"], options=model_options(trainable_only))
+            if optimizer is not None:
+                restore_optimizer(model, optimizer, state["optimizer"])
+            self.loaded_extra = restore_extra(state["extra"], extra, rank=rank, rng=self.rng)
         except FAILURES as e:
-            error = f"reading failed: {describe(e)}"
-        if error is None:
-            try:
-                set_model_state_dict(model, state["model"], options=model_options(trainable_only))
-                if optimizer is not None:
-                    restore_optimizer(model, optimizer, state["optimizer"])
-                self.loaded_extra = restore_extra(state["extra"], extra, rank=rank, rng=self.rng)
-            except Exception as e:
-                error = describe(e)
+            error = stage + describe(e)
         self._agree(error, f"restoring {path} failed")
         return choice
 

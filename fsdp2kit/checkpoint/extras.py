@@ -110,20 +110,16 @@ def encode(value: Any, where: str) -> dict:
 
 def decode(entry: dict) -> Any:
     tensors = entry.get("tensors", {})
+    tags = {
+        "__tensor__": lambda i: tensors[str(i)],
+        "__ndarray__": lambda i: tensors[str(i)].numpy(),
+        "__tuple__": tuple,
+        "__items__": dict,
+    }
 
     def untag(obj: dict) -> Any:  # json calls it innermost first: tagged values inside are decoded already
-        if len(obj) != 1:
-            return obj
-        ((tag, inner),) = obj.items()
-        if tag == "__tensor__":
-            return tensors[str(inner)]
-        if tag == "__ndarray__":
-            return tensors[str(inner)].numpy()
-        if tag == "__tuple__":
-            return tuple(inner)
-        if tag == "__items__":
-            return dict(inner)
-        return obj
+        tag = next(iter(obj)) if len(obj) == 1 else None
+        return tags[tag](obj[tag]) if tag in tags else obj
 
     return json.loads(bytes(entry["json"].numpy()).decode(), object_hook=untag)
 

@@ -53,10 +53,9 @@ def state_to_load(model: nn.Module, optimizer, metadata: Metadata, *, rank: int,
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=model_options(trainable_only))}
     if optimizer is not None:
         state["optimizer"] = optimizer_template(model, optimizer, metadata)  # in the checkpoint's format
-    key = str(rank)
     state["extra"] = {
         "shared": templates(metadata, ("extra", "shared")),
-        "rank": {key: templates(metadata, ("extra", "rank", key))},
+        "rank": {str(rank): templates(metadata, ("extra", "rank", str(rank)))},
     }
     return state
 
