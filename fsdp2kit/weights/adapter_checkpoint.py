@@ -44,8 +44,7 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
     if nf4 := desc.get("nf4"):
         groups = {k: nf4[k] for k in ("block_size", "scaler_block_size")}
         done = quantize_nf4(model, **groups, dtype=getattr(torch, nf4["dtype"]))
-        differ = sorted(set(done) ^ set(nf4["weights"]))
-        if differ:
+        if differ := sorted(set(done) ^ set(nf4["weights"])):
             raise ValueError(f"quantizing {base} to NF4 again gives other weights than the run had: {differ[:6]}")
     configs = {name: PeftConfig.from_peft_type(**d) for name, d in desc["adapters"].items()}
     first, *others = configs
