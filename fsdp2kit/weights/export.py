@@ -156,8 +156,7 @@ def export_hf(
         out.do(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
         return out.finish()
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    names = _export_names(model, tensors, aliases)
-    return _write(model, out, names, full_of, dtype, dtype or held, tok)
+    return _write(model, out, _export_names(model, tensors, aliases), full_of, dtype, dtype or held, tok)
 
 
 def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok):
