@@ -14,11 +14,11 @@ from fsdp2kit._internal.hf_load import from_pretrained
 from fsdp2kit.checkpoint.comm import quiet_dcp
 from fsdp2kit.checkpoint.layout import read_info
 from fsdp2kit.checkpoint.state import model_options
-from fsdp2kit.checkpoint.unpickler import SafeReader
+from fsdp2kit.checkpoint.unpickler import SafeReader, read_metadata
 from fsdp2kit.weights.nf4 import quantize_nf4
 
 
-def load_alone(state: dict, step_dir: Path, metadata=None) -> None:
+def load_alone(state: dict, step_dir: Path, metadata) -> None:
     """``dcp.load`` without a process group (DCP's warning that it assumes one process silenced: it does)."""
     with quiet_dcp(True):
         dcp.load(state, storage_reader=SafeReader(step_dir, metadata), no_dist=True)
@@ -55,6 +55,6 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
     # DCP without a process group: this runs alone, even beside a live one (e.g. on rank 0 only).
     options = model_options(trainable_only=True)
     state = {"model": get_model_state_dict(model, options=options)}
-    load_alone(state, step_dir)
+    load_alone(state, step_dir, read_metadata(step_dir))  # SafeReader takes the allow-listed metadata
     set_model_state_dict(model, state["model"], options=options)
     return model
