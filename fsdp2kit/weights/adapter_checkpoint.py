@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from fsdp2kit._internal.hf_load import from_pretrained
@@ -19,7 +18,7 @@ from fsdp2kit.checkpoint.unpickler import SafeReader, read_metadata
 from fsdp2kit.weights.nf4 import quantize_nf4
 
 
-def load_alone(state: dict, step_dir: Path, metadata: Metadata) -> None:
+def load_alone(state: dict, step_dir: Path, metadata) -> None:
     """``dcp.load`` without a process group (DCP's warning that it assumes one process silenced: it does)."""
     with quiet_dcp(True):
         dcp.load(state, storage_reader=SafeReader(step_dir, metadata), no_dist=True)
@@ -45,8 +44,7 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
     if nf4 := desc.get("nf4"):
         groups = {k: nf4[k] for k in ("block_size", "scaler_block_size")}
         done = quantize_nf4(model, **groups, dtype=getattr(torch, nf4["dtype"]))
-        differ = sorted(set(done) ^ set(nf4["weights"]))
-        if differ:
+        if differ := sorted(set(done) ^ set(nf4["weights"])):
             raise ValueError(f"quantizing {base} to NF4 again gives other weights than the run had: {differ[:6]}")
     configs = {name: PeftConfig.from_peft_type(**d) for name, d in desc["adapters"].items()}
     first, *others = configs
@@ -57,6 +55,6 @@ def peft_model_from_checkpoint(step_dir: Path, base: str | os.PathLike) -> nn.Mo
     # DCP without a process group: this runs alone, even beside a live one (e.g. on rank 0 only).
     options = model_options(trainable_only=True)
     state = {"model": get_model_state_dict(model, options=options)}
-    load_alone(state, step_dir, read_metadata(step_dir))
+    load_alone(state, step_dir, read_metadata(step_dir))  # SafeReader takes the allow-listed metadata
     set_model_state_dict(model, state["model"], options=options)
     return model

@@ -69,8 +69,7 @@ def _to_meta(register: Callable, module: nn.Module, name: str, param: nn.Paramet
 
 
 def _rebuild_from_attributes(module: nn.Module) -> nn.Module:
-    """A new module of the same class, built from the constructor arguments it kept as attributes of the
-    same name (``dim``, ``base``, ``config``...); raises when it cannot be."""
+    """A new module of the same class, from the constructor arguments it kept as same-named attributes."""
     cls = original_class(module)
     kwargs = {}
     for name, p in list(inspect.signature(cls.__init__).parameters.items())[1:]:

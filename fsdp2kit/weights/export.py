@@ -40,8 +40,7 @@ def parse_size(size: int | str) -> int:
 
 
 def _export_names(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, list[str]]:
-    """The keys to write, each with every name of its tensor: each tensor once (a tied weight under
-    its source name), minus ignored ones."""
+    """Each tensor once (a tied weight under its source name, ignored ones left out) -> all of its names."""
     tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
     groups: dict[str, list[str]] = {}
     for name in tensors:
@@ -57,8 +56,7 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 
 
 def _resolve_tokenizer(tokenizer: Any, model: nn.Module):
-    """The tokenizer to write: ``tokenizer`` itself (anything with ``save_pretrained``), the one in a
-    directory given as a path, else the one in the directory the model came from; None for none."""
+    """The tokenizer object to write (see `export_hf`'s ``tokenizer``), or None."""
     if tokenizer is False:
         return None
     if hasattr(tokenizer, "save_pretrained"):
@@ -158,13 +156,11 @@ def export_hf(
         out.do(lambda: tok is not None and tok.save_pretrained(str(out.dir)))
         return out.finish()
     held = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    names = _export_names(model, tensors, aliases)
-    return _write(model, out, names, full_of, dtype, dtype or held, tok)
+    return _write(model, out, _export_names(model, tensors, aliases), full_of, dtype, dtype or held, tok)
 
 
 def _write(model, out: FirstRankWriter, names, full_of, dtype, config_dtype, tok):
-    """``names`` in the model's checkpoint layout, a conversion group at a time (``full_of`` may be
-    collective: it runs on every rank), then the configs and the tokenizer."""
+    """``names`` by conversion group in the model's layout (``full_of`` runs on every rank), then the configs."""
     groups, to_hf = save_layout(model, list(names))
     with torch.no_grad():
         for group in groups:
@@ -323,8 +319,7 @@ class FirstRankWriter:
             (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     def do(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the writing rank, unless an error came first (then kept for `finish`): its result,
-        None on the other ranks, after an error, or when it raised."""
+        """``fn()``'s result on the writing rank; None elsewhere, after an error or if it raised (kept for `finish`)."""
         if self.writes and self.error is None:
             try:
                 return fn()

@@ -52,8 +52,7 @@ def natural_key(key: str) -> list:
 
 
 def _as_built(model: nn.Module) -> nn.Module:
-    """The model as transformers knows it: a meta-device twin if FSDP renamed any of its classes
-    (transformers finds conversions by class name, and FSDP2 makes ``FSDPMixtralForCausalLM``)."""
+    """A meta twin of the model if FSDP2 renamed its classes (transformers finds conversions by class name)."""
     if all(type(m) is original_class(m) for m in model.modules()):
         return model
     with torch.device("meta"), quiet_imports():
@@ -105,8 +104,7 @@ class Group:
         return {name: (t[0] if isinstance(t, list) else t) for name, t in out.items()}
 
     def merges_dim0(self) -> bool:
-        """True when the converted tensor's dim 0 is the list of sources, untouched by later ops: a rank
-        holding rows [a, b) then converts sources a..b-1 alone (dim-0 sharding commutes)."""
+        """Whether dim 0 of the result is the list of sources, so a rank converts the sources of its own rows alone."""
         from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose  # as the converter
 
         ops = list(self.converter.operations)

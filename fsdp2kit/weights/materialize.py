@@ -134,8 +134,7 @@ class _Replay(TorchFunctionMode):
 
 
 def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[], object]]]:
-    """The model's own init as per-module calls: ``owner._init_weights(module)`` children first, by the
-    nearest enclosing PreTrainedModel (as ``initialize_weights``), else ``reset_parameters()`` in order."""
+    """Per-module init calls: the nearest PreTrainedModel's ``_init_weights``, else ``reset_parameters``."""
 
     def visit(prefix: str, module: nn.Module, owner: nn.Module | None) -> Iterator:
         label = prefix or "(root)"
@@ -152,8 +151,7 @@ def _init_calls(model: nn.Module) -> Iterator[tuple[nn.Module, str, Callable[[],
 
 @contextlib.contextmanager
 def _rank0_rng(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Inside: every rank draws from a copy of the mesh's first rank's random state, so that full
-    tensors agree; on exit each rank's own state is back as it was (ranks keep their own streams)."""
+    """Inside, every rank draws from a copy of the mesh's first rank's random state; on exit its own is back."""
     meshes = model_meshes(model) if dist.is_initialized() else []
     states = [(torch.get_rng_state, torch.set_rng_state)]
     if device.type == "cuda":

@@ -22,8 +22,7 @@ _PIECE = 1 << 16  # weights quantized at once by quantize_rows (a multiple of an
 
 
 def is_nf4(t: torch.Tensor) -> bool:
-    """Whether ``t`` (or a DTensor's local shard) is a torchao NF4Tensor (checked by name: torchao is
-    imported only for QLoRA)."""
+    """Whether ``t`` (or a DTensor's local shard) is a torchao NF4Tensor (by name: torchao is QLoRA-only)."""
     t = local_shard(t)
     return type(t).__name__ == "NF4Tensor" and hasattr(t, "quantized_data")
 
@@ -87,8 +86,7 @@ def quantize_nf4(
         )
     names = {id(m): n for n, m in model.named_modules()}
     group = block_size * scaler_block_size
-    done: list[str] = []
-    skipped: list[str] = []
+    done, skipped = [], []  # weight names; "name (shape)" of those left unquantized
     for block in find_blocks(model, blocks):
         for module in block.modules():
             if not isinstance(module, nn.Linear) or is_nf4(module.weight):
@@ -106,8 +104,7 @@ def quantize_nf4(
         raise ValueError(
             f"quantize_nf4: nothing to quantize in {type(model).__name__}: of the nn.Linear weights in its blocks "
             f"(GPT-2's Conv1D are not), none has a multiple of block_size x scaler_block_size = {block_size} x "
-            f"{scaler_block_size} = {group} elements: "
-            f"{skipped[:6]}"
+            f"{scaler_block_size} = {group} elements: {skipped[:6]}"
         )
     return done
 
@@ -174,8 +171,7 @@ def quantize_rows(
 
 
 def fill_nf4(target: torch.Tensor, rows: torch.Tensor) -> None:
-    """Quantize ``rows`` (this rank's rows of the full weight) into the NF4 shard ``target`` (collective
-    over its shard group)."""
+    """Quantize ``rows``, this rank's rows of the full weight, into the NF4 shard ``target`` (collective)."""
     local = local_shard(target)
     rows = rows.to(device=local.quantized_data.device, dtype=local.dtype).contiguous()
     group = None  # the group over which the rows are split (None: every rank holds all of them)

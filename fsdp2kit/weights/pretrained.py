@@ -78,8 +78,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
 
 
 def _load_targets(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, str]]:
-    """The model whose checkpoint is read, and its tensors under that checkpoint's names (a peft
-    model's base under the base's own names, the adapters left out)."""
+    """The model whose checkpoint is read and its tensors (a peft model: its base's, under the base's names)."""
     tensors, aliases = model_tensors(model)
     return peft_view(model, tensors, aliases) if is_peft_model(model) else (model, tensors, aliases)
 

@@ -66,7 +66,7 @@ class SafetensorsReader:
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
-        self.handles: dict[Path, tuple[object, set[str]]] = {}
+        self.handles: dict[Path, tuple[set[str], object]] = {}  # its keys, its safe_open handle
         self.bytes = 0
 
     @classmethod
@@ -76,10 +76,9 @@ class SafetensorsReader:
 
     def _slice(self, key: str):
         path = self.files[key]
-        if path not in self.handles:
-            keys = set(check_file(path))
-            self.handles[path] = (safe_open(path, framework="pt"), keys)
-        handle, keys = self.handles[path]
+        if path not in self.handles:  # checked (a clear error for a bad file) before safe_open
+            self.handles[path] = (set(check_file(path)), safe_open(path, framework="pt"))
+        keys, handle = self.handles[path]
         if key not in keys:
             raise KeyError(f"{key} is not in {path} (the index says it is)")
         return handle.get_slice(key)
