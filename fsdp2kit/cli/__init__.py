@@ -19,17 +19,22 @@ __all__ = ["SUBCOMMANDS", "main"]
 SUBCOMMANDS = [add_inspect, add_export_hf, add_plan, add_convert_config, add_launch]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fsdp2kit`` command; returns the exit status (0 ok, 1 error, 2 usage)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"]:  # torchrun's options and the script's own: torchrun's parser reads them
-        return run_launch(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp2kit", description="fsdp2kit: checkpoints, export, planning and launching for FSDP2."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fsdp2kit`` command; returns the exit status (0 ok, 1 error, 2 usage)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # torchrun's options and the script's own: torchrun's parser reads them
+        return run_launch(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
