@@ -62,17 +62,8 @@ def run_export_hf(args) -> int:
         saved = json.loads(file.read_text()) if file.is_file() else {}
         named = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype")), None)
         dtype = named if isinstance(named, torch.dtype) and named.is_floating_point else None
-    out = dcp_to_hf(
-        source,
-        args.out_dir,
-        config=args.config,
-        dtype=dtype,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        base=args.base,
-        merge=args.merge,
-        tokenizer=args.tokenizer,
-    )
+    passed = ("config", "max_shard_size", "overwrite", "base", "merge", "tokenizer")  # dcp_to_hf's names too
+    out = dcp_to_hf(source, args.out_dir, dtype=dtype, **{name: getattr(args, name) for name in passed})
     if has_tokenizer(out):
         print(f"wrote {out} (with its tokenizer)")
     else:

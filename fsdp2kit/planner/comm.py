@@ -119,8 +119,6 @@ def comm_of_plan(
 
     # held between micro-batches: the gathered parameters, the unreduced gradients, the reduce-scatter's output
     keep = bwd == 0 and shard > 1
-    unsynced = n_rs < micro_batches
-    deferred = n_ar < n_rs
     held = 0
     units = []
     kept = {id(p): p for p in check_replicable(model)} if replicate_adapters else {}
@@ -150,9 +148,9 @@ def comm_of_plan(
                 colls.append(Collective("reduce_scatter", "shard", rs_in, _dtype_name(rdt), n_rs, "backward"))
             if replicate > 1:
                 colls.append(Collective("all_reduce", ar_group, rs_in // shard, _dtype_name(rdt), n_ar, "backward"))
-            if unsynced:
+            if n_rs < micro_batches:  # unsynced
                 held += sum(p.numel() for p in trainable) * rdt.itemsize
-            if deferred:
+            if n_ar < n_rs:  # deferred
                 held += rs_in // shard
         units.append(UnitComm(up.name, tuple(colls)))
     if kept:  # fsdp2kit/replicated.py: summed over the shard group, then the replicate one, once a step
