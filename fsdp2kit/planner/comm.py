@@ -117,8 +117,7 @@ def comm_of_plan(
     groups = [(g, n) for g, n in (("shard", shard), (ar_group, replicate)) if n > 1]  # NO_SHARD: ar_group "shard"
     group_sizes = dict(groups)
 
-    # held between micro-batches: the gathered parameters, the unreduced gradients, the reduce-scatter's output
-    keep = bwd == 0 and shard > 1
+    keep = bwd == 0 and shard > 1  # the gathered parameters are held between micro-batches
     held = 0
     units = []
     kept = {id(p): p for p in check_replicable(model)} if replicate_adapters else {}
@@ -148,9 +147,9 @@ def comm_of_plan(
                 colls.append(Collective("reduce_scatter", "shard", rs_in, _dtype_name(rdt), n_rs, "backward"))
             if replicate > 1:
                 colls.append(Collective("all_reduce", ar_group, rs_in // shard, _dtype_name(rdt), n_ar, "backward"))
-            if n_rs < micro_batches:  # unsynced
+            if n_rs < micro_batches:  # no_sync: the unreduced gradients are held
                 held += sum(p.numel() for p in trainable) * rdt.itemsize
-            if n_ar < n_rs:  # deferred
+            if n_ar < n_rs:  # a deferred all-reduce: the reduce-scatter's output is held
                 held += rs_in // shard
         units.append(UnitComm(up.name, tuple(colls)))
     if kept:  # fsdp2kit/replicated.py: summed over the shard group, then the replicate one, once a step
