@@ -112,6 +112,7 @@ def load_hardware(spec: str | Hardware, **overrides: float | int | None) -> Hard
     fields |= {k: v for k, v in overrides.items() if v is not None}
     bad = sorted(set(fields) - set(_FIELDS))
     if bad:
+        where = where if set(bad) - set(overrides) else ""  # an override's typo is not the file's
         raise ValueError(f"{where}unknown gpu field(s) {bad}: expected some of {sorted(_FIELDS)}")
     if spec is None:
         missing = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and n not in fields]
