@@ -218,8 +218,10 @@ def materialize(
                     replay.call(module, label, fn)
             copy_buffers(model, values)
         if undone := sorted(replay.names[pid] for pid in replay.write if pid not in replay.done):
-            how = "init_fn" if init_fn else "the model's initialisation (_init_weights / reset_parameters)"
-            raise ValueError(f"{how} left parameters {undone[:20]} unset: set them in materialize(model, init_fn=...)")
+            own = init_fn is not None
+            how = "init_fn" if own else "the model's initialisation (_init_weights / reset_parameters)"
+            fix = "Initialise them in init_fn" if own else "Pass materialize(model, init_fn=...) that sets them"
+            raise ValueError(f"{how} left {len(undone)} parameter(s) unset: {undone[:20]}. {fix}.")
         if unset := [n for n in unfound if torch.isnan(model.get_buffer(n)).any()]:  # False for integer buffers
             raise ValueError(f"init_fn left buffers {unset} unset (the model's construction cannot recompute them)")
     return model

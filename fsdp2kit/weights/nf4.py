@@ -101,11 +101,13 @@ def quantize_nf4(
             module.weight = nn.Parameter(nf4, requires_grad=False)
             done.append(name)
     if not done:
-        raise ValueError(
-            f"quantize_nf4: nothing to quantize in {type(model).__name__}: of the nn.Linear weights in its blocks "
-            f"(GPT-2's Conv1D are not), none has a multiple of block_size x scaler_block_size = {block_size} x "
-            f"{scaler_block_size} = {group} elements: {skipped[:6]}"
+        why = (
+            f"none of its {len(skipped)} nn.Linear weights has a multiple of block_size x scaler_block_size = "
+            f"{block_size} x {scaler_block_size} = {group} elements ({', '.join(skipped[:6])})"
+            if skipped
+            else "its blocks hold no nn.Linear (a model with Conv1D layers, e.g. GPT-2, is not supported)"
         )
+        raise ValueError(f"quantize_nf4: nothing to quantize in {type(model).__name__}: {why}")
     return done
 
 
